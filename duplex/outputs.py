@@ -1,0 +1,114 @@
+"""The model-neutral output contract between a streaming stage port and the duplex core.
+
+A `DuplexStreamingStagePort` delivers every output of every session-owned stage request
+to one sink, on the asyncio loop thread, as a `DuplexStageOutput`:
+
+- `"transcript"`: the ASR stage's final transcript of the turn's audio (`text`);
+- `"text"`: an LLM text delta (`text`);
+- `"audio"`: a TTS chunk, PCM16 little-endian mono at `sample_rate`, with the text it
+  speaks in `text`;
+- `"done"`: the stage request finished without further payload;
+- `"error"`: the stage request failed (`metadata["error"]` says why).
+
+`finished=True` marks the last output of a stage request (any kind may carry it).
+`metadata` holds usage, `finish_reason`, the error message and metrics; it is frozen.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from duplex.contracts import (
+    DuplexFence,
+    DuplexStagePort,
+    _ephemeral_role,
+    _resource_request_fields,
+    duplex_session_id_from_request_id,
+)
+
+__all__ = [
+    "OUTPUT_KINDS",
+    "DuplexStageOutput",
+    "DuplexStreamingStagePort",
+    "fence_from_request_id",
+    "stage_id_from_request_id",
+]
+
+OUTPUT_KINDS = frozenset({"transcript", "text", "audio", "done", "error"})
+
+
+@dataclass(frozen=True)
+class DuplexStageOutput:
+    """One output of one session-owned stage request (see the module docstring)."""
+
+    request_id: str
+    stage_id: int
+    kind: str
+    text: str = ""
+    audio: bytes = b""
+    sample_rate: int = 0
+    finished: bool = False
+    metadata: Mapping[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in OUTPUT_KINDS:
+            raise ValueError(
+                f"DuplexStageOutput.kind must be one of {sorted(OUTPUT_KINDS)}, got {self.kind!r}"
+            )
+        if self.audio and self.sample_rate <= 0:
+            raise ValueError("DuplexStageOutput with audio needs a positive sample_rate")
+        if len(self.audio) % 2:
+            raise ValueError("DuplexStageOutput.audio must be whole PCM16 samples (even length)")
+        object.__setattr__(self, "audio", bytes(self.audio))
+        object.__setattr__(self, "metadata", MappingProxyType(dict(self.metadata)))
+
+    @property
+    def duration_ms(self) -> float:
+        """Playback length of `audio` in milliseconds (0 without audio)."""
+        if not self.audio:
+            return 0.0
+        return len(self.audio) / 2 / self.sample_rate * 1000.0
+
+
+class DuplexStreamingStagePort(DuplexStagePort):
+    """A stage port that pushes session-owned outputs to one sink."""
+
+    @abstractmethod
+    def attach_output_sink(self, sink: Callable[[DuplexStageOutput], None]) -> None:
+        """Deliver every output of every session-owned request to `sink`.
+
+        The port calls `sink` on the asyncio loop thread, in the order each request
+        produced its outputs, and never after the request was aborted or cleaned up.
+        """
+
+
+def fence_from_request_id(request_id: object) -> DuplexFence | None:
+    """The (session id, epoch, turn) fence of an ephemeral `stage{N}-turn{T}` id.
+
+    Returns None for a malformed id and for a resumable (`stage{N}`) one, which has no
+    turn to compare.
+    """
+    fields = _resource_request_fields(request_id)
+    parsed = None if fields is None else _ephemeral_role(fields[2])
+    session_id = duplex_session_id_from_request_id(request_id)  # type: ignore[arg-type]
+    if fields is None or parsed is None or session_id is None:
+        return None
+    return DuplexFence(session_id=session_id, epoch=fields[1], turn_id=parsed[1])
+
+
+def stage_id_from_request_id(request_id: object) -> int | None:
+    """The stage `N` of a well-formed `stage{N}` or `stage{N}-turn{T}` id, else None."""
+    fields = _resource_request_fields(request_id)
+    if fields is None:
+        return None
+    ephemeral = _ephemeral_role(fields[2])
+    if ephemeral is not None:
+        return ephemeral[0]
+    role = fields[2]
+    digits = role[len("stage") :]
+    if role.startswith("stage") and digits.isascii() and digits.isdecimal():
+        return int(digits) if str(int(digits)) == digits else None
+    return None

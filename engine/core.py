@@ -1,0 +1,359 @@
+"""The engine thread that owns MLX, and the asyncio facade the layers above use.
+
+Rule: only the engine thread touches a stage. Other threads (and the event loop) put
+aborts, adds and calls on queues guarded by one condition; the thread drains them in
+that order (aborts first, so a barge-in never waits behind new work), then steps every
+busy stage once, then hands that step's outputs out. It sleeps on the condition when no
+stage has work, so an idle engine burns no CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engine.stage import Stage, StageOutput
+
+__all__ = ["EngineCore", "AsyncEngine", "DEFAULT_MAX_QUEUED_OUTPUTS"]
+
+logger = logging.getLogger(__name__)
+
+OutputCallback = Callable[[str, list[StageOutput]], None]
+
+# A stream whose consumer falls this far behind is failed rather than buffered without
+# bound: for voice, growing latency is worse than a clear error.
+DEFAULT_MAX_QUEUED_OUTPUTS = 4096
+
+
+@dataclass
+class _Add:
+    stage: str
+    request_id: str
+    inputs: Any
+
+
+@dataclass
+class _Call:
+    stage: str
+    method: str
+    args: tuple[Any, ...]
+    future: concurrent.futures.Future
+
+
+class EngineCore:
+    """Runs every stage on one thread; thread-safe `add`/`abort`/`call` from anywhere."""
+
+    def __init__(self, stages: Mapping[str, Stage]) -> None:
+        self._stages = dict(stages)
+        self._cond = threading.Condition()
+        self._aborts: list[tuple[str, str]] = []
+        self._ops: deque[_Add | _Call] = deque()
+        self._live: dict[str, set[str]] = {name: set() for name in self._stages}
+        self._callback: OutputCallback | None = None
+        self._thread: threading.Thread | None = None
+        self._running = False
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("EngineCore already started")
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._running = False
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._fail_pending_calls()
+
+    def add(self, stage: str, request_id: str, inputs: Any) -> None:
+        self._check_stage(stage)
+        with self._cond:
+            self._ops.append(_Add(stage, request_id, inputs))
+            self._cond.notify()
+
+    def abort(self, stage: str, request_id: str) -> None:
+        self._check_stage(stage)
+        with self._cond:
+            # An add still queued is simply withdrawn; the stage never sees it.
+            self._ops = deque(
+                op
+                for op in self._ops
+                if not (isinstance(op, _Add) and (op.stage, op.request_id) == (stage, request_id))
+            )
+            self._aborts.append((stage, request_id))
+            self._cond.notify()
+
+    def call(self, stage: str, method: str, *args: Any) -> concurrent.futures.Future:
+        self._check_stage(stage)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._ops.append(_Call(stage, method, args, future))
+            self._cond.notify()
+        return future
+
+    def set_output_callback(self, cb: OutputCallback) -> None:
+        self._callback = cb
+
+    def pending(self) -> dict[str, int]:
+        with self._cond:
+            return {name: len(ids) for name, ids in self._live.items()}
+
+    def _check_stage(self, stage: str) -> None:
+        if stage not in self._stages:
+            raise KeyError(f"unknown stage {stage!r}; known: {sorted(self._stages)}")
+
+    # --- engine thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._running and not self._aborts and not self._ops and not self._busy():
+                    self._cond.wait()
+                if not self._running:
+                    return
+                aborts, self._aborts = self._aborts, []
+                ops, self._ops = self._ops, deque()
+            self._process_aborts(aborts)
+            self._process_ops(ops)
+            self._step_stages()
+
+    def _busy(self) -> bool:
+        return any(self._stage_has_work(name) for name in self._stages)
+
+    def _stage_has_work(self, name: str) -> bool:
+        try:
+            return bool(self._stages[name].has_work())
+        except Exception:
+            logger.exception("stage %s: has_work failed", name)
+            return bool(self._live[name])
+
+    def _process_aborts(self, aborts: list[tuple[str, str]]) -> None:
+        for stage, request_id in aborts:
+            with self._cond:
+                was_live = request_id in self._live[stage]
+                self._live[stage].discard(request_id)
+            if not was_live:
+                continue
+            try:
+                self._stages[stage].abort(request_id)
+            except Exception:
+                logger.exception("stage %s: abort of %s failed", stage, request_id)
+
+    def _process_ops(self, ops: deque[_Add | _Call]) -> None:
+        for op in ops:
+            if isinstance(op, _Add):
+                self._process_add(op)
+            else:
+                self._process_call(op)
+
+    def _process_add(self, op: _Add) -> None:
+        try:
+            self._stages[op.stage].add(op.request_id, op.inputs)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            self._emit(op.stage, [StageOutput(op.request_id, None, finished=True, error=error)])
+            return
+        with self._cond:
+            self._live[op.stage].add(op.request_id)
+
+    def _process_call(self, op: _Call) -> None:
+        if not op.future.set_running_or_notify_cancel():
+            return
+        try:
+            result = getattr(self._stages[op.stage], op.method)(*op.args)
+        except BaseException as exc:
+            op.future.set_exception(exc)
+        else:
+            op.future.set_result(result)
+
+    def _step_stages(self) -> None:
+        for name, stage in self._stages.items():
+            if not self._stage_has_work(name):
+                continue
+            try:
+                outputs = stage.step()
+            except Exception as exc:
+                logger.exception("stage %s: step failed", name)
+                outputs = self._fail_stage_requests(name, exc)
+            self._emit(name, outputs)
+
+    def _fail_stage_requests(self, name: str, exc: Exception) -> list[StageOutput]:
+        # The step's requests cannot be told apart from the exception, so every live
+        # request of this stage fails; other stages and the thread go on.
+        with self._cond:
+            failed, self._live[name] = sorted(self._live[name]), set()
+        error = f"{type(exc).__name__}: {exc}"
+        for request_id in failed:
+            try:
+                self._stages[name].abort(request_id)
+            except Exception:
+                logger.exception("stage %s: abort of %s failed", name, request_id)
+        return [StageOutput(rid, None, finished=True, error=error) for rid in failed]
+
+    def _emit(self, stage: str, outputs: list[StageOutput]) -> None:
+        if not outputs:
+            return
+        with self._cond:
+            live = self._live[stage]
+            for out in outputs:
+                if out.finished:
+                    live.discard(out.request_id)
+        if self._callback is not None:
+            try:
+                self._callback(stage, outputs)
+            except Exception:
+                logger.exception("output callback failed")
+
+    def _fail_pending_calls(self) -> None:
+        with self._cond:
+            ops, self._ops = self._ops, deque()
+        for op in ops:
+            if isinstance(op, _Call) and op.future.set_running_or_notify_cancel():
+                op.future.set_exception(RuntimeError("engine shut down"))
+
+
+_END = object()
+
+
+class _Stream:
+    """The event-loop side of one request: a bounded queue and a wake-up event."""
+
+    def __init__(self, limit: int) -> None:
+        self.items: deque[Any] = deque()
+        self.limit = limit
+        self.ready = asyncio.Event()
+
+    def put(self, item: Any) -> bool:
+        if len(self.items) >= self.limit:
+            return False
+        self.items.append(item)
+        self.ready.set()
+        return True
+
+    def close(self) -> None:
+        self.items.clear()
+        self.items.append(_END)
+        self.ready.set()
+
+    async def get(self) -> Any:
+        while not self.items:
+            self.ready.clear()
+            await self.ready.wait()
+        return self.items.popleft()
+
+
+class AsyncEngine:
+    """Asyncio facade over `EngineCore`: the event loop never runs or waits on a model.
+
+    Outputs of a step cross threads in one `call_soon_threadsafe`; while the loop has
+    not yet run it, later steps join the same hand-over instead of scheduling more.
+    """
+
+    def __init__(
+        self,
+        core: EngineCore,
+        loop: asyncio.AbstractEventLoop | None = None,
+        max_queued_outputs: int = DEFAULT_MAX_QUEUED_OUTPUTS,
+    ) -> None:
+        self._core = core
+        self._loop = loop
+        self._limit = max_queued_outputs
+        self._streams: dict[tuple[str, str], _Stream] = {}
+        self._inbox: list[tuple[str, list[StageOutput]]] = []
+        self._inbox_lock = threading.Lock()
+        self._scheduled = False
+        core.set_output_callback(self._on_outputs)
+
+    def stream(self, stage: str, request_id: str, inputs: Any) -> AsyncIterator[StageOutput]:
+        """Add a request now and return an iterator over its outputs.
+
+        The iterator ends after the finished output. Leaving it early aborts the request.
+        """
+        self._bind_loop()
+        key = (stage, request_id)
+        if key in self._streams:
+            raise ValueError(f"request {request_id!r} is already streaming on {stage!r}")
+        stream = _Stream(self._limit)
+        self._streams[key] = stream
+        self._core.add(stage, request_id, inputs)
+        return self._iterate(key, stream)
+
+    async def call(self, stage: str, method: str, *args: Any) -> Any:
+        self._bind_loop()
+        return await asyncio.wrap_future(self._core.call(stage, method, *args))
+
+    def abort(self, stage: str, request_id: str) -> None:
+        stream = self._streams.pop((stage, request_id), None)
+        if stream is not None:
+            stream.close()
+        self._core.abort(stage, request_id)
+
+    def pending(self) -> dict[str, int]:
+        return self._core.pending()
+
+    def _bind_loop(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+
+    async def _iterate(self, key: tuple[str, str], stream: _Stream) -> AsyncIterator[StageOutput]:
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if item is _END:
+                    finished = True
+                    return
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished and self._streams.get(key) is stream:
+                self.abort(*key)
+
+    # --- engine thread -> loop -----------------------------------------------------
+
+    def _on_outputs(self, stage: str, outputs: list[StageOutput]) -> None:
+        with self._inbox_lock:
+            self._inbox.append((stage, outputs))
+            if self._scheduled or self._loop is None:
+                return
+            self._scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:
+            logger.warning("event loop closed; dropping engine outputs")
+
+    def _deliver(self) -> None:
+        with self._inbox_lock:
+            batches, self._inbox = self._inbox, []
+            self._scheduled = False
+        for stage, outputs in batches:
+            for out in outputs:
+                self._route(stage, out)
+
+    def _route(self, stage: str, out: StageOutput) -> None:
+        key = (stage, out.request_id)
+        stream = self._streams.get(key)
+        if stream is None:
+            return  # aborted or never streamed here: dropped on purpose
+        if out.finished:
+            del self._streams[key]
+        if not stream.put(out):
+            self._overflow(key, stream)
+
+    def _overflow(self, key: tuple[str, str], stream: _Stream) -> None:
+        self._streams.pop(key, None)
+        self._core.abort(*key)
+        stream.items.clear()
+        error = f"output queue overflow: consumer fell {self._limit} outputs behind"
+        stream.put(StageOutput(key[1], None, finished=True, error=error))

@@ -1,0 +1,250 @@
+"""The engine thread and its asyncio facade, driven by small recording stages."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from engine.core import AsyncEngine, EngineCore
+from engine.stage import StageOutput
+
+
+class CountingStage:
+    """Emits `n` outputs per request, one per step, recording the order of calls."""
+
+    name = "count"
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.left: dict[str, int] = {}
+        self.log: list[tuple[str, str]] = []
+        self.delay = delay
+        self.thread_ids: set[int] = set()
+
+    def add(self, request_id: str, inputs: Any) -> None:
+        self.thread_ids.add(threading.get_ident())
+        if not isinstance(inputs, int) or inputs < 1:
+            raise ValueError("inputs must be a positive int")
+        self.log.append(("add", request_id))
+        self.left[request_id] = inputs
+
+    def abort(self, request_id: str) -> None:
+        self.log.append(("abort", request_id))
+        self.left.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        return bool(self.left)
+
+    def step(self) -> list[StageOutput]:
+        self.thread_ids.add(threading.get_ident())
+        if self.delay:
+            time.sleep(self.delay)  # stands in for model compute on the engine thread
+        outs = []
+        for rid in list(self.left):
+            self.left[rid] -= 1
+            done = self.left[rid] == 0
+            outs.append(StageOutput(rid, self.left[rid], finished=done))
+            if done:
+                del self.left[rid]
+        return outs
+
+    def echo(self, value: Any) -> Any:
+        self.log.append(("echo", value))
+        return value
+
+
+class FailingStage(CountingStage):
+    def step(self) -> list[StageOutput]:
+        raise RuntimeError("boom")
+
+
+@pytest.fixture
+def core() -> Any:
+    stages = {"count": CountingStage(), "fail": FailingStage()}
+    engine = EngineCore(stages)
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+async def _collect(engine: AsyncEngine, stage: str, rid: str, inputs: Any) -> list[StageOutput]:
+    return [out async for out in engine.stream(stage, rid, inputs)]
+
+
+async def test_stream_ends_after_finished_output(core: EngineCore) -> None:
+    engine = AsyncEngine(core)
+    outs = await _collect(engine, "count", "a", 3)
+    assert [o.payload for o in outs] == [2, 1, 0]
+    assert outs[-1].finished and core.pending()["count"] == 0
+
+
+async def test_stages_run_on_the_engine_thread_only(core: EngineCore) -> None:
+    engine = AsyncEngine(core)
+    await _collect(engine, "count", "a", 2)
+    stage = core._stages["count"]
+    assert stage.thread_ids == {core._thread.ident}
+
+
+async def test_invalid_inputs_fail_only_that_request(core: EngineCore) -> None:
+    engine = AsyncEngine(core)
+    bad, good = await asyncio.gather(
+        _collect(engine, "count", "bad", -1), _collect(engine, "count", "good", 2)
+    )
+    assert bad[-1].finished and "positive int" in bad[-1].error
+    assert [o.payload for o in good] == [1, 0] and good[-1].error is None
+
+
+async def test_stage_exception_fails_its_requests_not_the_thread(core: EngineCore) -> None:
+    engine = AsyncEngine(core)
+    failed = await _collect(engine, "fail", "x", 5)
+    assert failed[-1].finished and "boom" in failed[-1].error
+    assert core.pending()["fail"] == 0
+    outs = await _collect(engine, "count", "after", 1)
+    assert outs[-1].payload == 0
+
+
+async def test_call_runs_in_order_with_adds(core: EngineCore) -> None:
+    engine = AsyncEngine(core)
+    core.add("count", "a", 1)
+    assert await engine.call("count", "echo", 7) == 7
+    stage = core._stages["count"]
+    assert stage.log.index(("add", "a")) < stage.log.index(("echo", 7))
+
+
+async def test_call_propagates_exceptions(core: EngineCore) -> None:
+    engine = AsyncEngine(core)
+    with pytest.raises(AttributeError):
+        await engine.call("count", "no_such_method")
+
+
+async def test_abort_delivers_nothing_more_and_frees(core: EngineCore) -> None:
+    engine = AsyncEngine(core)
+    it = engine.stream("count", "long", 10_000)
+    first = await it.__anext__()
+    assert not first.finished
+    engine.abort("count", "long")
+    rest = [o async for o in it]
+    assert rest == []
+    await engine.call("count", "echo", "sync")  # the abort was processed before this
+    assert core.pending()["count"] == 0
+    assert ("abort", "long") in core._stages["count"].log
+
+
+async def test_abort_of_queued_add_never_reaches_stage() -> None:
+    stage = CountingStage()
+    core = EngineCore({"count": stage})
+    core.add("count", "q", 3)
+    core.abort("count", "q")
+    core.start()
+    try:
+        assert core.call("count", "echo", 1).result(timeout=5) == 1
+        assert ("add", "q") not in stage.log and core.pending()["count"] == 0
+    finally:
+        core.shutdown()
+
+
+async def test_leaving_a_stream_early_aborts_it(core: EngineCore) -> None:
+    engine = AsyncEngine(core)
+    async for _ in engine.stream("count", "early", 10_000):
+        break
+    await engine.call("count", "echo", "sync")
+    assert core.pending()["count"] == 0
+
+
+async def test_event_loop_keeps_running_while_stages_compute() -> None:
+    # A slow stage must not stall the loop: a ticker keeps ticking during the stream.
+    core = EngineCore({"count": CountingStage(delay=0.02)})
+    core.start()
+    engine = AsyncEngine(core)
+    ticks = 0
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not done.is_set():
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    try:
+        outs = await _collect(engine, "count", "slow", 10)
+        done.set()
+        await task
+        assert len(outs) == 10
+        assert ticks > len(outs) * 5
+    finally:
+        core.shutdown()
+
+
+async def test_outputs_cross_in_one_handover_per_step() -> None:
+    core = EngineCore({"count": CountingStage()})
+    core.start()
+    engine = AsyncEngine(core)
+    calls = 0
+    loop = asyncio.get_running_loop()
+    original = loop.call_soon_threadsafe
+
+    def counting(*args: Any, **kw: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return original(*args, **kw)
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    try:
+        results = await asyncio.gather(*(_collect(engine, "count", f"r{i}", 5) for i in range(8)))
+        assert all(len(r) == 5 for r in results)
+        # 40 outputs in at most 5 steps (plus one step of slack for admission timing).
+        assert calls <= 10
+    finally:
+        loop.call_soon_threadsafe = original  # type: ignore[method-assign]
+        core.shutdown()
+
+
+async def test_slow_consumer_overflow_fails_the_stream() -> None:
+    core = EngineCore({"count": CountingStage()})
+    core.start()
+    engine = AsyncEngine(core, max_queued_outputs=4)
+    try:
+        it = engine.stream("count", "flood", 100)
+        await engine.call("count", "echo", "x")
+        await asyncio.sleep(0.2)
+        outs = [o async for o in it]
+        assert outs[-1].finished and "overflow" in outs[-1].error
+        assert len(outs) <= 5
+    finally:
+        core.shutdown()
+
+
+def test_idle_engine_sleeps_without_stepping() -> None:
+    stage = CountingStage()
+    steps = 0
+    original = stage.step
+
+    def counted() -> list[StageOutput]:
+        nonlocal steps
+        steps += 1
+        return original()
+
+    stage.step = counted  # type: ignore[method-assign]
+    core = EngineCore({"count": stage})
+    core.start()
+    try:
+        time.sleep(0.1)
+        assert steps == 0
+        core.add("count", "a", 2)
+        assert core.call("count", "echo", 0).result(timeout=5) == 0
+        deadline = time.time() + 5
+        while core.pending()["count"] and time.time() < deadline:
+            time.sleep(0.01)
+        assert steps == 2
+    finally:
+        core.shutdown()
+
+
+def test_unknown_stage_is_rejected() -> None:
+    core = EngineCore({"count": CountingStage()})
+    with pytest.raises(KeyError, match="unknown stage"):
+        core.add("nope", "r", 1)

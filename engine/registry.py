@@ -393,8 +393,7 @@ def _progress_bar(entry: str, enabled: bool) -> Iterator[Progress]:
 
         def report(done: int, total: int) -> None:
             bar.total = total
-            bar.n = done
-            bar.refresh()
+            bar.update(done - bar.n)
 
         yield report
 

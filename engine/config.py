@@ -1,0 +1,220 @@
+"""The engine profile: which model runs each stage, how it samples, and engine limits.
+
+Profiles are YAML files (`configs/*.yaml`) validated by the pydantic models below. Unknown
+keys are errors, and every error names its place in the file (`stages.llm.sampling.top_p`).
+The top-level `gateway:` mapping belongs to the gateway and is validated there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+if TYPE_CHECKING:
+    from engine.request import SamplingParams
+
+__all__ = [
+    "AsrConfig",
+    "ClauseConfig",
+    "ConfigError",
+    "EngineConfig",
+    "EngineLimits",
+    "LlmConfig",
+    "ModelRef",
+    "RemoteLlmConfig",
+    "SamplingConfig",
+    "TtsConfig",
+    "VadConfig",
+    "load_config",
+    "parse_config",
+]
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a friendly voice assistant. Answer in one or two short, plain sentences "
+    "that sound natural when spoken aloud. Do not use lists, markdown or emoji."
+)
+
+
+DEFAULT_LLM = "smollm2-135m-instruct"
+
+
+class ConfigError(ValueError):
+    """A profile that cannot be used; the message names the file and the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelRef(_Strict):
+    """A model by registry name; `source`/`converter` register a name the registry lacks
+    (e.g. `source: hf:mlx-community/...` on a machine with network)."""
+
+    name: str = Field(min_length=1)
+    source: str | None = None
+    converter: str | None = None
+    precision: Literal["auto", "fp32", "4bit"] = "auto"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _converter_needs_source(self) -> ModelRef:
+        if self.converter is not None and self.source is None:
+            raise ValueError("'converter' is only used together with 'source'")
+        return self
+
+
+class SamplingConfig(_Strict):
+    """Default LLM sampling; each field maps onto `engine.request.SamplingParams`."""
+
+    max_tokens: int = Field(96, ge=1)
+    temperature: float = Field(0.7, ge=0.0)
+    top_p: float = Field(0.9, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: float = 0.0
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    stop: tuple[str, ...] = ()
+
+    def to_params(self, *, max_tokens: int | None = None) -> SamplingParams:
+        from engine.request import SamplingParams
+
+        return SamplingParams(
+            max_tokens=max_tokens or self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
+            stop=list(self.stop),
+        )
+
+
+class RemoteLlmConfig(_Strict):
+    """An OpenAI-compatible chat-completions server used as the LLM stage."""
+
+    base_url: str = Field(pattern=r"^https?://")
+    model: str = Field(min_length=1)
+    api_key: str | None = None
+    timeout_s: float = Field(30.0, gt=0.0)
+
+
+class LlmConfig(_Strict):
+    """`model` is the local model (backend "local"); `remote` the server (backend "remote")."""
+
+    backend: Literal["local", "remote"] = "local"
+    model: ModelRef | None = None
+    sampling: SamplingConfig = SamplingConfig()
+    remote: RemoteLlmConfig | None = None
+
+    @model_validator(mode="after")
+    def _backend_settings(self) -> LlmConfig:
+        if self.backend == "remote":
+            if self.remote is None:
+                raise ValueError("backend 'remote' needs a 'remote:' mapping (base_url, model)")
+            if self.model is not None:
+                raise ValueError("'model' is not used with backend 'remote'; set remote.model")
+            return self
+        if self.remote is not None:
+            raise ValueError("'remote:' is only used with backend 'remote'")
+        if self.model is None:
+            object.__setattr__(self, "model", ModelRef(name=DEFAULT_LLM))
+        return self
+
+
+class AsrConfig(_Strict):
+    model: ModelRef = ModelRef(name="whisper-tiny.en")
+
+
+class TtsConfig(_Strict):
+    """`voice` is the name clients use for this voice; `speed` > 1 speaks faster."""
+
+    model: ModelRef = ModelRef(name="piper-en_US-joe-medium")
+    voice: str = Field("joe", min_length=1)
+    speed: float = Field(1.0, ge=0.25, le=4.0)
+    noise_scale: float | None = Field(None, ge=0.0)
+    noise_w: float | None = Field(None, ge=0.0)
+    sample_rate: int = Field(24000, ge=8000, le=48000)
+
+
+class VadConfig(_Strict):
+    model: ModelRef = ModelRef(name="silero-vad")
+
+
+class ClauseConfig(_Strict):
+    """How LLM text is cut into clauses for speech (see `engine.clauses`)."""
+
+    first_min_chars: int = Field(16, ge=1)
+    min_chars: int = Field(48, ge=1)
+    max_chars: int = Field(160, ge=8)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ClauseConfig:
+        if max(self.first_min_chars, self.min_chars) > self.max_chars:
+            raise ValueError("first_min_chars and min_chars must not exceed max_chars")
+        return self
+
+
+class EngineLimits(_Strict):
+    max_running_sequences: int = Field(8, ge=1)
+    prefill_chunk_tokens: int = Field(512, ge=16)
+    prompt_cache_bytes: int = Field(256 * 1024 * 1024, ge=0)
+
+
+class StagesConfig(_Strict):
+    asr: AsrConfig = AsrConfig()
+    llm: LlmConfig = LlmConfig()
+    tts: TtsConfig = TtsConfig()
+    vad: VadConfig = VadConfig()
+
+
+class EngineConfig(_Strict):
+    system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, min_length=1)
+    stages: StagesConfig = StagesConfig()
+    clauses: ClauseConfig = ClauseConfig()
+    engine: EngineLimits = EngineLimits()
+    gateway: dict[str, Any] = Field(default_factory=dict)
+
+
+def parse_config(data: Any, *, source: str = "<config>") -> EngineConfig:
+    """Validate a loaded mapping; errors name `source` and the key path."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping, not {type(data).__name__}")
+    try:
+        return EngineConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, source)) from None
+
+
+def load_config(path: str | Path) -> EngineConfig:
+    """Read and validate a YAML profile."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_config(data, source=str(path))
+
+
+def _describe(exc: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid config"]
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  {where}: unknown key")
+        else:
+            lines.append(f"  {where}: {err['msg']}")
+    return "\n".join(lines)

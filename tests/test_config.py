@@ -1,0 +1,125 @@
+"""Engine profile loading: defaults, the shipped profiles, and clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.config import ConfigError, EngineConfig, load_config, parse_config
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_default_profile_loads_with_embedded_models() -> None:
+    config = load_config(CONFIGS / "default.yaml")
+    assert config.stages.llm.backend == "local"
+    assert config.stages.llm.model is not None
+    assert config.stages.llm.model.name == "smollm2-135m-instruct"
+    assert config.stages.asr.model.name == "whisper-tiny.en"
+    assert config.stages.tts.model.name == "piper-en_US-joe-medium"
+    assert config.stages.vad.model.name == "silero-vad"
+    assert config.stages.tts.sample_rate == 24000
+    assert "sentence" in config.system_prompt
+    assert config.gateway == {}
+
+
+def test_remote_profile_loads() -> None:
+    config = load_config(CONFIGS / "remote-llm.yaml")
+    assert config.stages.llm.backend == "remote"
+    assert config.stages.llm.remote is not None
+    assert config.stages.llm.remote.base_url.startswith("http://127.0.0.1")
+    assert config.stages.llm.model is None
+
+
+def test_every_profile_in_configs_is_valid() -> None:
+    profiles = sorted(CONFIGS.glob("*.yaml"))
+    assert profiles
+    for path in profiles:
+        assert isinstance(load_config(path), EngineConfig)
+
+
+def test_empty_mapping_gives_defaults() -> None:
+    config = parse_config({})
+    assert config == parse_config(None)
+    assert config.stages.llm.sampling.max_tokens == 96
+    assert config.engine.max_running_sequences == 8
+
+
+def test_model_can_be_a_name_or_a_mapping() -> None:
+    config = parse_config(
+        {"stages": {"llm": {"model": {"name": "smollm2-135m-instruct", "precision": "fp32"}}}}
+    )
+    assert config.stages.llm.model is not None
+    assert config.stages.llm.model.precision == "fp32"
+    config = parse_config({"stages": {"asr": {"model": "whisper-tiny.en"}}})
+    assert config.stages.asr.model.name == "whisper-tiny.en"
+
+
+def test_unknown_key_names_its_path(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("stages:\n  llm:\n    sampling:\n      temprature: 0.5\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert str(path) in message
+    assert "stages.llm.sampling.temprature: unknown key" in message
+
+
+def test_out_of_range_value_names_its_path() -> None:
+    with pytest.raises(ConfigError, match=r"stages\.llm\.sampling\.top_p"):
+        parse_config({"stages": {"llm": {"sampling": {"top_p": 1.5}}}})
+    with pytest.raises(ConfigError, match=r"stages\.tts\.speed"):
+        parse_config({"stages": {"tts": {"speed": 0}}})
+
+
+def test_remote_backend_needs_remote_settings() -> None:
+    with pytest.raises(ConfigError, match="needs a 'remote:' mapping"):
+        parse_config({"stages": {"llm": {"backend": "remote"}}})
+    with pytest.raises(ConfigError, match="only used with backend 'remote'"):
+        parse_config({"stages": {"llm": {"remote": {"base_url": "http://x/v1", "model": "m"}}}})
+    with pytest.raises(ConfigError, match="not used with backend 'remote'"):
+        parse_config(
+            {
+                "stages": {
+                    "llm": {
+                        "backend": "remote",
+                        "model": "smollm2-135m-instruct",
+                        "remote": {"base_url": "http://x/v1", "model": "m"},
+                    }
+                }
+            }
+        )
+
+
+def test_remote_url_must_be_http() -> None:
+    with pytest.raises(ConfigError, match=r"stages\.llm\.remote\.base_url"):
+        parse_config(
+            {"stages": {"llm": {"backend": "remote", "remote": {"base_url": "x", "model": "m"}}}}
+        )
+
+
+def test_converter_needs_a_source() -> None:
+    with pytest.raises(ConfigError, match="only used together with 'source'"):
+        parse_config({"stages": {"asr": {"model": {"name": "x", "converter": "a:b"}}}})
+
+
+def test_clause_limits_must_be_ordered() -> None:
+    with pytest.raises(ConfigError, match="must not exceed max_chars"):
+        parse_config({"clauses": {"min_chars": 100, "max_chars": 50}})
+
+
+def test_bad_yaml_and_missing_file_are_reported(tmp_path: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("stages: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        parse_config(["a", "list"])
+
+
+def test_gateway_section_is_kept_for_the_gateway() -> None:
+    config = parse_config({"gateway": {"port": 8000}})
+    assert config.gateway == {"port": 8000}

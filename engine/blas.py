@@ -24,6 +24,8 @@ CANDIDATES = (
     "/usr/lib64/libopenblas.so.0",
 )
 FIX = "apt-get install libopenblas0-pthread"
+# A library path to load instead of the candidates, or "none" to keep the reference BLAS.
+ENV = "DUPLEX_GATEWAY_BLAS"
 
 _active: str | None = None
 _checked = False
@@ -40,9 +42,13 @@ def ensure_fast_blas() -> str | None:
     if "mlx.core" in sys.modules:
         log.warning("mlx.core was imported before engine.blas; the BLAS cannot be swapped now")
         return None
-    override = os.environ.get("DUPLEX_GATEWAY_BLAS")
-    for path in ([override] if override else []) + list(CANDIDATES):
-        if path and os.path.exists(path):
+    override = os.environ.get(ENV)
+    if override == "none":
+        log.info("%s=none: MLX keeps its reference BLAS", ENV)
+        return None
+    # An explicit path is the only candidate, so a wrong one is reported, not papered over.
+    for path in [override] if override else CANDIDATES:
+        if os.path.exists(path):
             try:
                 lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
                 lib.cblas_sgemm  # noqa: B018 - raises AttributeError when absent
@@ -59,4 +65,5 @@ def ensure_fast_blas() -> str | None:
 
 
 def active_blas() -> str | None:
+    """The path of the optimised BLAS loaded by `ensure_fast_blas`, or None."""
     return _active

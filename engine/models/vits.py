@@ -1,0 +1,607 @@
+"""VITS as exported by Piper, on MLX: text encoder, stochastic duration predictor
+(reverse), residual coupling flows, HiFi-GAN. Layout is (batch, time, channels).
+
+Weights come from `engine.models.piper_onnx.convert`. Batches are exact: every conv of
+the decoder sees zeros past its own item's end, as a lone item does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+__all__ = ["ModelArgs", "Model", "load", "rational_quadratic_inverse"]
+
+
+@dataclass
+class ModelArgs:
+    num_symbols: int = 256
+    hidden_channels: int = 192
+    inter_channels: int = 192
+    filter_channels: int = 768
+    n_heads: int = 2
+    n_layers: int = 6
+    kernel_size: int = 3
+    window_size: int = 4
+    dp_filter_channels: int = 192
+    dp_kernel_size: int = 3
+    dp_n_flows: int = 3
+    dp_num_bins: int = 10
+    dp_tail_bound: float = 5.0
+    flow_n_flows: int = 4
+    flow_kernel_size: int = 5
+    flow_n_layers: int = 4
+    resblock: str = "2"
+    resblock_kernel_sizes: list[int] = field(default_factory=lambda: [3, 5, 7])
+    resblock_dilation_sizes: list[list[int]] = field(
+        default_factory=lambda: [[1, 2], [2, 6], [3, 12]]
+    )
+    upsample_rates: list[int] = field(default_factory=lambda: [8, 8, 4])
+    upsample_kernel_sizes: list[int] = field(default_factory=lambda: [16, 16, 8])
+    upsample_initial_channel: int = 256
+    sample_rate: int = 22050
+    noise_scale: float = 0.667
+    length_scale: float = 1.0
+    noise_w: float = 0.8
+    model_type: str = "vits"
+
+    @classmethod
+    def from_dict(cls, params: dict) -> ModelArgs:
+        return cls(**{k: v for k, v in params.items() if k in cls.__dataclass_fields__})
+
+    @property
+    def hop_length(self) -> int:
+        return int(np.prod(self.upsample_rates))
+
+
+# --- convolutions --------------------------------------------------------------------
+
+
+def _dilated_polyphase(x: mx.array, w: mx.array, dilation: int) -> mx.array:
+    # A dilation-d conv is d undilated convs over the d interleaved phases of the input;
+    # MLX's CPU conv is ~17x slower dilated than undilated.
+    B, L, C = x.shape
+    K = w.shape[1]
+    out_len = L - (K - 1) * dilation
+    n = -(-L // dilation)
+    x = mx.pad(x, [(0, 0), (0, n * dilation - L), (0, 0)])
+    x = x.reshape(B, n, dilation, C).transpose(0, 2, 1, 3).reshape(B * dilation, n, C)
+    y = mx.conv1d(x, w)
+    m = y.shape[1]
+    y = y.reshape(B, dilation, m, -1).transpose(0, 2, 1, 3).reshape(B, m * dilation, -1)
+    return y[:, :out_len]
+
+
+class Conv1d(nn.Module):
+    """Same-padded conv with PyTorch's padding rule; `fast` picks the rewritten kernels."""
+
+    def __init__(
+        self,
+        in_ch: int,
+        out_ch: int,
+        kernel: int,
+        dilation: int = 1,
+        groups: int = 1,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        self.weight = mx.zeros((out_ch, kernel, in_ch // groups))
+        if bias:
+            self.bias = mx.zeros((out_ch,))
+        self.dilation = dilation
+        self.groups = groups
+        self.pad = (kernel * dilation - dilation) // 2
+        self.fast = True
+
+    def __call__(self, x: mx.array) -> mx.array:
+        K = self.weight.shape[1]
+        if K == 1 and self.groups == 1:
+            y = x @ self.weight[:, 0, :].T
+        else:
+            x = mx.pad(x, [(0, 0), (self.pad, self.pad), (0, 0)]) if self.pad else x
+            if self.fast and self.dilation > 1 and self.groups == 1:
+                y = _dilated_polyphase(x, self.weight, self.dilation)
+            else:
+                y = mx.conv1d(x, self.weight, dilation=self.dilation, groups=self.groups)
+        return y + self.bias if "bias" in self else y
+
+
+class ConvTranspose1d(nn.Module):
+    """PyTorch-equivalent transposed conv (weight stored as (out, kernel, in)).
+
+    The fast path computes all `stride` output phases as one short undilated conv with
+    stride*out channels (polyphase), instead of convolving a zero-stuffed input.
+    """
+
+    def __init__(self, in_ch: int, out_ch: int, kernel: int, stride: int, padding: int) -> None:
+        super().__init__()
+        self.weight = mx.zeros((out_ch, kernel, in_ch))
+        self.bias = mx.zeros((out_ch,))
+        self.stride = stride
+        self.padding = padding
+        self.fast = True
+        # Derived from `weight` on first use; kept off the parameter tree.
+        object.__setattr__(self, "_poly", None)
+
+    def _polyphase_weight(self) -> tuple[mx.array, int, int]:
+        # Output t = m*s + r takes input m - e through tap k = q + e*s, q = r + padding.
+        if self._poly is None:
+            w = np.array(self.weight)
+            O, K, Ci = w.shape
+            s, p = self.stride, self.padding
+            taps = [(r, e, r + p + e * s) for r in range(s) for e in range(-K, K + 1)]
+            taps = [(r, e, k) for r, e, k in taps if 0 <= k < K]
+            e_max = max(e for _, e, _ in taps)
+            e_min = min(e for _, e, _ in taps)
+            poly = np.zeros((s, O, e_max - e_min + 1, Ci), dtype=np.float32)
+            for r, e, k in taps:
+                poly[r, :, e_max - e] = w[:, k, :]
+            object.__setattr__(self, "_poly", (mx.array(poly.reshape(s * O, -1, Ci)), e_max, e_min))
+        return self._poly
+
+    def __call__(self, x: mx.array) -> mx.array:
+        B, L, _ = x.shape
+        s = self.stride
+        out_len = (L - 1) * s - 2 * self.padding + self.weight.shape[1]
+        if not self.fast:
+            y = mx.conv_transpose1d(x, self.weight, stride=s, padding=self.padding)
+            return y + self.bias
+        w, e_max, e_min = self._polyphase_weight()
+        m = -(-out_len // s)
+        right = max(0, m - 1 - e_min - (L - 1))
+        y = mx.conv1d(mx.pad(x, [(0, 0), (e_max, right), (0, 0)]), w)[:, :m]
+        y = y.reshape(B, m, s, -1).reshape(B, m * s, -1)[:, :out_len]
+        return y + self.bias
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.gamma = mx.ones((channels,))
+        self.beta = mx.zeros((channels,))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.layer_norm(x, self.gamma, self.beta, 1e-5)
+
+
+# --- text encoder --------------------------------------------------------------------
+
+
+class MultiHeadAttention(nn.Module):
+    def __init__(self, channels: int, n_heads: int, window_size: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.window = window_size
+        self.conv_q = Conv1d(channels, channels, 1)
+        self.conv_k = Conv1d(channels, channels, 1)
+        self.conv_v = Conv1d(channels, channels, 1)
+        self.conv_o = Conv1d(channels, channels, 1)
+        d = channels // n_heads
+        self.emb_rel_k = mx.zeros((1, 2 * window_size + 1, d))
+        self.emb_rel_v = mx.zeros((1, 2 * window_size + 1, d))
+
+    def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
+        B, L, C = x.shape
+        H, W = self.n_heads, self.window
+        q, k, v = (
+            c(x).reshape(B, L, H, -1).transpose(0, 2, 1, 3)
+            for c in (self.conv_q, self.conv_k, self.conv_v)
+        )
+        q = q / math.sqrt(q.shape[-1])
+        # Relative offset j - i in [-W, W] indexes the shared embeddings; beyond, zero.
+        offset = mx.arange(L)[None, :] - mx.arange(L)[:, None]
+        near = mx.abs(offset) <= W
+        rel_idx = mx.clip(offset + W, 0, 2 * W)
+        rel_logits = q @ self.emb_rel_k[0].T
+        local = mx.take_along_axis(rel_logits, mx.broadcast_to(rel_idx, (B, H, L, L)), axis=-1)
+        scores = q @ k.transpose(0, 1, 3, 2) + mx.where(near, local, 0.0)
+        scores = mx.where(mask, scores, -1e4)
+        p = mx.softmax(scores, axis=-1)
+        out = p @ v
+        # p at offsets -W..W per query, as weights for the value embeddings.
+        col = mx.arange(L)[:, None] + mx.arange(-W, W + 1)[None, :]
+        valid = (col >= 0) & (col < L)
+        rel_p = mx.take_along_axis(
+            p, mx.broadcast_to(mx.clip(col, 0, L - 1), (B, H, L, 2 * W + 1)), -1
+        )
+        out = out + mx.where(valid, rel_p, 0.0) @ self.emb_rel_v[0]
+        return self.conv_o(out.transpose(0, 2, 1, 3).reshape(B, L, C))
+
+
+class FFN(nn.Module):
+    def __init__(self, channels: int, filter_channels: int, kernel: int) -> None:
+        super().__init__()
+        self.conv_1 = Conv1d(channels, filter_channels, kernel)
+        self.conv_2 = Conv1d(filter_channels, channels, kernel)
+
+    def __call__(self, x: mx.array, x_mask: mx.array) -> mx.array:
+        x = nn.relu(self.conv_1(x * x_mask))
+        return self.conv_2(x * x_mask) * x_mask
+
+
+class Encoder(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        C = args.hidden_channels
+        self.attn_layers = [
+            MultiHeadAttention(C, args.n_heads, args.window_size) for _ in range(args.n_layers)
+        ]
+        self.norm_layers_1 = [LayerNorm(C) for _ in range(args.n_layers)]
+        self.ffn_layers = [
+            FFN(C, args.filter_channels, args.kernel_size) for _ in range(args.n_layers)
+        ]
+        self.norm_layers_2 = [LayerNorm(C) for _ in range(args.n_layers)]
+
+    def __call__(self, x: mx.array, x_mask: mx.array) -> mx.array:
+        attn_mask = (x_mask[:, None, :, 0:1] * x_mask[:, None, None, :, 0]) > 0
+        x = x * x_mask
+        for attn, n1, ffn, n2 in zip(
+            self.attn_layers, self.norm_layers_1, self.ffn_layers, self.norm_layers_2
+        ):
+            x = n1(x + attn(x, attn_mask))
+            x = n2(x + ffn(x, x_mask))
+        return x * x_mask
+
+
+class TextEncoder(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.hidden = args.hidden_channels
+        self.emb = nn.Embedding(args.num_symbols, args.hidden_channels)
+        self.encoder = Encoder(args)
+        self.proj = Conv1d(args.hidden_channels, 2 * args.inter_channels, 1)
+
+    def __call__(self, ids: mx.array, x_mask: mx.array) -> tuple[mx.array, ...]:
+        x = self.emb(ids) * math.sqrt(self.hidden)
+        x = self.encoder(x, x_mask)
+        m, logs = mx.split(self.proj(x) * x_mask, 2, axis=-1)
+        return x, m, logs
+
+
+# --- stochastic duration predictor ---------------------------------------------------
+
+
+def rational_quadratic_inverse(
+    y: mx.array,
+    widths: mx.array,
+    heights: mx.array,
+    derivs: mx.array,
+    tail_bound: float,
+    min_bin: float = 1e-3,
+    min_deriv: float = 1e-3,
+) -> mx.array:
+    """Inverse of the monotone rational-quadratic spline on [-B, B], identity outside.
+
+    `derivs` holds the num_bins - 1 inner knot derivatives (pre-softplus); the two edge
+    derivatives are 1 so the spline joins the identity tails smoothly.
+    """
+    n = widths.shape[-1]
+    B = tail_bound
+
+    def knots(unnormalised: mx.array) -> tuple[mx.array, mx.array]:
+        size = min_bin + (1 - min_bin * n) * mx.softmax(unnormalised, axis=-1)
+        cum = mx.cumsum(size, axis=-1)
+        cum = mx.concatenate([mx.zeros_like(cum[..., :1]), cum], axis=-1)
+        cum = 2 * B * cum - B
+        cum = mx.concatenate([cum[..., :1] * 0 - B, cum[..., 1:-1], cum[..., :1] * 0 + B], -1)
+        return cum, cum[..., 1:] - cum[..., :-1]
+
+    cumw, w = knots(widths)
+    cumh, h = knots(heights)
+    edge = mx.full(derivs.shape[:-1] + (1,), 1.0 - min_deriv)
+    d = min_deriv + mx.concatenate([edge, nn.softplus(derivs), edge], axis=-1)
+
+    inside = (y >= -B) & (y <= B)
+    yc = mx.clip(y, -B, B)
+    # Bin whose height interval holds y (last knot nudged so y == B lands in the last bin).
+    upper = mx.concatenate([cumh[..., :-1], cumh[..., -1:] + 1e-6], axis=-1)
+    idx = mx.clip(mx.sum(yc[..., None] >= upper, axis=-1, keepdims=True) - 1, 0, n - 1)
+
+    def pick(a: mx.array) -> mx.array:
+        return mx.take_along_axis(a, idx, axis=-1)[..., 0]
+
+    x_k, w_k, y_k, h_k = pick(cumw), pick(w), pick(cumh), pick(h)
+    d_k, d_k1 = pick(d[..., :-1]), pick(d[..., 1:])
+    s_k = h_k / w_k
+    # Solve a*xi^2 + b*xi + c = 0 for xi in [0, 1] (Durkan et al. 2019, eq. 6-8).
+    dy = yc - y_k
+    slope_sum = d_k + d_k1 - 2 * s_k
+    a = h_k * (s_k - d_k) + dy * slope_sum
+    b = h_k * d_k - dy * slope_sum
+    c = -s_k * dy
+    disc = mx.maximum(b * b - 4 * a * c, 0.0)
+    xi = (2 * c) / (-b - mx.sqrt(disc))
+    return mx.where(inside, xi * w_k + x_k, y)
+
+
+class DDSConv(nn.Module):
+    def __init__(self, channels: int, kernel: int, n_layers: int) -> None:
+        super().__init__()
+        self.convs_sep = [
+            Conv1d(channels, channels, kernel, dilation=kernel**i, groups=channels)
+            for i in range(n_layers)
+        ]
+        self.convs_1x1 = [Conv1d(channels, channels, 1) for _ in range(n_layers)]
+        self.norms_1 = [LayerNorm(channels) for _ in range(n_layers)]
+        self.norms_2 = [LayerNorm(channels) for _ in range(n_layers)]
+
+    def __call__(self, x: mx.array, x_mask: mx.array, g: mx.array | None = None) -> mx.array:
+        if g is not None:
+            x = x + g
+        for sep, c1, n1, n2 in zip(self.convs_sep, self.convs_1x1, self.norms_1, self.norms_2):
+            y = nn.gelu(n1(sep(x * x_mask)))
+            y = nn.gelu(n2(c1(y)))
+            x = x + y
+        return x * x_mask
+
+
+class ConvFlow(nn.Module):
+    def __init__(self, filter_channels: int, kernel: int, num_bins: int, tail_bound: float):
+        super().__init__()
+        self.filter_channels = filter_channels
+        self.num_bins = num_bins
+        self.tail_bound = tail_bound
+        self.pre = Conv1d(1, filter_channels, 1)
+        self.convs = DDSConv(filter_channels, kernel, 3)
+        self.proj = Conv1d(filter_channels, 3 * num_bins - 1, 1)
+
+    def __call__(self, x: mx.array, x_mask: mx.array, g: mx.array) -> mx.array:
+        x0, x1 = x[..., :1], x[..., 1:]
+        h = self.convs(self.pre(x0), x_mask, g)
+        h = self.proj(h) * x_mask
+        n, scale = self.num_bins, math.sqrt(self.filter_channels)
+        x1 = rational_quadratic_inverse(
+            x1[..., 0],
+            h[..., :n] / scale,
+            h[..., n : 2 * n] / scale,
+            h[..., 2 * n :],
+            self.tail_bound,
+        )[..., None]
+        return mx.concatenate([x0, x1], axis=-1) * x_mask
+
+
+class ElementwiseAffine(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.m = mx.zeros((channels, 1))
+        self.logs = mx.zeros((channels, 1))
+
+    def __call__(self, x: mx.array, x_mask: mx.array, g: mx.array | None = None) -> mx.array:
+        return (x - self.m[:, 0]) * mx.exp(-self.logs[:, 0]) * x_mask
+
+
+class Flip(nn.Module):
+    def __call__(self, x: mx.array, x_mask: mx.array, g: mx.array | None = None) -> mx.array:
+        return x[..., ::-1]
+
+
+class UnusedFlow(nn.Module):
+    """Training-only flow that inference skips; holds the slot so indices match."""
+
+
+class DurationPredictor(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        F = args.dp_filter_channels
+        self.pre = Conv1d(args.hidden_channels, F, 1)
+        self.convs = DDSConv(F, args.dp_kernel_size, 3)
+        self.proj = Conv1d(F, F, 1)
+        flow = (F, args.dp_kernel_size, args.dp_num_bins, args.dp_tail_bound)
+        self.flows = [ElementwiseAffine(2), UnusedFlow(), Flip()]
+        for _ in range(args.dp_n_flows):
+            self.flows += [ConvFlow(*flow), Flip()]
+
+    def __call__(self, x: mx.array, x_mask: mx.array, noise: mx.array) -> mx.array:
+        g = self.proj(self.convs(self.pre(x), x_mask)) * x_mask
+        z = noise
+        for flow in [f for f in reversed(self.flows) if not isinstance(f, UnusedFlow)]:
+            z = flow(z, x_mask, g)
+        return z[..., :1]
+
+
+# --- flows ---------------------------------------------------------------------------
+
+
+class WN(nn.Module):
+    def __init__(self, hidden: int, kernel: int, n_layers: int) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.in_layers = [Conv1d(hidden, 2 * hidden, kernel) for _ in range(n_layers)]
+        self.res_skip_layers = [
+            Conv1d(hidden, 2 * hidden if i < n_layers - 1 else hidden, 1) for i in range(n_layers)
+        ]
+
+    def __call__(self, x: mx.array, x_mask: mx.array) -> mx.array:
+        H = self.hidden
+        out = mx.zeros_like(x)
+        last = len(self.in_layers) - 1
+        for i, (cin, cres) in enumerate(zip(self.in_layers, self.res_skip_layers)):
+            a = cin(x)
+            acts = mx.tanh(a[..., :H]) * mx.sigmoid(a[..., H:])
+            rs = cres(acts)
+            if i < last:
+                x = (x + rs[..., :H]) * x_mask
+                out = out + rs[..., H:]
+            else:
+                out = out + rs
+        return out * x_mask
+
+
+class ResidualCouplingLayer(nn.Module):
+    def __init__(self, channels: int, hidden: int, kernel: int, n_layers: int) -> None:
+        super().__init__()
+        self.half = channels // 2
+        self.pre = Conv1d(self.half, hidden, 1)
+        self.enc = WN(hidden, kernel, n_layers)
+        self.post = Conv1d(hidden, self.half, 1)
+
+    def __call__(self, x: mx.array, x_mask: mx.array) -> mx.array:
+        x0, x1 = x[..., : self.half], x[..., self.half :]
+        h = self.enc(self.pre(x0) * x_mask, x_mask)
+        m = self.post(h) * x_mask
+        return mx.concatenate([x0, (x1 - m) * x_mask], axis=-1)
+
+
+class CouplingFlows(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.flows = []
+        for _ in range(args.flow_n_flows):
+            self.flows += [
+                ResidualCouplingLayer(
+                    args.inter_channels,
+                    args.hidden_channels,
+                    args.flow_kernel_size,
+                    args.flow_n_layers,
+                ),
+                Flip(),
+            ]
+
+    def __call__(self, x: mx.array, x_mask: mx.array) -> mx.array:
+        for flow in reversed(self.flows):
+            x = flow(x, x_mask)
+        return x
+
+
+# --- HiFi-GAN ------------------------------------------------------------------------
+
+
+class ResBlock(nn.Module):
+    """Resblock "2" (one dilated conv per step) or "1" (dilated conv, then undilated)."""
+
+    def __init__(self, channels: int, kernel: int, dilations: list[int], kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        if kind == "1":
+            self.convs1 = [Conv1d(channels, channels, kernel, dilation=d) for d in dilations]
+            self.convs2 = [Conv1d(channels, channels, kernel) for _ in dilations]
+        else:
+            self.convs = [Conv1d(channels, channels, kernel, dilation=d) for d in dilations]
+
+    def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
+        if self.kind == "1":
+            for c1, c2 in zip(self.convs1, self.convs2):
+                xt = c1(nn.leaky_relu(x, 0.1) * mask)
+                x = x + c2(nn.leaky_relu(xt, 0.1) * mask)
+            return x
+        for c in self.convs:
+            x = x + c(nn.leaky_relu(x, 0.1) * mask)
+        return x
+
+
+class Generator(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        C = args.upsample_initial_channel
+        self.conv_pre = Conv1d(args.inter_channels, C, 7)
+        self.ups = []
+        self.resblocks = []
+        for i, (u, k) in enumerate(zip(args.upsample_rates, args.upsample_kernel_sizes)):
+            self.ups.append(ConvTranspose1d(C >> i, C >> (i + 1), k, u, (k - u) // 2))
+            for rk, rd in zip(args.resblock_kernel_sizes, args.resblock_dilation_sizes):
+                self.resblocks.append(ResBlock(C >> (i + 1), rk, rd, args.resblock))
+        self.conv_post = Conv1d(C >> len(self.ups), 1, 7, bias=False)
+        self.rates = args.upsample_rates
+        self.n_kernels = len(args.resblock_kernel_sizes)
+
+    def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
+        x = self.conv_pre(x * mask)
+        for i, up in enumerate(self.ups):
+            x = up(nn.leaky_relu(x, 0.1) * mask)
+            mask = mx.repeat(mask, self.rates[i], axis=1)
+            blocks = self.resblocks[i * self.n_kernels : (i + 1) * self.n_kernels]
+            xs = blocks[0](x, mask)
+            for block in blocks[1:]:
+                xs = xs + block(x, mask)
+            x = xs / self.n_kernels
+        x = self.conv_post(nn.leaky_relu(x, 0.01) * mask)
+        return mx.tanh(x)[..., 0]
+
+
+# --- the whole voice -----------------------------------------------------------------
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.enc_p = TextEncoder(args)
+        self.dp = DurationPredictor(args)
+        self.flow = CouplingFlows(args)
+        self.dec = Generator(args)
+
+    def set_fast_convs(self, fast: bool) -> None:
+        """Rewritten dilated/transposed convs (default) or MLX's stock kernels."""
+        for _, m in self.named_modules():
+            if isinstance(m, (Conv1d, ConvTranspose1d)):
+                m.fast = fast
+
+    def durations(
+        self, ids: mx.array, lengths: mx.array, noise_w: mx.array, length_scale: mx.array
+    ) -> tuple[mx.array, ...]:
+        """Encoder stats and integer frame counts per phoneme ([B, L])."""
+        B, L = ids.shape
+        x_mask = (mx.arange(L)[None, :] < lengths[:, None]).astype(mx.float32)[..., None]
+        x, m_p, logs_p = self.enc_p(ids, x_mask)
+        noise = mx.random.normal((B, L, 2)) * noise_w[:, None, None]
+        logw = self.dp(x, x_mask, noise)
+        w = mx.exp(logw) * x_mask * length_scale[:, None, None]
+        return m_p, logs_p, mx.ceil(w)[..., 0]
+
+    def __call__(
+        self,
+        ids: mx.array,
+        lengths: mx.array,
+        noise_scale: float | mx.array,
+        length_scale: float | mx.array,
+        noise_w: float | mx.array,
+    ) -> tuple[mx.array, list[int]]:
+        """Audio [B, samples] at the voice rate and each item's length in samples.
+
+        The three scales are scalars or one value per item.
+        """
+        B = ids.shape[0]
+        length_scale, noise_scale, noise_w = (
+            mx.broadcast_to(mx.array(v, dtype=mx.float32), (B,))
+            for v in (length_scale, noise_scale, noise_w)
+        )
+        m_p, logs_p, dur = self.durations(ids, lengths, noise_w, length_scale)
+        frames, index = _expand_index(np.array(dur).astype(np.int64))
+        T = index.shape[1]
+        idx = mx.array(index)[..., None]
+        m = mx.take_along_axis(m_p, idx, axis=1)
+        logs = mx.take_along_axis(logs_p, idx, axis=1)
+        y_mask = (mx.arange(T)[None, :] < mx.array(frames)[:, None]).astype(mx.float32)[..., None]
+        z_p = m + mx.random.normal(m.shape) * mx.exp(logs) * noise_scale[:, None, None]
+        z = self.flow(z_p * y_mask, y_mask)
+        audio = self.dec(z * y_mask, y_mask)
+        hop = self.args.hop_length
+        return audio, [int(f) * hop for f in frames]
+
+
+def _expand_index(dur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # Frame -> phoneme index per item (monotonic alignment); padding frames point at 0.
+    frames = np.maximum(dur.sum(axis=1), 1)
+    T = int(frames.max())
+    index = np.zeros((dur.shape[0], T), dtype=np.int32)
+    for b, row in enumerate(dur):
+        rep = np.repeat(np.arange(row.shape[0], dtype=np.int32), row)
+        index[b, : rep.shape[0]] = rep
+    return frames, index
+
+
+def load(model_dir: Path | str) -> tuple[Model, dict]:
+    """The model and the voice's Piper json from a converted directory."""
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    voice = json.loads((model_dir / "voice.json").read_text(encoding="utf-8"))
+    model = Model(ModelArgs.from_dict(config))
+    model.load_weights(str(model_dir / "model.safetensors"), strict=True)
+    mx.eval(model.parameters())
+    return model, voice

@@ -242,7 +242,7 @@ class Encoder(nn.Module):
         attn_mask = (x_mask[:, None, :, 0:1] * x_mask[:, None, None, :, 0]) > 0
         x = x * x_mask
         for attn, n1, ffn, n2 in zip(
-            self.attn_layers, self.norm_layers_1, self.ffn_layers, self.norm_layers_2
+            self.attn_layers, self.norm_layers_1, self.ffn_layers, self.norm_layers_2, strict=True
         ):
             x = n1(x + attn(x, attn_mask))
             x = n2(x + ffn(x, x_mask))
@@ -334,7 +334,9 @@ class DDSConv(nn.Module):
     def __call__(self, x: mx.array, x_mask: mx.array, g: mx.array | None = None) -> mx.array:
         if g is not None:
             x = x + g
-        for sep, c1, n1, n2 in zip(self.convs_sep, self.convs_1x1, self.norms_1, self.norms_2):
+        for sep, c1, n1, n2 in zip(
+            self.convs_sep, self.convs_1x1, self.norms_1, self.norms_2, strict=True
+        ):
             y = nn.gelu(n1(sep(x * x_mask)))
             y = nn.gelu(n2(c1(y)))
             x = x + y
@@ -421,7 +423,7 @@ class WN(nn.Module):
         H = self.hidden
         out = mx.zeros_like(x)
         last = len(self.in_layers) - 1
-        for i, (cin, cres) in enumerate(zip(self.in_layers, self.res_skip_layers)):
+        for i, (cin, cres) in enumerate(zip(self.in_layers, self.res_skip_layers, strict=True)):
             a = cin(x)
             acts = mx.tanh(a[..., :H]) * mx.sigmoid(a[..., H:])
             rs = cres(acts)
@@ -486,7 +488,7 @@ class ResBlock(nn.Module):
 
     def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
         if self.kind == "1":
-            for c1, c2 in zip(self.convs1, self.convs2):
+            for c1, c2 in zip(self.convs1, self.convs2, strict=True):
                 xt = c1(nn.leaky_relu(x, 0.1) * mask)
                 x = x + c2(nn.leaky_relu(xt, 0.1) * mask)
             return x
@@ -502,9 +504,13 @@ class Generator(nn.Module):
         self.conv_pre = Conv1d(args.inter_channels, C, 7)
         self.ups = []
         self.resblocks = []
-        for i, (u, k) in enumerate(zip(args.upsample_rates, args.upsample_kernel_sizes)):
+        for i, (u, k) in enumerate(
+            zip(args.upsample_rates, args.upsample_kernel_sizes, strict=True)
+        ):
             self.ups.append(ConvTranspose1d(C >> i, C >> (i + 1), k, u, (k - u) // 2))
-            for rk, rd in zip(args.resblock_kernel_sizes, args.resblock_dilation_sizes):
+            for rk, rd in zip(
+                args.resblock_kernel_sizes, args.resblock_dilation_sizes, strict=True
+            ):
                 self.resblocks.append(ResBlock(C >> (i + 1), rk, rd, args.resblock))
         self.conv_post = Conv1d(C >> len(self.ups), 1, 7, bias=False)
         self.rates = args.upsample_rates

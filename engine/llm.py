@@ -1,0 +1,360 @@
+"""The LLM stage: a scheduler and continuous-batching decode over mlx-lm models.
+
+Rules of this file:
+1. A request is in exactly one of `_waiting` (a heap ordered by `Request.__lt__`),
+   `_prefilling` (its own per-layer KV cache, filled a chunk at a time) or `_running`
+   (a row of the shared batched KV cache). `_seqs` holds every live request.
+2. A sequence's KV always covers `tokens[:-1]`; its last token is the next decode
+   input. New, cached and preempted requests all enter the batch the same way, which
+   is why a resumed request continues exactly where it stopped.
+3. Abort, finish and preemption free the KV at once; a session-keyed request hands its
+   KV to the prompt cache instead, so the next turn of the conversation reuses it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+
+from engine.detokenizer import StreamingDetokenizer
+from engine.prompt_cache import PromptCache
+from engine.request import Request, RequestOutput, RequestStatus, SamplingParams
+from engine.sampling import RowSampler, new_key, sample_batch
+from engine.stage import StageOutput
+
+__all__ = ["LlmInput", "LlmStage"]
+
+
+@dataclass
+class LlmInput:
+    """One generation request: a token prompt or chat messages, and how to sample.
+
+    `cache_key` names the conversation whose KV is reused between turns (None: no
+    reuse). `priority`: lower is admitted first, as in `Request.__lt__`.
+    """
+
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    cache_key: str | None = None
+    priority: int = 0
+
+
+@dataclass(eq=False)
+class _Seq:
+    req: Request
+    tokens: list[int]  # prompt + output so far
+    sampler: RowSampler
+    detok: StreamingDetokenizer
+    cache_key: str | None
+    layers: list[Any] = field(default_factory=list)  # per-layer KV while prefilling
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.req.num_computed_tokens
+
+
+class LlmStage:
+    """Continuous-batching text generation; payloads are `RequestOutput` deltas."""
+
+    name = "llm"
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_running_sequences: int = 8,
+        max_tokens_per_step: int = 2048,
+        prefill_chunk_tokens: int = 512,
+        max_kv_tokens: int | None = None,
+        prompt_cache_bytes: int = 256 * 1024 * 1024,
+    ) -> None:
+        if max_running_sequences < 1 or prefill_chunk_tokens < 1:
+            raise ValueError("max_running_sequences and prefill_chunk_tokens must be >= 1")
+        if max_tokens_per_step <= max_running_sequences:
+            raise ValueError("max_tokens_per_step must exceed max_running_sequences")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_running_sequences = max_running_sequences
+        self.max_tokens_per_step = max_tokens_per_step
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.max_kv_tokens = max_kv_tokens
+        self.prompt_cache = PromptCache(prompt_cache_bytes)
+        self._eos = set(getattr(tokenizer, "eos_token_ids", None) or ())
+        self._check_plain_kv()
+        self._seqs: dict[str, _Seq] = {}
+        self._waiting: list[Request] = []
+        self._prefilling: list[_Seq] = []
+        self._running: list[_Seq] = []
+        self._batch: list[BatchKVCache] | None = None
+        self.num_preemptions = 0
+
+    @classmethod
+    def from_path(cls, path: str | Path, **limits: Any) -> LlmStage:
+        from mlx_lm import load
+
+        model, tokenizer = load(str(path))
+        return cls(model, tokenizer, **limits)
+
+    def _check_plain_kv(self) -> None:
+        if not all(type(c) is KVCache for c in make_prompt_cache(self.model)):
+            raise ValueError("LlmStage supports models whose every layer uses a plain KVCache")
+
+    # --- Stage interface -----------------------------------------------------------
+
+    def add(self, request_id: str, inputs: LlmInput) -> None:
+        if request_id in self._seqs:
+            raise ValueError(f"request {request_id!r} is already live")
+        if not isinstance(inputs, LlmInput):
+            raise ValueError(f"LlmStage takes LlmInput, got {type(inputs).__name__}")
+        prompt = self._prompt_ids(inputs)
+        params = inputs.sampling_params
+        self._check_fits(prompt, params)
+        req = Request(request_id, prompt, params, priority=inputs.priority)
+        sampler = RowSampler(params, prompt, req.output_token_ids, new_key(params.seed))
+        detok = StreamingDetokenizer(self.tokenizer.decode, params.stop)
+        self._seqs[request_id] = _Seq(req, list(prompt), sampler, detok, inputs.cache_key)
+        heapq.heappush(self._waiting, req)
+
+    def abort(self, request_id: str) -> None:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return
+        if seq in self._running:
+            self._drop_rows([self._running.index(seq)])
+        elif seq in self._prefilling:
+            self._prefilling.remove(seq)
+            self._release(seq, seq.layers)
+        else:
+            self._waiting.remove(seq.req)
+            heapq.heapify(self._waiting)
+        seq.req.set_finished(RequestStatus.FINISHED_ABORTED)
+        del self._seqs[request_id]
+
+    def has_work(self) -> bool:
+        return bool(self._seqs)
+
+    def step(self) -> list[StageOutput]:
+        self._admit()
+        self._prefill(self.max_tokens_per_step - len(self._running))
+        if not self._running:
+            return []
+        self._make_room()
+        return self._decode()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "waiting": len(self._waiting),
+            "prefilling": len(self._prefilling),
+            "running": len(self._running),
+            "kv_tokens": self._kv_in_use(),
+            "prompt_cache_entries": len(self.prompt_cache),
+            "prompt_cache_bytes": self.prompt_cache.nbytes,
+            "preemptions": self.num_preemptions,
+        }
+
+    def request(self, request_id: str) -> Request | None:
+        seq = self._seqs.get(request_id)
+        return seq.req if seq else None
+
+    # --- admission -----------------------------------------------------------------
+
+    def _prompt_ids(self, inputs: LlmInput) -> list[int]:
+        if (inputs.prompt_token_ids is None) == (inputs.messages is None):
+            raise ValueError("LlmInput needs exactly one of prompt_token_ids or messages")
+        if inputs.messages is not None:
+            ids = self.tokenizer.apply_chat_template(
+                inputs.messages, add_generation_prompt=True, tokenize=True
+            )
+        else:
+            ids = inputs.prompt_token_ids
+        ids = [int(t) for t in ids]
+        vocab = self.model.args.vocab_size if hasattr(self.model, "args") else None
+        if not ids:
+            raise ValueError("prompt is empty")
+        if vocab is not None and not all(0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        return ids
+
+    def _check_fits(self, prompt: Sequence[int], params: SamplingParams) -> None:
+        need = len(prompt) + params.max_tokens
+        if self.max_kv_tokens is not None and need > self.max_kv_tokens:
+            raise ValueError(
+                f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the "
+                f"KV budget of {self.max_kv_tokens} tokens"
+            )
+
+    def _admit(self) -> None:
+        while self._waiting and self._live_slots() < self.max_running_sequences:
+            seq = self._seqs[self._waiting[0].request_id]
+            if not self._kv_fits(len(seq.tokens)):
+                return
+            heapq.heappop(self._waiting)
+            self._start_prefill(seq)
+
+    def _start_prefill(self, seq: _Seq) -> None:
+        req = seq.req
+        req.status = RequestStatus.RUNNING
+        hit = None
+        if seq.cache_key is not None:
+            hit = self.prompt_cache.take(seq.cache_key, seq.tokens)
+        if hit is not None:
+            seq.layers = hit.layers
+            req.num_computed_tokens = hit.num_tokens
+            req.cache_hit_type = hit.hit_type
+        else:
+            seq.layers = make_prompt_cache(self.model)
+            req.num_computed_tokens = 0
+            req.cache_hit_type = "miss" if seq.cache_key is not None else None
+        if not req.output_token_ids:  # a resumed request keeps its first-turn count
+            req.cached_tokens = req.num_computed_tokens
+        req.prompt_cache = seq.layers
+        self._prefilling.append(seq)
+
+    def _live_slots(self) -> int:
+        return len(self._prefilling) + len(self._running)
+
+    def _kv_in_use(self) -> int:
+        return sum(s.kv_tokens for s in self._prefilling) + sum(s.kv_tokens for s in self._running)
+
+    def _kv_fits(self, extra: int) -> bool:
+        return self.max_kv_tokens is None or self._kv_in_use() + extra <= self.max_kv_tokens
+
+    # --- prefill -------------------------------------------------------------------
+
+    def _prefill(self, budget: int) -> None:
+        # At most one chunk per step in total, so running decodes never stall longer.
+        budget = min(budget, self.prefill_chunk_tokens)
+        done: list[_Seq] = []
+        for seq in self._prefilling:
+            if budget <= 0:
+                break
+            todo = seq.tokens[seq.kv_tokens : len(seq.tokens) - 1]
+            chunk = todo[:budget]
+            if chunk:
+                self._forward_prefill(seq, chunk)
+                budget -= len(chunk)
+            if seq.kv_tokens == len(seq.tokens) - 1:
+                done.append(seq)
+        for seq in done:
+            self._prefilling.remove(seq)
+            self._join_batch(seq)
+
+    def _forward_prefill(self, seq: _Seq, chunk: list[int]) -> None:
+        body = getattr(self.model, "model", self.model)  # skip the LM head: no logits needed
+        hidden = body(mx.array([chunk]), cache=seq.layers)
+        mx.eval(hidden, [c.state for c in seq.layers])
+        seq.req.num_computed_tokens += len(chunk)
+        seq.req.remaining_tokens = seq.tokens[seq.kv_tokens : len(seq.tokens) - 1]
+
+    def _join_batch(self, seq: _Seq) -> None:
+        rows = [BatchKVCache.merge([layer]) for layer in seq.layers]
+        if self._batch is None:
+            self._batch = rows
+        else:
+            for batch, row in zip(self._batch, rows, strict=True):
+                batch.extend(row)
+        seq.layers = []
+        seq.req.prompt_cache = None
+        seq.req.remaining_tokens = []
+        self._running.append(seq)
+
+    # --- decode --------------------------------------------------------------------
+
+    def _make_room(self) -> None:
+        # Each running row grows by one token this step; preempt the request that
+        # sorts last (lowest priority, latest arrival) until the budget holds.
+        while len(self._running) > 1 and not self._kv_fits(len(self._running)):
+            victim = max(range(len(self._running)), key=lambda i: self._running[i].req)
+            self._preempt(victim)
+
+    def _preempt(self, row: int) -> None:
+        seq = self._running[row]
+        self._drop_rows([row], keep_kv=False)
+        seq.req.status = RequestStatus.PREEMPTED
+        seq.req.num_computed_tokens = 0
+        heapq.heappush(self._waiting, seq.req)
+        self.num_preemptions += 1
+
+    def _decode(self) -> list[StageOutput]:
+        inputs = mx.array([[s.tokens[-1]] for s in self._running])
+        logits = self.model(inputs, cache=self._batch)[:, -1, :]
+        tokens = sample_batch(logits, [s.sampler for s in self._running])
+        mx.eval(tokens, [s.sampler.key for s in self._running])
+        now = time.time()
+        outputs, finished = [], []
+        for row, (seq, token) in enumerate(zip(self._running, tokens.tolist(), strict=True)):
+            out = self._advance(seq, token, now)
+            outputs.append(StageOutput(seq.req.request_id, out, finished=out.finished))
+            if out.finished:
+                finished.append(row)
+        if finished:
+            self._drop_rows(finished)
+        return outputs
+
+    def _advance(self, seq: _Seq, token: int, now: float) -> RequestOutput:
+        req, params = seq.req, seq.req.sampling_params
+        req.append_output_token(token)
+        seq.tokens.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        status = None
+        if token in self._eos or token in params.stop_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+            delta = seq.detok.finish()
+        else:
+            delta = seq.detok.push([token])
+            if seq.detok.stopped:
+                status = RequestStatus.FINISHED_STOPPED
+            elif req.num_output_tokens >= params.max_tokens:
+                status = RequestStatus.FINISHED_LENGTH_CAPPED
+                delta += seq.detok.finish()
+        req.output_text = seq.detok.text
+        if status is not None:
+            req.set_finished(status)
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=[token],
+            new_text=delta,
+            output_token_ids=list(req.output_token_ids),
+            output_text=req.output_text,
+            finished=status is not None,
+            finish_reason=req.get_finish_reason() if status is not None else None,
+            prompt_tokens=req.num_prompt_tokens,
+            completion_tokens=req.num_output_tokens,
+            cached_tokens=req.cached_tokens,
+        )
+
+    def _drop_rows(self, rows: list[int], keep_kv: bool = True) -> None:
+        """Remove batch rows; with `keep_kv`, session KV goes to the prompt cache."""
+        assert self._batch is not None
+        for row in rows:
+            seq = self._running[row]
+            if keep_kv and seq.cache_key is not None:
+                self._release(seq, [batch.extract(row) for batch in self._batch])
+            if seq.req.is_finished():
+                del self._seqs[seq.req.request_id]
+        dropped = set(rows)
+        keep = [i for i in range(len(self._running)) if i not in dropped]
+        self._running = [self._running[i] for i in keep]
+        if not keep:
+            self._batch = None
+            mx.clear_cache()
+            return
+        for batch in self._batch:
+            batch.filter(keep)
+
+    def _release(self, seq: _Seq, layers: list[Any]) -> None:
+        if seq.cache_key is None or not layers:
+            return
+        kv_len = layers[0].offset
+        if kv_len > 0:
+            self.prompt_cache.put(seq.cache_key, seq.tokens[:kv_len], layers)

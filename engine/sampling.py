@@ -1,0 +1,109 @@
+"""Per-request sampling inside a shared decode batch.
+
+Each row of the batch's logits is shaped by its own request's `SamplingParams`:
+logits processors and penalties row by row (only rows that use them), then temperature,
+top-k, top-p and min-p as masked array ops over the whole batch, then a Gumbel-max draw
+whose noise comes from the request's own random key. A seeded request therefore draws
+the same tokens whichever other requests share its batch.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from engine.request import SamplingParams
+
+__all__ = ["RowSampler", "new_key", "sample_batch"]
+
+
+def new_key(seed: int | None) -> mx.array:
+    """A request's random key: from its seed, or fresh entropy when it has none."""
+    return mx.random.key(seed if seed is not None else random.getrandbits(63))
+
+
+@dataclass
+class RowSampler:
+    """What one batch row needs to be sampled: its params, history and random key."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    key: mx.array
+
+
+def sample_batch(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
+    """Sample one token per row of `logits` (B, V); advances each sampled row's key."""
+    logits = _process_rows(logits.astype(mx.float32), rows)
+    greedy = mx.argmax(logits, axis=-1)
+    if all(r.params.greedy for r in rows):
+        return greedy
+    sampled = _sample_filtered(logits, rows)
+    is_greedy = mx.array([r.params.greedy for r in rows])
+    return mx.where(is_greedy, greedy, sampled)
+
+
+def _process_rows(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
+    if not any(_needs_row_processing(r.params) for r in rows):
+        return logits
+    out = []
+    for i, row in enumerate(rows):
+        x = logits[i : i + 1]
+        if _needs_row_processing(row.params):
+            x = _process_row(x, row)
+        out.append(x)
+    return mx.concatenate(out, axis=0)
+
+
+def _needs_row_processing(p: SamplingParams) -> bool:
+    return bool(p.logits_processors) or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+
+
+def _process_row(x: mx.array, row: RowSampler) -> mx.array:
+    p = row.params
+    for fn in p.logits_processors or []:
+        x = fn(mx.array(row.prompt_ids + row.output_ids), x)
+    if p.repetition_penalty != 1.0:
+        # As in vLLM: every token seen in prompt or output is penalised.
+        seen = mx.array(sorted(set(row.prompt_ids) | set(row.output_ids)))
+        if seen.size:
+            vals = x[:, seen]
+            x[:, seen] = mx.where(
+                vals < 0, vals * p.repetition_penalty, vals / p.repetition_penalty
+            )
+    if p.presence_penalty != 0.0 and row.output_ids:
+        # As in the OpenAI API: only tokens the model itself produced.
+        produced = mx.array(sorted(set(row.output_ids)))
+        x[:, produced] = x[:, produced] - p.presence_penalty
+    return x
+
+
+def _sample_filtered(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
+    B, V = logits.shape
+    temps = mx.array([r.params.temperature or 1.0 for r in rows])[:, None]
+    scaled = logits / temps
+    # Work in descending order so top-k, top-p and min-p are all rank/prefix masks.
+    order = mx.argsort(-scaled, axis=-1)
+    vals = mx.take_along_axis(scaled, order, axis=-1)
+    ranks = mx.arange(V)[None, :]
+    top_k = mx.array([r.params.top_k or V for r in rows])[:, None]
+    vals = mx.where(ranks < top_k, vals, -mx.inf)
+    probs = mx.softmax(vals, axis=-1)
+    before = mx.cumsum(probs, axis=-1) - probs  # mass strictly above each rank
+    top_p = mx.array([r.params.top_p for r in rows])[:, None]
+    min_p = mx.array([r.params.min_p for r in rows])[:, None]
+    keep = (before < top_p) & (probs >= min_p * probs[:, :1])
+    vals = mx.where(keep, vals, -mx.inf)
+    noise = mx.stack([_gumbel(r, V) for r in rows])
+    picked = mx.argmax(vals + noise, axis=-1)
+    return mx.take_along_axis(order, picked[:, None], axis=-1)[:, 0]
+
+
+def _gumbel(row: RowSampler, V: int) -> mx.array:
+    if row.params.greedy:
+        return mx.zeros((V,))
+    row.key, sub = mx.random.split(row.key)
+    return mx.random.gumbel(shape=(V,), key=sub)

@@ -1,0 +1,217 @@
+"""The LLM stage served by an OpenAI-compatible chat-completions endpoint.
+
+vLLM, vllm-mlx and `mlx_lm.server` all stream `/v1/chat/completions` as server-sent
+events. This client keeps the local LLM stage's streaming contract (`StageOutput`s whose
+payload is a `RequestOutput` delta, the last one `finished` with usage), so the
+orchestrator cannot tell the two apart. It is network I/O, not model code, so it runs on
+the event loop; abort cancels the reading task, which closes the HTTP stream and lets the
+server stop generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+
+from engine.config import RemoteLlmConfig
+from engine.request import RequestOutput, SamplingParams
+from engine.stage import StageOutput
+
+__all__ = ["RemoteLlm"]
+
+_END = object()
+
+
+class ChatInputs(Protocol):
+    """What the LLM stage takes (`engine.llm.LlmInput` has these fields)."""
+
+    messages: Sequence[Mapping[str, Any]] | None
+    prompt_token_ids: Sequence[int] | None
+    sampling_params: SamplingParams
+    cache_key: str | None
+
+
+@dataclass
+class _Stream:
+    task: asyncio.Task[None]
+    queue: asyncio.Queue[Any]
+
+
+@dataclass
+class _Progress:
+    text: str = ""
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    usage_seen: bool = False
+
+
+class RemoteLlm:
+    """Streams chat completions from one remote server; one HTTP stream per request."""
+
+    def __init__(
+        self, config: RemoteLlmConfig, *, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
+        self.config = config
+        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self._client = httpx.AsyncClient(
+            base_url=config.base_url.rstrip("/") + "/",
+            headers=headers,
+            timeout=httpx.Timeout(config.timeout_s),
+            transport=transport,
+        )
+        self._streams: dict[str, _Stream] = {}
+
+    def stream(self, request_id: str, inputs: ChatInputs) -> AsyncIterator[StageOutput]:
+        """Start the request now; iterate its outputs. Leaving early aborts it."""
+        if request_id in self._streams:
+            raise ValueError(f"request {request_id!r} is already streaming")
+        body = chat_body(self.config.model, inputs)
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        task = asyncio.create_task(self._fetch(request_id, body, queue))
+        entry = _Stream(task, queue)
+        self._streams[request_id] = entry
+        return self._iterate(request_id, entry)
+
+    def abort(self, request_id: str) -> None:
+        """Close the request's HTTP stream; its iterator ends with no further output."""
+        entry = self._streams.pop(request_id, None)
+        if entry is None:
+            return
+        entry.task.cancel()
+        entry.queue.put_nowait(_END)
+
+    def pending(self) -> int:
+        return len(self._streams)
+
+    async def aclose(self) -> None:
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        await self._client.aclose()
+
+    async def _iterate(self, request_id: str, entry: _Stream) -> AsyncIterator[StageOutput]:
+        finished = False
+        try:
+            while True:
+                item = await entry.queue.get()
+                if item is _END:
+                    finished = True
+                    return
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if self._streams.get(request_id) is entry:
+                if finished:
+                    del self._streams[request_id]
+                else:
+                    self.abort(request_id)
+
+    async def _fetch(self, request_id: str, body: dict[str, Any], queue: asyncio.Queue) -> None:
+        progress = _Progress()
+        try:
+            async with self._client.stream("POST", "chat/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    detail = (await resp.aread()).decode("utf-8", "replace")[:300]
+                    raise RemoteLlmError(f"HTTP {resp.status_code}: {detail}")
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue  # SSE comments, keep-alives and blank separators
+                    data = line[len("data:") :].strip()
+                    if data == "[DONE]":
+                        break
+                    delta = _apply_chunk(progress, json.loads(data))
+                    if delta:
+                        queue.put_nowait(_delta_output(request_id, progress, delta))
+            queue.put_nowait(_final_output(request_id, progress))
+        except asyncio.CancelledError:
+            raise
+        except (httpx.HTTPError, RemoteLlmError, ValueError, KeyError, TypeError) as exc:
+            error = f"remote LLM at {self.config.base_url}: {type(exc).__name__}: {exc}"
+            queue.put_nowait(StageOutput(request_id, None, finished=True, error=error))
+
+
+class RemoteLlmError(RuntimeError):
+    """The server answered, but not with a chat-completions stream."""
+
+
+def chat_body(model: str, inputs: ChatInputs) -> dict[str, Any]:
+    """The request body for `inputs`; raises ValueError for what a server cannot take."""
+    if inputs.prompt_token_ids is not None or not inputs.messages:
+        raise ValueError("the remote LLM takes chat messages, not prompt token ids")
+    params = inputs.sampling_params
+    if params.stop_token_ids or params.logits_processors:
+        raise ValueError("the remote LLM supports neither stop_token_ids nor logits_processors")
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [dict(m) for m in inputs.messages],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "presence_penalty": params.presence_penalty,
+        # Not in OpenAI's schema, but vLLM, vllm-mlx and mlx_lm.server honour them.
+        "top_k": params.top_k,
+        "min_p": params.min_p,
+        "repetition_penalty": params.repetition_penalty,
+    }
+    if params.stop:
+        body["stop"] = list(params.stop)
+    if params.seed is not None:
+        body["seed"] = params.seed
+    if inputs.cache_key:
+        body["prompt_cache_key"] = inputs.cache_key
+    return body
+
+
+def _apply_chunk(progress: _Progress, chunk: Mapping[str, Any]) -> str:
+    """Fold one SSE chunk into `progress`; return its new text."""
+    usage = chunk.get("usage")
+    if usage:
+        progress.usage_seen = True
+        progress.prompt_tokens = int(usage.get("prompt_tokens", 0))
+        progress.completion_tokens = int(usage.get("completion_tokens", 0))
+        details = usage.get("prompt_tokens_details") or {}
+        progress.cached_tokens = int(details.get("cached_tokens") or 0)
+    text = ""
+    for choice in chunk.get("choices") or ():
+        text += (choice.get("delta") or {}).get("content") or ""
+        if choice.get("finish_reason"):
+            progress.finish_reason = choice["finish_reason"]
+    if text:
+        progress.text += text
+        if not progress.usage_seen:
+            # Servers stream about one token per chunk; exact usage replaces this count.
+            progress.completion_tokens += 1
+    return text
+
+
+def _delta_output(request_id: str, progress: _Progress, delta: str) -> StageOutput:
+    out = RequestOutput(
+        request_id=request_id,
+        new_text=delta,
+        output_text=progress.text,
+        completion_tokens=progress.completion_tokens,
+    )
+    return StageOutput(request_id, out)
+
+
+def _final_output(request_id: str, progress: _Progress) -> StageOutput:
+    out = RequestOutput(
+        request_id=request_id,
+        output_text=progress.text,
+        finished=True,
+        finish_reason=progress.finish_reason or "stop",
+        prompt_tokens=progress.prompt_tokens,
+        completion_tokens=progress.completion_tokens,
+        cached_tokens=progress.cached_tokens,
+    )
+    return StageOutput(request_id, out, finished=True)

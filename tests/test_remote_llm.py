@@ -1,0 +1,228 @@
+"""Remote LLM stage: request mapping, SSE parsing, errors, and a real mlx_lm.server."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from engine.config import RemoteLlmConfig
+from engine.remote_llm import RemoteLlm, chat_body
+from engine.request import SamplingParams
+from engine.stage import StageOutput
+
+ROOT = Path(__file__).resolve().parent.parent
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@dataclass
+class Inputs:
+    messages: list[dict[str, str]] | None = field(default_factory=lambda: list(QUESTION))
+    prompt_token_ids: list[int] | None = None
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    cache_key: str | None = None
+
+
+def _config(base_url: str = "http://server.test/v1", **extra: Any) -> RemoteLlmConfig:
+    return RemoteLlmConfig(base_url=base_url, model="served", **extra)
+
+
+def test_every_sampling_field_reaches_the_body() -> None:
+    params = SamplingParams(
+        max_tokens=12,
+        temperature=0.3,
+        top_p=0.8,
+        top_k=20,
+        min_p=0.05,
+        presence_penalty=0.4,
+        repetition_penalty=1.2,
+        stop=["\n\n"],
+        seed=7,
+    )
+    body = chat_body("served", Inputs(sampling_params=params, cache_key="sess-1"))
+    assert body == {
+        "model": "served",
+        "messages": QUESTION,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 12,
+        "temperature": 0.3,
+        "top_p": 0.8,
+        "presence_penalty": 0.4,
+        "top_k": 20,
+        "min_p": 0.05,
+        "repetition_penalty": 1.2,
+        "stop": ["\n\n"],
+        "seed": 7,
+        "prompt_cache_key": "sess-1",
+    }
+
+
+def test_what_a_server_cannot_take_is_rejected() -> None:
+    with pytest.raises(ValueError, match="not prompt token ids"):
+        chat_body("m", Inputs(messages=None, prompt_token_ids=[1, 2]))
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        chat_body("m", Inputs(sampling_params=SamplingParams(stop_token_ids=[2])))
+
+
+def _sse(*chunks: dict[str, Any]) -> bytes:
+    lines = [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+    return (": keep-alive\n\n" + "".join(lines)).encode()
+
+
+def _choice(content: str | None, finish: str | None = None) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}]}
+
+
+async def _collect(llm: RemoteLlm, request_id: str = "r1", **kw: Any) -> list[StageOutput]:
+    return [out async for out in llm.stream(request_id, Inputs(**kw))]
+
+
+async def test_stream_is_parsed_into_request_outputs() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        usage = {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}
+        body = _sse(
+            _choice("Paris"),
+            _choice(" is"),
+            _choice(" it.", "stop"),
+            {"choices": [], "usage": usage},
+        )
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    llm = RemoteLlm(_config(api_key="secret"), transport=httpx.MockTransport(handler))
+    outs = await _collect(llm)
+    await llm.aclose()
+    assert [o.payload.new_text for o in outs[:-1]] == ["Paris", " is", " it."]
+    final = outs[-1]
+    assert final.finished and final.error is None
+    assert final.payload.output_text == "Paris is it."
+    assert final.payload.finish_reason == "stop"
+    assert final.payload.usage() == {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}
+    assert seen[0].url == "http://server.test/v1/chat/completions"
+    assert seen[0].headers["authorization"] == "Bearer secret"
+    assert llm.pending() == 0
+
+
+async def test_http_error_becomes_an_error_output() -> None:
+    transport = httpx.MockTransport(lambda r: httpx.Response(503, text="overloaded"))
+    llm = RemoteLlm(_config(), transport=transport)
+    outs = await _collect(llm)
+    await llm.aclose()
+    assert len(outs) == 1 and outs[0].finished
+    assert (
+        outs[0].error is not None and "HTTP 503" in outs[0].error and "overloaded" in outs[0].error
+    )
+
+
+async def test_unreachable_server_becomes_an_error_output() -> None:
+    llm = RemoteLlm(_config(f"http://127.0.0.1:{_free_port()}/v1", timeout_s=2.0))
+    outs = await _collect(llm)
+    await llm.aclose()
+    assert outs[-1].finished and outs[-1].error is not None and "ConnectError" in outs[-1].error
+
+
+async def test_a_request_id_streams_once() -> None:
+    llm = RemoteLlm(_config(), transport=httpx.MockTransport(lambda r: httpx.Response(200)))
+    stream = llm.stream("dup", Inputs())
+    with pytest.raises(ValueError, match="already streaming"):
+        llm.stream("dup", Inputs())
+    assert [o.finished async for o in stream] == [True]
+    await llm.aclose()
+
+
+# ---- against a real mlx_lm.server serving the embedded SmolLM2 -----------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def mlx_server() -> Iterator[str]:
+    from engine.registry import prepare
+
+    model_dir = prepare("smollm2-135m-instruct", precision="fp32", progress=False)
+    port = _free_port()
+    # Import the engine package first so the server's MLX uses the fast BLAS too.
+    code = "import engine, sys; from mlx_lm.server import main; sys.exit(main())"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "--model", str(model_dir), "--host", "127.0.0.1"]
+        + ["--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(proc, base)
+        yield base + "/v1"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_ready(proc: subprocess.Popen, base: str) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode() if proc.stderr else ""
+            raise RuntimeError(f"mlx_lm.server exited: {err[-2000:]}")
+        try:
+            if httpx.get(base + "/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    raise RuntimeError("mlx_lm.server did not start in 120 s")
+
+
+async def test_real_server_answers_the_question(mlx_server: str) -> None:
+    llm = RemoteLlm(RemoteLlmConfig(base_url=mlx_server, model="default_model"))
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    outs = await _collect(llm, sampling_params=params)
+    await llm.aclose()
+    final = outs[-1]
+    assert final.finished and final.error is None
+    deltas = "".join(o.payload.new_text for o in outs[:-1])
+    assert deltas == final.payload.output_text
+    assert "Paris" in deltas
+    assert final.payload.prompt_tokens > 5
+    assert 0 < final.payload.completion_tokens <= 24
+    assert final.payload.finish_reason in ("stop", "length")
+
+
+async def test_real_server_abort_mid_stream(mlx_server: str) -> None:
+    llm = RemoteLlm(RemoteLlmConfig(base_url=mlx_server, model="default_model"))
+    counting = [{"role": "user", "content": "Count from one to two hundred in words."}]
+    params = SamplingParams(max_tokens=200, temperature=0.0)
+    stream = llm.stream("long", Inputs(messages=counting, sampling_params=params))
+    got: list[StageOutput] = []
+    async for out in stream:
+        got.append(out)
+        if len(got) == 3:
+            llm.abort("long")
+    assert len(got) == 3 and not any(o.finished for o in got)
+    assert llm.pending() == 0
+    # The server is free again: a new request completes normally.
+    outs = await _collect(llm, "next", sampling_params=SamplingParams(max_tokens=8, temperature=0))
+    await llm.aclose()
+    assert outs[-1].finished and outs[-1].error is None

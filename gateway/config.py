@@ -1,0 +1,59 @@
+"""The `gateway:` section of a profile (configs/*.yaml), validated once at start-up.
+
+Every key here is used by the server or the realtime session; an unknown key is an
+error so that a misspelt limit cannot be silently ignored.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["GatewayConfig", "SessionLimits", "load_profile"]
+
+
+class SessionLimits(BaseModel):
+    """Per-connection bounds: what one client can make the server hold."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Incoming frames above this are refused by the WebSocket layer (close 1009).
+    max_frame_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    # Outgoing audio deltas are cut to at most this much audio.
+    output_chunk_ms: int = Field(100, ge=10, le=1000)
+    # Uncommitted input audio kept at most (manual mode); beyond it appends are refused.
+    max_input_buffer_ms: int = Field(15 * 60 * 1000, ge=1000)
+    # Conversation items kept at most; creating more is refused.
+    max_items: int = Field(512, ge=2)
+    # Messages of history handed to the LLM per turn when truncation is "auto".
+    max_context_messages: int = Field(64, ge=1)
+    # Server events queued for a client that does not read; beyond it the session closes.
+    send_queue_events: int = Field(2048, ge=16)
+    # Wall-clock cap on one session, like the service's 60-minute limit.
+    max_session_s: float = Field(3600.0, gt=0)
+
+
+class GatewayConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(8765, ge=0, le=65535)
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()
+    max_sessions: int = Field(16, ge=1)
+    model_name: str = "duplex-smollm2"
+    voices: tuple[str, ...] = ("joe",)
+    transcription_languages: tuple[str, ...] = ("en",)
+    web_root: Path | None = None
+    limits: SessionLimits = SessionLimits()
+
+
+def load_profile(path: Path) -> tuple[dict[str, Any], GatewayConfig]:
+    """The whole profile (for the engine) and its validated `gateway:` section."""
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a profile is a YAML mapping")
+    return data, GatewayConfig.model_validate(data.get("gateway") or {})

@@ -1,0 +1,239 @@
+"""Conversation items of a realtime session, and what each contributes to the LLM context.
+
+An assistant item keeps the span of each audio chunk it spoke with that chunk's text, so
+truncating at `audio_end_ms` keeps exactly the words the client played.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gateway.audio import ENGINE_RATE, AudioFormat, AudioFormatError, decode_base64, resample
+from gateway.protocol import ItemIn, new_id
+
+__all__ = ["Conversation", "Item", "heard_prefix"]
+
+
+@dataclass
+class Item:
+    id: str
+    role: str
+    status: str = "completed"
+    text_value: str | None = None  # input_text / output_text / system text
+    transcript: str | None = None  # of input or output audio
+    audio: bytearray | None = None  # wire bytes in `audio_format`
+    audio_format: AudioFormat | None = None
+    pending_audio: np.ndarray | None = None  # 16 kHz user audio not yet transcribed
+    spans: list[tuple[float, float, str]] = field(default_factory=list)
+    spoken: bool = False  # an assistant item answering with audio
+
+    @classmethod
+    def user_audio(cls, item_id: str, data: bytes, fmt: AudioFormat, audio16k: np.ndarray) -> Item:
+        return cls(item_id, "user", audio=bytearray(data), audio_format=fmt, pending_audio=audio16k)
+
+    @classmethod
+    def assistant(cls, item_id: str, modalities: tuple[str, ...]) -> Item:
+        spoken = "audio" in modalities
+        return cls(
+            item_id,
+            "assistant",
+            status="in_progress",
+            text_value=None if spoken else "",
+            transcript="" if spoken else None,
+            audio=bytearray() if spoken else None,
+            spoken=spoken,
+        )
+
+    @classmethod
+    def from_client(cls, raw: dict[str, Any], input_format: AudioFormat) -> Item:
+        """An item from `conversation.item.create` or `response.input`; raises ValueError."""
+        spec = ItemIn.model_validate(raw)
+        if spec.type != "message":
+            raise ValueError("function call items are not supported (no tools)", "item.type")
+        if spec.role is None:
+            raise ValueError("a message item needs a role", "item.role")
+        item = cls(spec.id or new_id("item"), spec.role, status="completed")
+        texts: list[str] = []
+        for index, part in enumerate(spec.content or []):
+            param = f"item.content.{index}"
+            allowed = _ALLOWED_CONTENT[spec.role]
+            if part.type not in allowed:
+                raise ValueError(
+                    f"{spec.role} messages take content of type {', '.join(sorted(allowed))}, "
+                    f"not {part.type!r}",
+                    f"{param}.type",
+                )
+            if part.type == "input_audio":
+                item._attach_audio(part.audio, part.transcript, input_format, param)
+            elif part.text is None:
+                raise ValueError(f"content of type {part.type!r} needs text", f"{param}.text")
+            else:
+                texts.append(part.text)
+        if texts:
+            item.text_value = "".join(texts)
+        if item.text_value is None and item.audio is None:
+            raise ValueError("a message needs text or audio content", "item.content")
+        return item
+
+    def _attach_audio(
+        self, b64: str | None, transcript: str | None, fmt: AudioFormat, param: str
+    ) -> None:
+        if b64 is None:
+            raise ValueError("input_audio content needs audio", f"{param}.audio")
+        try:
+            data = decode_base64(b64)
+            samples = fmt.decode(data)
+        except AudioFormatError as exc:
+            raise ValueError(str(exc), f"{param}.audio") from None
+        self.audio, self.audio_format = bytearray(data), fmt
+        if transcript:
+            self.transcript = transcript
+        else:
+            self.pending_audio = resample(samples, fmt.rate, ENGINE_RATE)
+
+    @property
+    def has_audio(self) -> bool:
+        return self.audio is not None
+
+    @property
+    def audio_ms(self) -> float:
+        if self.audio is None or self.audio_format is None:
+            return 0.0
+        return self.audio_format.duration_ms(len(self.audio))
+
+    def text(self) -> str:
+        return self.text_value if self.text_value is not None else (self.transcript or "")
+
+    def message(self) -> dict[str, str] | None:
+        """This item as one LLM chat message, or None if it holds no words."""
+        content = self.text()
+        if not content:
+            return None
+        return {"role": self.role, "content": content}
+
+    def set_transcript(self, text: str) -> None:
+        self.transcript = text
+        self.pending_audio = None
+
+    def add_audio(self, data: bytes, start_ms: float, end_ms: float, text: str) -> None:
+        assert self.audio is not None
+        self.audio.extend(data)
+        self.spans.append((start_ms, end_ms, text))
+        self.transcript = " ".join(t.strip() for _, _, t in self.spans if t.strip())
+
+    def set_output_format(self, fmt: AudioFormat) -> None:
+        self.audio_format = fmt
+
+    def truncate(self, audio_end_ms: int) -> None:
+        """Keep the audio and the words heard up to `audio_end_ms`."""
+        assert self.audio is not None and self.audio_format is not None
+        keep = int(audio_end_ms * self.audio_format.bytes_per_ms)
+        keep -= keep % self.audio_format.sample_bytes
+        del self.audio[keep:]
+        self.transcript = heard_prefix(self.spans, audio_end_ms)
+        self.spans = [s for s in self.spans if s[0] < audio_end_ms]
+
+    def part(self) -> dict[str, Any]:
+        """The content part as `response.content_part.*` carries it."""
+        if self.spoken:
+            return {"type": "audio", "transcript": self.transcript or ""}
+        return {"type": "text", "text": self.text_value or ""}
+
+    def public(self, with_audio: bool = False) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "realtime.item",
+            "type": "message",
+            "status": self.status,
+            "role": self.role,
+            "content": self._content(with_audio),
+        }
+
+    def _content(self, with_audio: bool) -> list[dict[str, Any]]:
+        parts: list[dict[str, Any]] = []
+        if self.role == "assistant":
+            if self.spoken:
+                parts.append({"type": "output_audio", "transcript": self.transcript})
+            elif self.text_value:
+                parts.append({"type": "output_text", "text": self.text_value})
+        elif self.text_value is not None:
+            parts.append({"type": "input_text", "text": self.text_value})
+        if self.role == "user" and self.audio is not None:
+            parts.append({"type": "input_audio", "transcript": self.transcript})
+        if with_audio and self.audio is not None:
+            audio_part = parts[-1]
+            audio_part["audio"] = base64.b64encode(bytes(self.audio)).decode("ascii")
+        return parts
+
+
+_ALLOWED_CONTENT = {
+    "user": {"input_text", "input_audio"},
+    "assistant": {"output_text", "text"},
+    "system": {"input_text"},
+}
+
+
+def heard_prefix(spans: list[tuple[float, float, str]], audio_end_ms: float) -> str:
+    """The words of `spans` played by `audio_end_ms`: whole chunks, plus the heard share
+    of the words of the chunk playing at that moment."""
+    words: list[str] = []
+    for start, end, text in spans:
+        chunk_words = text.split()
+        if end <= audio_end_ms:
+            words += chunk_words
+        elif start < audio_end_ms:
+            share = (audio_end_ms - start) / max(end - start, 1e-9)
+            words += chunk_words[: int(len(chunk_words) * share)]
+    return " ".join(words)
+
+
+class Conversation:
+    """Ordered items with O(1) lookup; `previous_item_id` "root" means the start."""
+
+    def __init__(self, max_items: int) -> None:
+        self.max_items = max_items
+        self._items: list[Item] = []
+        self._by_id: dict[str, Item] = {}
+
+    def __contains__(self, item_id: str) -> bool:
+        return item_id in self._by_id
+
+    def get(self, item_id: str) -> Item | None:
+        return self._by_id.get(item_id)
+
+    def items(self) -> list[Item]:
+        return list(self._items)
+
+    def last_id(self) -> str | None:
+        return self._items[-1].id if self._items else None
+
+    def previous_id(self, item_id: str) -> str | None:
+        index = self._index(item_id)
+        return self._items[index - 1].id if index > 0 else None
+
+    def insert(self, item: Item, previous_item_id: str | None) -> None:
+        if len(self._items) >= self.max_items:
+            raise ValueError(
+                f"the conversation holds the maximum of {self.max_items} items; delete some"
+            )
+        if previous_item_id is None:
+            position = len(self._items)
+        elif previous_item_id == "root":
+            position = 0
+        elif previous_item_id in self._by_id:
+            position = self._index(previous_item_id) + 1
+        else:
+            raise KeyError(f"previous_item_id {previous_item_id!r} does not exist")
+        self._items.insert(position, item)
+        self._by_id[item.id] = item
+
+    def delete(self, item_id: str) -> None:
+        self._items.pop(self._index(item_id))
+        del self._by_id[item_id]
+
+    def _index(self, item_id: str) -> int:
+        return next(i for i, item in enumerate(self._items) if item.id == item_id)

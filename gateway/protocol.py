@@ -1,0 +1,270 @@
+"""Pydantic models of the Realtime client events (GA and beta shapes) and the server-event
+type names of both shapes.
+
+Client events are validated strictly: an unknown field is an error rather than a setting
+silently dropped. Server events are plain dicts built by `gateway.realtime` in the GA
+shape; `to_beta` renames them when the client asked for the beta shape.
+"""
+
+from __future__ import annotations
+
+import secrets
+import string
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.audio import format_from_ga
+
+__all__ = [
+    "BetaResponseIn",
+    "BetaSessionIn",
+    "CLIENT_EVENTS",
+    "ContentIn",
+    "GAResponseIn",
+    "GASessionIn",
+    "ItemIn",
+    "ItemReferenceIn",
+    "TurnDetectionIn",
+    "new_id",
+    "to_beta",
+]
+
+_BASE62 = string.ascii_letters + string.digits
+
+
+def new_id(prefix: str) -> str:
+    """An id like the service's: a prefix (`event`, `item`, `resp`, `sess`) + 21 base62."""
+    return f"{prefix}_" + "".join(secrets.choice(_BASE62) for _ in range(21))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TurnDetectionIn(_Strict):
+    type: Literal["server_vad", "semantic_vad"] | None = None
+    threshold: float | None = Field(None, ge=0.0, le=1.0)
+    prefix_padding_ms: int | None = Field(None, ge=0, le=10_000)
+    silence_duration_ms: int | None = Field(None, ge=0, le=10_000)
+    create_response: bool | None = None
+    interrupt_response: bool | None = None
+    idle_timeout_ms: int | None = Field(None, ge=1_000, le=600_000)
+    eagerness: Literal["low", "medium", "high", "auto"] | None = None
+
+
+class TranscriptionIn(_Strict):
+    model: str | None = None
+    language: str | None = None
+    prompt: str | None = None
+
+
+class FormatIn(_Strict):
+    type: str
+    rate: int | None = None
+
+
+class AudioInputIn(_Strict):
+    format: FormatIn | None = None
+    transcription: TranscriptionIn | None = None
+    noise_reduction: dict[str, Any] | None = None
+    turn_detection: TurnDetectionIn | None = None
+
+
+class AudioOutputIn(_Strict):
+    format: FormatIn | None = None
+    voice: str | None = None
+    speed: float | None = Field(None, ge=0.25, le=1.5)
+
+
+class AudioIn(_Strict):
+    input: AudioInputIn | None = None
+    output: AudioOutputIn | None = None
+
+
+class _SharedSessionIn(_Strict):
+    model: str | None = None
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    # Echoed by clients that send back the session object they were given.
+    id: str | None = None
+    object: str | None = None
+    expires_at: int | None = None
+
+
+class GASessionIn(_SharedSessionIn):
+    type: Literal["realtime", "transcription"]
+    output_modalities: list[Literal["text", "audio"]] | None = None
+    audio: AudioIn | None = None
+    max_output_tokens: int | Literal["inf"] | None = None
+    tracing: Any = None
+    prompt: Any = None
+    truncation: Any = None
+    include: list[str] | None = None
+
+
+class BetaSessionIn(_SharedSessionIn):
+    modalities: list[Literal["text", "audio"]] | None = None
+    voice: str | None = None
+    input_audio_format: str | None = None
+    output_audio_format: str | None = None
+    input_audio_transcription: TranscriptionIn | None = None
+    input_audio_noise_reduction: dict[str, Any] | None = None
+    turn_detection: TurnDetectionIn | None = None
+    temperature: float | None = None
+    max_response_output_tokens: int | Literal["inf"] | None = None
+    speed: float | None = Field(None, ge=0.25, le=1.5)
+    tracing: Any = None
+    include: list[str] | None = None
+
+
+class ContentIn(_Strict):
+    type: Literal[
+        "input_text", "input_audio", "input_image", "output_text", "output_audio", "text", "audio"
+    ]
+    text: str | None = None
+    audio: str | None = None
+    transcript: str | None = None
+    image_url: str | None = None
+    detail: str | None = None
+
+
+class ItemIn(_Strict):
+    id: str | None = Field(None, max_length=64)
+    type: Literal["message", "function_call", "function_call_output"]
+    object: Literal["realtime.item"] | None = None
+    status: Literal["completed", "incomplete", "in_progress"] | None = None
+    role: Literal["user", "assistant", "system"] | None = None
+    content: list[ContentIn] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
+
+
+class ItemReferenceIn(_Strict):
+    type: Literal["item_reference"]
+    id: str
+
+
+class _SharedResponseIn(_Strict):
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    conversation: Literal["auto", "none"] | str | None = None
+    metadata: dict[str, str] | None = None
+    input: list[ItemIn | ItemReferenceIn] | None = None
+    prompt: Any = None
+
+
+class GAResponseIn(_SharedResponseIn):
+    output_modalities: list[Literal["text", "audio"]] | None = None
+    max_output_tokens: int | Literal["inf"] | None = None
+    audio: AudioIn | None = None
+
+
+class BetaResponseIn(_SharedResponseIn):
+    modalities: list[Literal["text", "audio"]] | None = None
+    voice: str | None = None
+    output_audio_format: str | None = None
+    temperature: float | None = None
+    max_response_output_tokens: int | Literal["inf"] | None = None
+
+
+class _Event(_Strict):
+    type: str
+    event_id: str | None = None
+
+
+class SessionUpdateIn(_Event):
+    session: dict[str, Any]
+
+
+class AppendIn(_Event):
+    audio: str
+
+
+class EmptyIn(_Event):
+    pass
+
+
+class ItemCreateIn(_Event):
+    item: dict[str, Any]
+    previous_item_id: str | None = None
+
+
+class ItemIdIn(_Event):
+    item_id: str
+
+
+class TruncateIn(_Event):
+    item_id: str
+    content_index: int = Field(ge=0)
+    audio_end_ms: int = Field(ge=0)
+
+
+class ResponseCreateIn(_Event):
+    response: dict[str, Any] | None = None
+
+
+class ResponseCancelIn(_Event):
+    response_id: str | None = None
+
+
+CLIENT_EVENTS: dict[str, type[_Event]] = {
+    "session.update": SessionUpdateIn,
+    "transcription_session.update": SessionUpdateIn,
+    "input_audio_buffer.append": AppendIn,
+    "input_audio_buffer.commit": EmptyIn,
+    "input_audio_buffer.clear": EmptyIn,
+    "output_audio_buffer.clear": EmptyIn,
+    "conversation.item.create": ItemCreateIn,
+    "conversation.item.retrieve": ItemIdIn,
+    "conversation.item.delete": ItemIdIn,
+    "conversation.item.truncate": TruncateIn,
+    "response.create": ResponseCreateIn,
+    "response.cancel": ResponseCancelIn,
+}
+
+_BETA_TYPES = {
+    "response.output_text.delta": "response.text.delta",
+    "response.output_text.done": "response.text.done",
+    "response.output_audio.delta": "response.audio.delta",
+    "response.output_audio.done": "response.audio.done",
+    "response.output_audio_transcript.delta": "response.audio_transcript.delta",
+    "response.output_audio_transcript.done": "response.audio_transcript.done",
+    "conversation.item.added": "conversation.item.created",
+}
+_BETA_CONTENT = {"output_text": "text", "output_audio": "audio"}
+
+
+def _beta_item(item: dict[str, Any]) -> dict[str, Any]:
+    content = [
+        {**part, "type": _BETA_CONTENT.get(part["type"], part["type"])}
+        for part in item.get("content", [])
+    ]
+    return {**item, "content": content} if "content" in item else item
+
+
+def to_beta(event: dict[str, Any]) -> dict[str, Any] | None:
+    """The beta spelling of a GA server event, or None where beta has no such event."""
+    kind = event["type"]
+    if kind == "conversation.item.done":
+        return None  # beta announces an item once, as conversation.item.created
+    out = {**event, "type": _BETA_TYPES.get(kind, kind)}
+    if "item" in out:
+        out["item"] = _beta_item(out["item"])
+    if kind in ("response.created", "response.done"):
+        out["response"] = _beta_response(out["response"])
+    return out
+
+
+def _beta_response(response: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in response.items() if k not in ("output_modalities", "audio")}
+    out["modalities"] = response["output_modalities"]
+    out["voice"] = response["audio"]["output"]["voice"]
+    out["output_audio_format"] = format_from_ga(response["audio"]["output"]["format"]).beta_name
+    out["max_response_output_tokens"] = out.pop("max_output_tokens")
+    out["output"] = [_beta_item(item) for item in response["output"]]
+    return out

@@ -1,0 +1,120 @@
+"""Per-response settings: the session's defaults overridden by `response.create`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.audio import AudioFormat
+from gateway.config import GatewayConfig
+from gateway.conversation import Item
+from gateway.protocol import BetaResponseIn, GAResponseIn, ItemReferenceIn
+from gateway.session_config import (
+    SessionSettings,
+    SettingError,
+    _beta_format,
+    _ga_format,
+    _max_tokens,
+    _modalities,
+)
+
+__all__ = ["ResponseOptions", "parse_response_options"]
+
+
+@dataclass(frozen=True)
+class ResponseOptions:
+    instructions: str
+    output_modalities: tuple[str, ...]
+    max_output_tokens: int | None
+    voice: str
+    output_format: AudioFormat
+    out_of_band: bool = False
+    metadata: dict[str, str] | None = None
+    # None: the conversation; else items (or ids of conversation items) as the context.
+    input: list[Item | str] | None = None
+
+    @classmethod
+    def from_session(cls, settings: SessionSettings) -> ResponseOptions:
+        return cls(
+            instructions=settings.instructions,
+            output_modalities=settings.output_modalities,
+            max_output_tokens=settings.max_output_tokens,
+            voice=settings.voice,
+            output_format=settings.output_format,
+        )
+
+
+def parse_response_options(
+    raw: dict[str, Any], settings: SessionSettings, *, beta: bool, config: GatewayConfig
+) -> ResponseOptions:
+    """Raises SettingError (or pydantic's ValidationError) for what cannot be honoured."""
+    spec = BetaResponseIn.model_validate(raw) if beta else GAResponseIn.model_validate(raw)
+    options = ResponseOptions.from_session(settings)
+    changes: dict[str, Any] = {}
+    if spec.tools:
+        raise SettingError("function tools are not supported by this gateway", "response.tools")
+    if spec.tool_choice not in (None, "auto", "none"):
+        raise SettingError("tool_choice must be 'auto' or 'none'", "response.tool_choice")
+    if spec.prompt is not None:
+        raise SettingError("stored prompts are not supported", "response.prompt")
+    if spec.conversation not in (None, "auto", "none"):
+        raise SettingError("conversation must be 'auto' or 'none'", "response.conversation")
+    if spec.instructions is not None:
+        changes["instructions"] = spec.instructions
+    changes["out_of_band"] = spec.conversation == "none"
+    changes["metadata"] = spec.metadata
+    if spec.input is not None:
+        changes["input"] = [_input_entry(entry, settings) for entry in spec.input]
+    changes.update(_beta_overrides(spec) if beta else _ga_overrides(spec))
+    voice = changes.get("voice")
+    if voice is not None and voice not in config.voices:
+        raise SettingError(
+            f"unknown voice {voice!r}; supported: {', '.join(config.voices)}", "response.voice"
+        )
+    fields = {**options.__dict__, **changes}
+    return ResponseOptions(**fields)
+
+
+def _ga_overrides(spec: GAResponseIn) -> dict[str, Any]:
+    changes: dict[str, Any] = {}
+    if spec.output_modalities is not None:
+        changes["output_modalities"] = _modalities(spec.output_modalities, ga=True)
+    if "max_output_tokens" in spec.model_fields_set:
+        changes["max_output_tokens"] = _max_tokens(spec.max_output_tokens)
+    output = spec.audio.output if spec.audio else None
+    if spec.audio and spec.audio.input:
+        raise SettingError("a response takes no input audio settings", "response.audio.input")
+    if output and output.format is not None:
+        changes["output_format"] = _ga_format(
+            output.format.model_dump(exclude_none=True), "response.audio.output.format"
+        )
+    if output and output.voice is not None:
+        changes["voice"] = output.voice
+    if output and output.speed is not None:
+        raise SettingError("speed is a session setting", "response.audio.output.speed")
+    return changes
+
+
+def _beta_overrides(spec: BetaResponseIn) -> dict[str, Any]:
+    changes: dict[str, Any] = {}
+    if spec.modalities is not None:
+        changes["output_modalities"] = _modalities(spec.modalities, ga=False)
+    if "max_response_output_tokens" in spec.model_fields_set:
+        changes["max_output_tokens"] = _max_tokens(spec.max_response_output_tokens)
+    if spec.output_audio_format is not None:
+        changes["output_format"] = _beta_format(spec.output_audio_format, "output_audio_format")
+    if spec.voice is not None:
+        changes["voice"] = spec.voice
+    if spec.temperature is not None:
+        raise SettingError("temperature is not supported", "response.temperature")
+    return changes
+
+
+def _input_entry(entry: Any, settings: SessionSettings) -> Item | str:
+    if isinstance(entry, ItemReferenceIn):
+        return entry.id
+    try:
+        return Item.from_client(entry.model_dump(exclude_none=True), settings.input_format)
+    except ValueError as exc:
+        param = exc.args[1] if len(exc.args) > 1 else "item"
+        raise SettingError(str(exc.args[0]), "response.input." + param) from None

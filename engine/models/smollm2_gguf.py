@@ -10,6 +10,7 @@ permutation, and either dequantizes to fp32 or keeps the quantized weights.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 __all__ = ["CONVERTER_VERSION", "convert"]
 
-CONVERTER_VERSION = "1"
+CONVERTER_VERSION = "2"
 GROUP_SIZE = 32  # every GGUF block type MLX reads (Q4_0, Q4_1, Q8_0) has 32 weights
 SPECIAL_TOKEN_TYPE = 3  # llama.cpp's CONTROL token type
 
@@ -151,8 +152,9 @@ def _convert_weights(
         mx.eval(*parts.values())
         progress(i + 1, len(grouped))
     if quantized:
-        first = next(iter(quantized.values()))
-        quantized = {"group_size": GROUP_SIZE, "bits": first["bits"], **quantized}
+        # The default is the most common width; the rest stay as per-module overrides.
+        widths = Counter(q["bits"] for q in quantized.values())
+        quantized = {"group_size": GROUP_SIZE, "bits": widths.most_common(1)[0][0], **quantized}
     return out, quantized
 
 

@@ -1,0 +1,92 @@
+"""Session events: what the gateway reads from `DuplexSessionHandle.events()`.
+
+Every session yields, in order:
+
+- `SessionOpened` once, first;
+- for each turn (one turn = one response attempt, numbered by `turn_id`):
+  any number of `TurnOutput` (a stage output to send to the client, e.g. the user's
+  transcript, LLM text deltas, TTS audio chunks), then exactly one `TurnDone`;
+- `SessionClosed` once, last; the iterator ends after it.
+
+No `TurnOutput` of a turn ever follows that turn's `TurnDone`: outputs still in flight
+when a turn ends (barge-in, cancel, failure) are dropped inside the session core.
+
+`TurnDone.status` and `reason`:
+
+| status | reason | when |
+|---|---|---|
+| `"completed"` | `None` | the final stage's request finished |
+| `"incomplete"` | `"max_output_tokens"` | it finished, but the LLM stopped at `max_tokens` |
+| `"cancelled"` | `"turn_detected"` | `barge_in()`: the user started speaking |
+| `"cancelled"` | `"client_cancelled"` | `cancel()`: the client cancelled the response |
+| `"cancelled"` | `"session_closed"` | the session closed while the turn was active |
+| `"failed"` | `"error"` | a stage request failed, or its submission did; see `error` |
+| `"failed"` | `"backpressure"` | the event consumer fell too far behind; see `error` |
+
+`usage` is the `usage` mapping the turn's stage outputs last reported (the LLM stage
+reports OpenAI-shaped token counts), empty if none did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+from duplex.outputs import DuplexStageOutput
+
+__all__ = [
+    "CANCEL_REASONS",
+    "DuplexEvent",
+    "SessionClosed",
+    "SessionOpened",
+    "TurnDone",
+    "TurnOutput",
+    "TurnStatus",
+]
+
+TurnStatus = Literal["completed", "incomplete", "cancelled", "failed"]
+CANCEL_REASONS = frozenset({"turn_detected", "client_cancelled", "session_closed"})
+_STATUSES = frozenset({"completed", "incomplete", "cancelled", "failed"})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionOpened:
+    session_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TurnOutput:
+    """One stage output of turn `turn_id` that the client should see."""
+
+    turn_id: int
+    output: DuplexStageOutput
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TurnDone:
+    """The one terminal event of turn `turn_id` (see the module table)."""
+
+    turn_id: int
+    status: TurnStatus
+    reason: str | None = None
+    usage: Mapping[str, object] = field(default_factory=dict)
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.status not in _STATUSES:
+            raise ValueError(f"TurnDone.status must be one of {sorted(_STATUSES)}")
+        if self.status == "cancelled" and self.reason not in CANCEL_REASONS:
+            raise ValueError(f"a cancelled TurnDone needs a reason in {sorted(CANCEL_REASONS)}")
+        if self.status == "failed" and not self.error:
+            raise ValueError("a failed TurnDone needs an error message")
+        object.__setattr__(self, "usage", MappingProxyType(dict(self.usage)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionClosed:
+    session_id: str
+
+
+DuplexEvent = SessionOpened | TurnOutput | TurnDone | SessionClosed

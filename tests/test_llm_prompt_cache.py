@@ -1,0 +1,77 @@
+"""Per-session prompt cache: common-prefix reuse, trimming and LRU by bytes."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+import engine  # noqa: F401  (fast BLAS before mlx)
+from engine.prompt_cache import PromptCache, common_prefix_length
+
+
+def _layers(n_tokens: int, n_layers: int = 2) -> list[KVCache]:
+    layers = []
+    for _ in range(n_layers):
+        c = KVCache()
+        k = mx.arange(n_tokens, dtype=mx.float32).reshape(1, 1, n_tokens, 1)
+        c.update_and_fetch(k, k)
+        layers.append(c)
+    return layers
+
+
+def test_common_prefix_length() -> None:
+    assert common_prefix_length([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix_length([1, 2], [1, 2, 3]) == 2
+    assert common_prefix_length([], [1]) == 0
+
+
+def test_prefix_hit_reuses_everything_cached() -> None:
+    cache = PromptCache(10**9)
+    cache.put("s", [1, 2, 3, 4], _layers(4))
+    hit = cache.take("s", [1, 2, 3, 4, 5, 6])
+    assert hit is not None and hit.num_tokens == 4 and hit.hit_type == "prefix"
+    assert all(layer.offset == 4 for layer in hit.layers)
+    assert "s" not in cache  # taken while in use
+
+
+def test_diverged_history_is_trimmed_to_common_prefix() -> None:
+    # E.g. after a barge-in the assistant's turn was cut short in history.
+    cache = PromptCache(10**9)
+    cache.put("s", [1, 2, 3, 4, 5, 6], _layers(6))
+    hit = cache.take("s", [1, 2, 3, 9, 9])
+    assert hit is not None and hit.num_tokens == 3 and hit.hit_type == "lcp"
+    assert hit.layers[0].offset == 3
+    keys, _ = hit.layers[0].keys_and_values()
+    assert keys.reshape(-1).tolist() == [0.0, 1.0, 2.0]
+
+
+def test_exact_hit_leaves_one_token_to_compute() -> None:
+    cache = PromptCache(10**9)
+    cache.put("s", [1, 2, 3], _layers(3))
+    hit = cache.take("s", [1, 2, 3])
+    assert hit is not None and hit.num_tokens == 2 and hit.hit_type == "exact"
+
+
+def test_miss_and_no_overlap() -> None:
+    cache = PromptCache(10**9)
+    assert cache.take("absent", [1, 2]) is None
+    cache.put("s", [5, 6], _layers(2))
+    assert cache.take("s", [1, 2]) is None
+
+
+def test_lru_eviction_by_bytes() -> None:
+    one = sum(layer.nbytes for layer in _layers(4))
+    cache = PromptCache(2 * one)
+    cache.put("a", [1, 2, 3, 4], _layers(4))
+    cache.put("b", [1, 2, 3, 4], _layers(4))
+    assert cache.take("a", [1, 2, 3, 4, 5]) is not None  # "a" used, then put back
+    cache.put("a", [1, 2, 3, 4], _layers(4))
+    cache.put("c", [1, 2, 3, 4], _layers(4))  # evicts "b", the least recently used
+    assert "b" not in cache and "a" in cache and "c" in cache
+    assert cache.nbytes == 2 * one
+
+
+def test_entry_larger_than_budget_is_not_stored() -> None:
+    cache = PromptCache(16)
+    cache.put("s", [1, 2, 3, 4], _layers(4))
+    assert len(cache) == 0 and cache.nbytes == 0

@@ -1,0 +1,116 @@
+"""Per-request sampling: each SamplingParams field changes the draw of its own row only."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+import engine  # noqa: F401  (fast BLAS before mlx)
+from engine.request import SamplingParams
+from engine.sampling import RowSampler, new_key, sample_batch
+
+# Probabilities 0.5 / 0.3 / 0.2 over the first three tokens, ~0 elsewhere.
+BASE = [0.5, 0.3, 0.2] + [1e-9] * 13
+LOGITS = mx.log(mx.array(BASE))
+
+
+def _rows(
+    n: int, seed0: int = 0, prompt: list[int] | None = None, **kw: object
+) -> list[RowSampler]:
+    params = SamplingParams(**kw)
+    return [RowSampler(params, prompt or [], [], new_key(seed0 + i)) for i in range(n)]
+
+
+def _draw(n: int = 400, logits: mx.array = LOGITS, **kw: object) -> set[int]:
+    rows = _rows(n, **kw)
+    return set(sample_batch(mx.broadcast_to(logits, (n, logits.size)), rows).tolist())
+
+
+def test_temperature_zero_is_greedy() -> None:
+    assert _draw(temperature=0.0, top_p=1.0) == {0}
+
+
+def test_temperature_spreads_the_distribution() -> None:
+    assert _draw(temperature=0.05, top_p=1.0) == {0}
+    assert _draw(temperature=1.0, top_p=1.0) == {0, 1, 2}
+
+
+def test_top_k_keeps_k_best() -> None:
+    assert _draw(temperature=1.0, top_p=1.0, top_k=1) == {0}
+    assert _draw(temperature=1.0, top_p=1.0, top_k=2) == {0, 1}
+
+
+def test_top_p_keeps_the_nucleus() -> None:
+    assert _draw(temperature=1.0, top_p=0.5) == {0}
+    assert _draw(temperature=1.0, top_p=0.7) == {0, 1}
+
+
+def test_min_p_drops_unlikely_tokens() -> None:
+    # Keep tokens with p >= 0.5 * p_max = 0.25.
+    assert _draw(temperature=1.0, top_p=1.0, min_p=0.5) == {0, 1}
+
+
+def test_repetition_penalty_discourages_prompt_tokens() -> None:
+    logits = mx.array([[2.0, 1.5, 0.0, -1.0]])
+    plain = _rows(1, temperature=0.0, prompt=[0])
+    penalised = _rows(1, temperature=0.0, prompt=[0], repetition_penalty=2.0)
+    assert sample_batch(logits, plain).item() == 0
+    assert sample_batch(logits, penalised).item() == 1
+
+
+def test_presence_penalty_discourages_produced_tokens() -> None:
+    logits = mx.array([[2.0, 1.5, 0.0, -1.0]])
+    row = _rows(1, temperature=0.0, presence_penalty=1.0)[0]
+    assert sample_batch(logits, [row]).item() == 0
+    row.output_ids.append(0)
+    assert sample_batch(logits, [row]).item() == 1
+    # Prompt tokens do not count towards presence.
+    fresh = _rows(1, temperature=0.0, presence_penalty=1.0, prompt=[0])
+    assert sample_batch(logits, fresh).item() == 0
+
+
+def test_logits_processors_see_history_and_shape_logits() -> None:
+    seen: list[list[int]] = []
+
+    def ban_zero(tokens: mx.array, logits: mx.array) -> mx.array:
+        seen.append(tokens.tolist())
+        logits[:, 0] = -mx.inf
+        return logits
+
+    row = RowSampler(
+        SamplingParams(temperature=0.0, logits_processors=[ban_zero]), [7], [3], new_key(0)
+    )
+    assert sample_batch(mx.array([[2.0, 1.0, 0.0]]), [row]).item() == 1
+    assert seen == [[7, 3]]
+
+
+def test_seed_reproducible_and_independent_of_batch() -> None:
+    def seq(rows: list[RowSampler], index: int, steps: int = 20) -> list[int]:
+        logits = mx.broadcast_to(mx.zeros((1, 64)), (len(rows), 64))
+        return [sample_batch(logits, rows).tolist()[index] for _ in range(steps)]
+
+    seeded = dict(temperature=1.0, top_p=1.0, seed=1234)
+    alone = seq([RowSampler(SamplingParams(**seeded), [], [], new_key(1234))], 0)
+    others = _rows(5, seed0=99, temperature=0.9, top_k=10)
+    batched = seq(
+        others[:2] + [RowSampler(SamplingParams(**seeded), [], [], new_key(1234))] + others[2:], 2
+    )
+    assert alone == batched
+    different = seq([RowSampler(SamplingParams(**seeded), [], [], new_key(4321))], 0)
+    assert different != alone
+
+
+def test_rows_with_different_params_share_one_batch() -> None:
+    greedy = _rows(1, temperature=0.0)
+    topk1 = _rows(1, temperature=1.0, top_k=1, top_p=1.0)
+    wide = _rows(200, temperature=1.0, top_p=1.0)
+    logits = mx.broadcast_to(LOGITS, (202, LOGITS.size))
+    tokens = sample_batch(logits, greedy + topk1 + wide).tolist()
+    assert tokens[0] == 0 and tokens[1] == 0
+    assert set(tokens[2:]) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_output_shape(n: int) -> None:
+    rows = _rows(n)
+    assert sample_batch(mx.zeros((n, 10)), rows).shape == (n,)

@@ -1,0 +1,385 @@
+"""The LLM stage's scheduler and batch, on a tiny random llama and a byte tokenizer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import llama
+
+import engine  # noqa: F401  (fast BLAS before mlx)
+from engine.llm import LlmInput, LlmStage
+from engine.request import RequestOutput, RequestStatus, SamplingParams
+
+EOS = 256
+
+
+class ByteTokenizer:
+    """Tokens are UTF-8 bytes, so multi-byte characters span tokens; 256 is EOS."""
+
+    eos_token_ids = {EOS}
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **_: Any) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+        return list(text.encode())
+
+
+def tiny_model() -> llama.Model:
+    mx.random.seed(0)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=300,
+        tie_word_embeddings=True,
+    )
+    model = llama.Model(args)
+    # Larger weights give peaked, tie-free logits so greedy runs are stable.
+    model.update({"model": {"embed_tokens": {"weight": model.model.embed_tokens.weight * 20}}})
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture(scope="module")
+def model() -> llama.Model:
+    return tiny_model()
+
+
+def make_stage(model: llama.Model, **kw: Any) -> LlmStage:
+    return LlmStage(model, ByteTokenizer(), **kw)
+
+
+def greedy(max_tokens: int = 12, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def prompt(n: int, offset: int = 0) -> list[int]:
+    return [(offset + 7 * i) % 250 + 1 for i in range(n)]
+
+
+def script(text: bytes | list[int]) -> Any:
+    """A logits processor that forces the model to emit `text`, then EOS."""
+    forced = list(text) + [EOS]
+
+    def force(tokens: mx.array, logits: mx.array) -> mx.array:
+        produced = force.calls
+        force.calls += 1
+        out = mx.full(logits.shape, -1e9)
+        out[:, forced[min(produced, len(forced) - 1)]] = 0.0
+        return out
+
+    force.calls = 0
+    return force
+
+
+def run(stage: LlmStage, steps: int = 10_000) -> dict[str, list[RequestOutput]]:
+    outs: dict[str, list[RequestOutput]] = {}
+    for _ in range(steps):
+        if not stage.has_work():
+            break
+        for o in stage.step():
+            outs.setdefault(o.request_id, []).append(o.payload)
+    return outs
+
+
+def generate(stage: LlmStage, ids: list[int], params: SamplingParams, **kw: Any) -> list[int]:
+    stage.add("solo", LlmInput(prompt_token_ids=ids, sampling_params=params, **kw))
+    return run(stage)["solo"][-1].output_token_ids
+
+
+def test_greedy_alone_equals_batched(model: llama.Model) -> None:
+    alone = generate(make_stage(model), prompt(9), greedy(16))
+    stage = make_stage(model)
+    for i in range(8):
+        stage.add(
+            f"r{i}", LlmInput(prompt_token_ids=prompt(5 + 3 * i, i), sampling_params=greedy(16))
+        )
+    stage.add("target", LlmInput(prompt_token_ids=prompt(9), sampling_params=greedy(16)))
+    outs = run(stage)
+    assert outs["target"][-1].output_token_ids == alone
+
+
+def test_outputs_stream_deltas_and_usage(model: llama.Model) -> None:
+    stage = make_stage(model)
+    stage.add("r", LlmInput(prompt_token_ids=prompt(6), sampling_params=greedy(5)))
+    outs = run(stage)["r"]
+    assert [len(o.new_token_ids) for o in outs] == [1] * 5
+    last = outs[-1]
+    assert last.finished and last.finish_reason == "length"
+    assert last.output_token_ids == [t for o in outs for t in o.new_token_ids]
+    assert last.output_text == "".join(o.new_text for o in outs)
+    assert last.usage() == {"prompt_tokens": 6, "completion_tokens": 5, "total_tokens": 11}
+    assert not any(o.finished for o in outs[:-1])
+
+
+def test_max_tokens_caps_length(model: llama.Model) -> None:
+    assert len(generate(make_stage(model), prompt(4), greedy(3))) == 3
+
+
+def test_stop_token_ids_end_with_stop(model: llama.Model) -> None:
+    forced = script(b"abcdef")
+    stage = make_stage(model)
+    params = greedy(50, stop_token_ids=[ord("d")], logits_processors=[forced])
+    stage.add("r", LlmInput(prompt_token_ids=prompt(4), sampling_params=params))
+    last = run(stage)["r"][-1]
+    assert last.finish_reason == "stop" and last.output_token_ids == list(b"abcd")
+    assert last.output_text == "abc"
+
+
+def test_eos_ends_with_stop(model: llama.Model) -> None:
+    stage = make_stage(model)
+    params = greedy(50, logits_processors=[script(b"hi")])
+    stage.add("r", LlmInput(prompt_token_ids=prompt(4), sampling_params=params))
+    last = run(stage)["r"][-1]
+    assert last.finish_reason == "stop" and last.output_text == "hi"
+
+
+def test_stop_string_spanning_tokens(model: llama.Model) -> None:
+    stage = make_stage(model)
+    params = greedy(50, stop=["STOP"], logits_processors=[script(b"one two STOP three")])
+    stage.add("r", LlmInput(prompt_token_ids=prompt(4), sampling_params=params))
+    outs = run(stage)["r"]
+    assert outs[-1].finish_reason == "stop"
+    assert outs[-1].output_text == "one two " == "".join(o.new_text for o in outs)
+    assert all("S" not in o.new_text for o in outs)
+
+
+def test_multibyte_utf8_at_delta_boundaries(model: llama.Model) -> None:
+    text = "añb€c🎉"
+    stage = make_stage(model)
+    params = greedy(50, logits_processors=[script(text.encode())])
+    stage.add("r", LlmInput(prompt_token_ids=prompt(4), sampling_params=params))
+    outs = run(stage)["r"]
+    deltas = [o.new_text for o in outs]
+    assert "".join(deltas) == text == outs[-1].output_text
+    assert all("\ufffd" not in d for d in deltas)
+    assert "🎉" in deltas  # four tokens, one delta
+    assert deltas.count("") >= 3 + 2 + 1  # bytes held back while a char was incomplete
+
+
+def test_per_request_sampling_in_one_batch(model: llama.Model) -> None:
+    stage = make_stage(model)
+    stage.add(
+        "forced",
+        LlmInput(
+            prompt_token_ids=prompt(4),
+            sampling_params=greedy(50, logits_processors=[script(b"xyz")]),
+        ),
+    )
+    stage.add("greedy", LlmInput(prompt_token_ids=prompt(9), sampling_params=greedy(6)))
+    stage.add(
+        "hot",
+        LlmInput(
+            prompt_token_ids=prompt(9),
+            sampling_params=SamplingParams(temperature=2.0, top_p=1.0, max_tokens=6, seed=3),
+        ),
+    )
+    outs = run(stage)
+    assert outs["forced"][-1].output_text == "xyz"
+    assert outs["greedy"][-1].output_token_ids == generate(make_stage(model), prompt(9), greedy(6))
+    hot = SamplingParams(temperature=2.0, top_p=1.0, max_tokens=6, seed=3)
+    assert outs["hot"][-1].output_token_ids == generate(make_stage(model), prompt(9), hot)
+
+
+def flat(tokens: mx.array, logits: mx.array) -> mx.array:
+    return mx.zeros_like(logits)  # uniform: every draw depends on the random key only
+
+
+def test_seeded_sampling_reproducible_and_batch_independent(model: llama.Model) -> None:
+    def params(seed: int) -> SamplingParams:
+        return SamplingParams(
+            temperature=1.0, top_p=1.0, max_tokens=10, seed=seed, logits_processors=[flat]
+        )
+
+    a = generate(make_stage(model), prompt(5), params(42))
+    c = generate(make_stage(model), prompt(5), params(7))
+    stage = make_stage(model)
+    for i in range(3):
+        stage.add(f"other{i}", LlmInput(prompt_token_ids=prompt(6, i), sampling_params=params(i)))
+    stage.add("again", LlmInput(prompt_token_ids=prompt(5), sampling_params=params(42)))
+    b = run(stage)["again"][-1].output_token_ids
+    assert a == b and a != c
+
+
+def test_priority_admission_order(model: llama.Model) -> None:
+    stage = make_stage(model, max_running_sequences=1)
+    stage.add(
+        "late-low", LlmInput(prompt_token_ids=prompt(4), sampling_params=greedy(2), priority=5)
+    )
+    stage.add("urgent", LlmInput(prompt_token_ids=prompt(4), sampling_params=greedy(2), priority=0))
+    first = []
+    while stage.has_work():
+        first.extend(o.request_id for o in stage.step())
+    assert first[0] == "urgent" and first[-1] == "late-low"
+
+
+def test_chunked_prefill_never_stalls_decodes(model: llama.Model) -> None:
+    stage = make_stage(model, prefill_chunk_tokens=16, max_tokens_per_step=64)
+    stage.add("decoding", LlmInput(prompt_token_ids=prompt(4), sampling_params=greedy(40)))
+    stage.step()
+    stage.add("long", LlmInput(prompt_token_ids=prompt(200), sampling_params=greedy(2)))
+    steps_with_token = 0
+    while stage.request("long") is not None and stage.request("long").num_computed_tokens < 199:
+        outs = stage.step()
+        assert any(o.request_id == "decoding" for o in outs)
+        steps_with_token += 1
+        assert stage.stats()["prefilling"] <= 1
+    assert steps_with_token >= 199 // 16
+
+
+@pytest.mark.parametrize("state", ["waiting", "prefilling", "decoding"])
+def test_abort_in_each_state_frees_the_slot(model: llama.Model, state: str) -> None:
+    stage = make_stage(
+        model, max_running_sequences=1, prefill_chunk_tokens=16, max_tokens_per_step=32
+    )
+    stage.add("blocker", LlmInput(prompt_token_ids=prompt(4), sampling_params=greedy(30)))
+    if state == "waiting":
+        stage.step()
+        stage.add("victim", LlmInput(prompt_token_ids=prompt(4), sampling_params=greedy(30)))
+        stage.step()
+        assert stage.stats()["waiting"] == 1
+    else:
+        stage.abort("blocker")
+        length = 100 if state == "prefilling" else 4
+        stage.add("victim", LlmInput(prompt_token_ids=prompt(length), sampling_params=greedy(30)))
+        stage.step()
+        key = "prefilling" if state == "prefilling" else "running"
+        assert stage.stats()[key] == 1
+    victim = stage.request("victim")
+    stage.abort("victim")
+    assert victim.status == RequestStatus.FINISHED_ABORTED
+    assert victim.get_finish_reason() == "abort"
+    assert stage.request("victim") is None
+    outs = run(stage)
+    assert "victim" not in outs
+    stats = stage.stats()
+    assert stats["waiting"] == stats["prefilling"] == stats["running"] == stats["kv_tokens"] == 0
+    assert not stage.has_work()
+
+
+def test_abort_mid_batch_keeps_other_rows_exact(model: llama.Model) -> None:
+    alone = generate(make_stage(model), prompt(7, 3), greedy(12))
+    stage = make_stage(model)
+    stage.add("keep", LlmInput(prompt_token_ids=prompt(7, 3), sampling_params=greedy(12)))
+    stage.add("drop", LlmInput(prompt_token_ids=prompt(30), sampling_params=greedy(12)))
+    got = []
+    for i in range(30):
+        if not stage.has_work():
+            break
+        if i == 4:
+            stage.abort("drop")
+        got += [o.payload for o in stage.step() if o.request_id == "keep"]
+    assert got[-1].output_token_ids == alone
+
+
+def test_preemption_and_resume_give_uninterrupted_output(model: llama.Model) -> None:
+    reference = {}
+    for name, off in [("a", 0), ("b", 5)]:
+        reference[name] = generate(make_stage(model), prompt(20, off), greedy(30))
+    # Budget for both prompts but not both completions: the later one is preempted.
+    stage = make_stage(model, max_kv_tokens=80)
+    stage.add("a", LlmInput(prompt_token_ids=prompt(20, 0), sampling_params=greedy(30)))
+    stage.add("b", LlmInput(prompt_token_ids=prompt(20, 5), sampling_params=greedy(30)))
+    statuses = set()
+    outs: dict[str, list[RequestOutput]] = {}
+    while stage.has_work():
+        for o in stage.step():
+            outs.setdefault(o.request_id, []).append(o.payload)
+        req = stage.request("b")
+        if req is not None:
+            statuses.add(req.status)
+        assert stage.stats()["kv_tokens"] <= 80
+    assert RequestStatus.PREEMPTED in statuses and stage.num_preemptions >= 1
+    for name in ("a", "b"):
+        assert outs[name][-1].output_token_ids == reference[name]
+        assert "".join(o.new_text for o in outs[name]) == outs[name][-1].output_text
+
+
+def test_prompt_cache_hit_gives_cold_tokens(model: llama.Model) -> None:
+    turn1 = prompt(40)
+    stage = make_stage(model)
+    first = generate(stage, turn1, greedy(10), cache_key="conv")
+    turn2 = turn1 + first + prompt(15, 11)
+    stage.add("t2", LlmInput(prompt_token_ids=turn2, sampling_params=greedy(10), cache_key="conv"))
+    req = stage.request("t2")
+    warm = run(stage)["t2"]
+    assert req.cache_hit_type == "prefix" and req.cached_tokens == 40 + 10 - 1
+    assert warm[-1].cached_tokens == req.cached_tokens
+    cold = generate(make_stage(model), turn2, greedy(10))
+    assert warm[-1].output_token_ids == cold
+
+
+def test_prompt_cache_after_truncated_history(model: llama.Model) -> None:
+    # Barge-in: the assistant's reply is cut in history; reuse shrinks to the common part.
+    turn1 = prompt(30)
+    stage = make_stage(model)
+    reply = generate(stage, turn1, greedy(12), cache_key="conv")
+    turn2 = turn1 + reply[:3] + prompt(8, 2)
+    stage.add("t2", LlmInput(prompt_token_ids=turn2, sampling_params=greedy(8), cache_key="conv"))
+    req = stage.request("t2")
+    got = run(stage)["t2"][-1].output_token_ids
+    assert req.cache_hit_type == "lcp" and req.cached_tokens == 33
+    assert got == generate(make_stage(model), turn2, greedy(8))
+
+
+def test_aborted_session_request_keeps_its_prefix_for_next_turn(model: llama.Model) -> None:
+    stage = make_stage(model)
+    turn1 = prompt(30)
+    stage.add("t1", LlmInput(prompt_token_ids=turn1, sampling_params=greedy(50), cache_key="conv"))
+    for _ in range(4):
+        stage.step()
+    stage.abort("t1")
+    assert stage.stats()["prompt_cache_entries"] == 1
+    stage.add(
+        "t2",
+        LlmInput(
+            prompt_token_ids=turn1 + prompt(5, 1), sampling_params=greedy(4), cache_key="conv"
+        ),
+    )
+    assert stage.request("t2") is not None
+    run(stage)
+    assert stage.prompt_cache.nbytes > 0
+
+
+def test_messages_use_the_chat_template(model: llama.Model) -> None:
+    stage = make_stage(model)
+    msgs = [{"role": "user", "content": "hi"}]
+    stage.add("m", LlmInput(messages=msgs, sampling_params=greedy(2)))
+    last = run(stage)["m"][-1]
+    assert last.prompt_tokens == len(ByteTokenizer().apply_chat_template(msgs))
+
+
+@pytest.mark.parametrize(
+    ("inputs", "match"),
+    [
+        (LlmInput(), "exactly one"),
+        (
+            LlmInput(prompt_token_ids=[1], messages=[{"role": "user", "content": "x"}]),
+            "exactly one",
+        ),
+        (LlmInput(prompt_token_ids=[]), "empty"),
+        (LlmInput(prompt_token_ids=[1, 999]), "token ids"),
+        ({"prompt_token_ids": [1]}, "LlmInput"),
+        (LlmInput(prompt_token_ids=[1] * 60, sampling_params=greedy(50)), "KV budget"),
+    ],
+)
+def test_invalid_inputs_are_rejected(model: llama.Model, inputs: Any, match: str) -> None:
+    stage = make_stage(model, max_kv_tokens=100)
+    with pytest.raises(ValueError, match=match):
+        stage.add("bad", inputs)
+    assert not stage.has_work()
+
+
+def test_duplicate_request_id_is_rejected(model: llama.Model) -> None:
+    stage = make_stage(model)
+    stage.add("r", LlmInput(prompt_token_ids=[1, 2]))
+    with pytest.raises(ValueError, match="already live"):
+        stage.add("r", LlmInput(prompt_token_ids=[1, 2]))

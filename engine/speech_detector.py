@@ -1,0 +1,133 @@
+"""Turn per-chunk speech probabilities into speech start/stop events on one stream clock.
+
+Pure Python and numpy, no MLX: the gateway runs it on the event loop next to the audio
+it buffers. Times are milliseconds since the first chunk pushed, counted from chunk
+sizes, so they stay exact however the probabilities arrive.
+
+Rules (Silero's own streaming iterator, plus the OpenAI server-VAD fields):
+- Speech starts at the first chunk whose probability is >= `threshold`. The reported
+  start is that chunk's start minus `prefix_padding_ms`, clamped at 0, so the audio
+  kept for the turn includes the breath before the first word.
+- While speaking, a chunk below `threshold - 0.15` (the hysteresis Silero uses) opens a
+  silence that began at that chunk's start; a chunk at or above `threshold` closes it.
+  Chunks in between change nothing.
+- Speech stops once the open silence has lasted `silence_duration_ms`. `audio_end_ms` is
+  where the silence began (the end of the last speech chunk); `detected_ms` is where the
+  decision was taken, i.e. `audio_end_ms` plus at least `silence_duration_ms`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["SpeechDetector", "SpeechEvent", "SpeechStarted", "SpeechStopped"]
+
+HYSTERESIS = 0.15
+MIN_NEG_THRESHOLD = 0.01
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpeechStarted:
+    audio_start_ms: int
+    detected_ms: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpeechStopped:
+    audio_end_ms: int
+    detected_ms: int
+
+
+SpeechEvent = SpeechStarted | SpeechStopped
+
+
+class SpeechDetector:
+    def __init__(
+        self,
+        threshold: float = 0.5,
+        prefix_padding_ms: int = 300,
+        silence_duration_ms: int = 500,
+        sample_rate: int = 16000,
+        chunk: int = 512,
+    ) -> None:
+        real = isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
+        if not real or not 0 < threshold <= 1:
+            raise ValueError(f"threshold must be in (0, 1], got {threshold!r}")
+        for name, value in (
+            ("prefix_padding_ms", prefix_padding_ms),
+            ("silence_duration_ms", silence_duration_ms),
+        ):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        for name, value in (("sample_rate", sample_rate), ("chunk", chunk)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.threshold = float(threshold)
+        self.neg_threshold = max(self.threshold - HYSTERESIS, MIN_NEG_THRESHOLD)
+        self.prefix_padding_ms = prefix_padding_ms
+        self.silence_duration_ms = silence_duration_ms
+        self.sample_rate = sample_rate
+        self.chunk = chunk
+        self._chunks = 0  # chunks seen: the stream clock
+        self._speaking = False
+        self._silence_start: int | None = None  # chunk index where the open silence began
+
+    @property
+    def speaking(self) -> bool:
+        return self._speaking
+
+    @property
+    def position_ms(self) -> int:
+        """The stream clock: the end of the last chunk pushed."""
+        return self._ms(self._chunks)
+
+    def _ms(self, chunks: int) -> int:
+        return chunks * self.chunk * 1000 // self.sample_rate
+
+    def push(self, probabilities: Iterable[float] | np.ndarray | float) -> list[SpeechEvent]:
+        """Feed the probabilities of the next chunks, in order; return the events they cause."""
+        probs = np.atleast_1d(np.asarray(probabilities, dtype=np.float64))
+        if probs.ndim != 1:
+            raise ValueError(f"probabilities must be one value per chunk, got shape {probs.shape}")
+        if probs.size and not (np.isfinite(probs).all() and 0 <= probs.min() <= probs.max() <= 1):
+            raise ValueError("probabilities must be finite and within [0, 1]")
+        events: list[SpeechEvent] = []
+        for p in probs.tolist():
+            event = self._push_one(p)
+            if event is not None:
+                events.append(event)
+        return events
+
+    def _push_one(self, p: float) -> SpeechEvent | None:
+        index = self._chunks
+        self._chunks += 1
+        if not self._speaking:
+            if p < self.threshold:
+                return None
+            self._speaking = True
+            self._silence_start = None
+            start = max(0, self._ms(index) - self.prefix_padding_ms)
+            return SpeechStarted(audio_start_ms=start, detected_ms=self.position_ms)
+        if p >= self.threshold:
+            self._silence_start = None
+        elif p < self.neg_threshold and self._silence_start is None:
+            self._silence_start = index
+        if self._silence_start is None:
+            return None
+        silence_ms = self.position_ms - self._ms(self._silence_start)
+        if silence_ms < self.silence_duration_ms:
+            return None
+        self._speaking = False
+        end = self._ms(self._silence_start)
+        self._silence_start = None
+        return SpeechStopped(audio_end_ms=end, detected_ms=self.position_ms)
+
+    def __repr__(self) -> str:
+        return (
+            f"SpeechDetector(threshold={self.threshold}, prefix_padding_ms="
+            f"{self.prefix_padding_ms}, silence_duration_ms={self.silence_duration_ms}, "
+            f"position_ms={self.position_ms}, speaking={self._speaking})"
+        )

@@ -1,0 +1,298 @@
+"""Text to speech: a Piper voice on MLX, streamed clause by clause.
+
+`Voice` turns clauses into float audio at the voice rate (one batched forward for many
+clauses). `Synthesizer` is the plain API: text in, PCM16 chunks at any rate out, one per
+clause. `TtsStage` is the engine stage: requests are opened with `add`, text arrives
+with `feed` as the LLM produces it, and each `step` speaks the next clause of every busy
+request in one batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import soxr
+
+from engine.clauses import split_clauses
+from engine.models import vits
+from engine.phonemes import get_phonemizer, phoneme_ids
+from engine.stage import StageOutput
+
+__all__ = [
+    "AudioChunk",
+    "DEFAULT_VOICE",
+    "Synthesizer",
+    "TtsRequest",
+    "TtsStage",
+    "Voice",
+    "load_voice",
+]
+
+DEFAULT_VOICE = "piper-en_US-joe-medium"
+MIN_RATE, MAX_RATE = 8000, 48000
+# Clauses longer than this are cut further, so one clause never stalls a step for long.
+MAX_CLAUSE_CHARS = 300
+
+
+@dataclass(frozen=True)
+class TtsRequest:
+    """Per-request voice settings; None takes the voice's own default.
+
+    `speed` is a multiplier on speaking rate (2.0 = twice as fast); `length_scale` is
+    Piper's own knob (its inverse). Give at most one of the two.
+    """
+
+    sample_rate: int = 24000
+    speed: float | None = None
+    length_scale: float | None = None
+    noise_scale: float | None = None
+    noise_w: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sample_rate, int) or not MIN_RATE <= self.sample_rate <= MAX_RATE:
+            raise ValueError(f"sample_rate must be an int in [{MIN_RATE}, {MAX_RATE}]")
+        if self.speed is not None and self.length_scale is not None:
+            raise ValueError("give speed or length_scale, not both")
+        for name in ("speed", "length_scale"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and 0.1 <= value <= 10.0):
+                raise ValueError(f"{name} must be within [0.1, 10]")
+        for name in ("noise_scale", "noise_w"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and 0.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be within [0, 2]")
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    """PCM16 mono little-endian audio speaking `text` (empty for a final tail)."""
+
+    pcm16: bytes
+    sample_rate: int
+    text: str
+    duration_ms: float
+
+
+@dataclass(frozen=True)
+class Scales:
+    noise_scale: float
+    length_scale: float
+    noise_w: float
+
+
+class Voice:
+    """A converted Piper voice: phonemizer + MLX VITS."""
+
+    def __init__(self, model: vits.Model, config: dict) -> None:
+        self.model = model
+        self.config = config
+        self.sample_rate = int(config["audio"]["sample_rate"])
+        self.id_map = config["phoneme_id_map"]
+        self.phonemizer = get_phonemizer(config.get("espeak", {}).get("voice", "en-us"))
+        inference = config.get("inference", {})
+        self.defaults = Scales(
+            float(inference.get("noise_scale", 0.667)),
+            float(inference.get("length_scale", 1.0)),
+            float(inference.get("noise_w", 0.8)),
+        )
+
+    @classmethod
+    def load(cls, model_dir: Path | str) -> Voice:
+        model, config = vits.load(model_dir)
+        return cls(model, config)
+
+    def scales(self, request: TtsRequest) -> Scales:
+        d = self.defaults
+        length = request.length_scale
+        if request.speed is not None:
+            length = d.length_scale / request.speed
+        return Scales(
+            d.noise_scale if request.noise_scale is None else request.noise_scale,
+            d.length_scale if length is None else length,
+            d.noise_w if request.noise_w is None else request.noise_w,
+        )
+
+    def ids(self, text: str) -> list[int]:
+        return phoneme_ids(self.phonemizer.phonemize(text), self.id_map)
+
+    def synthesize_ids(
+        self, batch: Sequence[list[int]], scales: Sequence[Scales]
+    ) -> list[np.ndarray]:
+        """Float32 audio at the voice rate, one array per id sequence."""
+        L = max(len(ids) for ids in batch)
+        padded = np.zeros((len(batch), L), dtype=np.int32)
+        for i, ids in enumerate(batch):
+            padded[i, : len(ids)] = ids
+        audio, lengths = self.model(
+            mx.array(padded),
+            mx.array([len(ids) for ids in batch]),
+            mx.array([s.noise_scale for s in scales]),
+            mx.array([s.length_scale for s in scales]),
+            mx.array([s.noise_w for s in scales]),
+        )
+        audio = np.array(audio)
+        return [audio[i, :n].copy() for i, n in enumerate(lengths)]
+
+    def synthesize(self, texts: Sequence[str], scales: Sequence[Scales]) -> list[np.ndarray]:
+        return self.synthesize_ids([self.ids(t) for t in texts], scales)
+
+
+def load_voice(name: str = DEFAULT_VOICE) -> Voice:
+    """A registered voice, converted into the cache on first use."""
+    from engine import registry
+
+    return Voice.load(registry.prepare(name))
+
+
+def to_pcm16(audio: np.ndarray) -> bytes:
+    return (np.clip(audio, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+
+
+class _Resampler:
+    """Voice rate -> output rate across chunks of one stream, with no seam at joins."""
+
+    def __init__(self, in_rate: int, out_rate: int) -> None:
+        self.stream = (
+            None
+            if in_rate == out_rate
+            else soxr.ResampleStream(in_rate, out_rate, 1, dtype="float32")
+        )
+
+    def __call__(self, audio: np.ndarray, last: bool) -> np.ndarray:
+        if self.stream is None:
+            return audio
+        return self.stream.resample_chunk(audio.astype(np.float32), last=last)
+
+
+def _clauses(text: str) -> list[str]:
+    return [c for c in split_clauses(text, max_chars=MAX_CLAUSE_CHARS) if c.strip()]
+
+
+class Synthesizer:
+    """Text in, one `AudioChunk` per clause out, at the caller's rate."""
+
+    def __init__(self, voice: Voice) -> None:
+        self.voice = voice
+
+    def stream(self, text: str, request: TtsRequest | None = None) -> Iterator[AudioChunk]:
+        request = request or TtsRequest()
+        scales = self.voice.scales(request)
+        resample = _Resampler(self.voice.sample_rate, request.sample_rate)
+        clauses = _clauses(text)
+        for i, clause in enumerate(clauses):
+            (audio,) = self.voice.synthesize([clause], [scales])
+            out = resample(audio, last=i == len(clauses) - 1)
+            yield AudioChunk(
+                to_pcm16(out), request.sample_rate, clause, 1000 * len(out) / request.sample_rate
+            )
+
+    def synthesize(self, text: str, request: TtsRequest | None = None) -> AudioChunk:
+        """The whole text as one chunk."""
+        request = request or TtsRequest()
+        chunks = list(self.stream(text, request))
+        pcm = b"".join(c.pcm16 for c in chunks)
+        text_out = " ".join(c.text for c in chunks)
+        return AudioChunk(
+            pcm, request.sample_rate, text_out, 1000 * len(pcm) / 2 / request.sample_rate
+        )
+
+
+@dataclass
+class _Stream:
+    request: TtsRequest
+    scales: Scales
+    resampler: _Resampler
+    pending: deque[str] = field(default_factory=deque)
+    final: bool = False
+
+
+class TtsStage:
+    """Engine stage: streaming requests, one clause per request per step, batched.
+
+    `feed` for an id the stage does not hold (e.g. aborted a moment ago) is ignored and
+    returns False, so late LLM text after a barge-in is harmless.
+    """
+
+    name = "tts"
+
+    def __init__(self, voice: Voice, max_batch: int = 8) -> None:
+        self.voice = voice
+        self.max_batch = max_batch
+        self._streams: dict[str, _Stream] = {}
+
+    def add(self, request_id: str, inputs: TtsRequest) -> None:
+        if not isinstance(inputs, TtsRequest):
+            raise ValueError(f"TTS inputs must be a TtsRequest, not {type(inputs).__name__}")
+        if request_id in self._streams:
+            raise ValueError(f"TTS request {request_id!r} already exists")
+        resampler = _Resampler(self.voice.sample_rate, inputs.sample_rate)
+        self._streams[request_id] = _Stream(inputs, self.voice.scales(inputs), resampler)
+
+    def feed(self, request_id: str, text: str, final: bool = False) -> bool:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        if stream.final:
+            raise ValueError(f"TTS request {request_id!r} already received its final text")
+        stream.pending.extend(_clauses(text))
+        stream.final = final
+        return True
+
+    def abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        return any(s.pending or s.final for s in self._streams.values())
+
+    def step(self) -> list[StageOutput]:
+        ready = [(rid, s) for rid, s in self._streams.items() if s.pending or s.final]
+        ready = ready[: self.max_batch]
+        speak = [(rid, s, s.pending.popleft()) for rid, s in ready if s.pending]
+        outputs: list[StageOutput] = []
+        if speak:
+            outputs += self._speak(speak)
+        for rid, s in ready:
+            if (
+                not s.pending
+                and s.final
+                and rid in self._streams
+                and rid not in {r for r, _, _ in speak}
+            ):
+                outputs.append(self._emit(rid, s, np.zeros(0, np.float32), "", {}))
+        return outputs
+
+    def _speak(self, speak: list[tuple[str, _Stream, str]]) -> list[StageOutput]:
+        start = time.perf_counter()
+        try:
+            audio = self.voice.synthesize([c for _, _, c in speak], [s.scales for _, s, _ in speak])
+        except Exception as exc:  # a model failure fails these requests, not the engine
+            for rid, _, _ in speak:
+                self._streams.pop(rid, None)
+            return [
+                StageOutput(rid, None, finished=True, error=f"tts failed: {exc}")
+                for rid, _, _ in speak
+            ]
+        synth_ms = 1000 * (time.perf_counter() - start)
+        metrics = {"synth_ms": synth_ms, "batch": float(len(speak))}
+        return [
+            self._emit(rid, s, a, clause, metrics)
+            for (rid, s, clause), a in zip(speak, audio, strict=True)
+        ]
+
+    def _emit(
+        self, rid: str, s: _Stream, audio: np.ndarray, text: str, metrics: dict
+    ) -> StageOutput:
+        finished = s.final and not s.pending
+        out = s.resampler(audio, last=finished)
+        rate = s.request.sample_rate
+        chunk = AudioChunk(to_pcm16(out), rate, text, 1000 * len(out) / rate)
+        if finished:
+            self._streams.pop(rid, None)
+        return StageOutput(rid, chunk, finished=finished, metrics=dict(metrics))

@@ -1,0 +1,237 @@
+"""Whisper on MLX: log-mel front end, an encoder that runs on any number of frames, and a
+decoder with a KV cache.
+
+The encoder takes as many mel frames as the audio has (up to the 30 s window), so a short
+utterance pays for its own length only. Positional embeddings are sliced to match.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+SAMPLE_RATE = 16000
+N_FFT = 400
+HOP_LENGTH = 160
+CHUNK_SECONDS = 30
+N_SAMPLES = CHUNK_SECONDS * SAMPLE_RATE
+N_FRAMES = N_SAMPLES // HOP_LENGTH  # mel frames in the full window
+FRAMES_PER_SECOND = SAMPLE_RATE // HOP_LENGTH
+
+
+@dataclass
+class ModelArgs:
+    n_mels: int = 80
+    n_audio_ctx: int = 1500
+    n_audio_state: int = 384
+    n_audio_head: int = 6
+    n_audio_layer: int = 4
+    n_vocab: int = 51864
+    n_text_ctx: int = 448
+    n_text_state: int = 384
+    n_text_head: int = 6
+    n_text_layer: int = 4
+
+    @classmethod
+    def from_dict(cls, params: dict) -> ModelArgs:
+        return cls(**{k: v for k, v in params.items() if k in cls.__dataclass_fields__})
+
+
+# --- log-mel front end (numpy; it is a few ms even for 30 s) ---
+
+
+def _hz_to_mel(f: np.ndarray) -> np.ndarray:
+    # Slaney scale: linear below 1 kHz, logarithmic above.
+    f_sp = 200.0 / 3
+    min_log_hz, logstep = 1000.0, np.log(6.4) / 27.0
+    lin = f / f_sp
+    log = min_log_hz / f_sp + np.log(np.maximum(f, 1e-10) / min_log_hz) / logstep
+    return np.where(f >= min_log_hz, log, lin)
+
+
+def _mel_to_hz(m: np.ndarray) -> np.ndarray:
+    f_sp = 200.0 / 3
+    min_log_hz, logstep = 1000.0, np.log(6.4) / 27.0
+    min_log_mel = min_log_hz / f_sp
+    return np.where(m >= min_log_mel, min_log_hz * np.exp(logstep * (m - min_log_mel)), f_sp * m)
+
+
+@lru_cache(maxsize=4)
+def mel_filters(n_mels: int, n_fft: int = N_FFT, sr: int = SAMPLE_RATE) -> np.ndarray:
+    """Slaney-normalised triangular mel filter bank, shape (n_mels, n_fft // 2 + 1)."""
+    fft_freqs = np.linspace(0, sr / 2, n_fft // 2 + 1)
+    mel_pts = np.linspace(_hz_to_mel(np.array(0.0)), _hz_to_mel(np.array(sr / 2)), n_mels + 2)
+    hz_pts = _mel_to_hz(mel_pts)
+    fdiff = np.diff(hz_pts)
+    ramps = hz_pts[:, None] - fft_freqs[None, :]
+    lower = -ramps[:-2] / fdiff[:-1, None]
+    upper = ramps[2:] / fdiff[1:, None]
+    weights = np.maximum(0, np.minimum(lower, upper))
+    weights *= (2.0 / (hz_pts[2:] - hz_pts[:-2]))[:, None]
+    return weights.astype(np.float32)
+
+
+@lru_cache(maxsize=1)
+def _hann(n: int) -> np.ndarray:
+    return (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(n) / n)).astype(np.float32)
+
+
+def log_mel_spectrogram(audio: np.ndarray, n_mels: int = 80) -> np.ndarray:
+    """Whisper's log-mel features of 16 kHz audio, shape (frames, n_mels).
+
+    The audio is followed by a full window of silence, as Whisper was trained, so the
+    features of the first frames are the same whatever window the encoder later sees.
+    """
+    x = np.concatenate([np.asarray(audio, np.float32), np.zeros(N_SAMPLES, np.float32)])
+    x = np.pad(x, N_FFT // 2, mode="reflect")
+    n = 1 + (len(x) - N_FFT) // HOP_LENGTH
+    frames = np.lib.stride_tricks.as_strided(
+        x, shape=(n, N_FFT), strides=(x.strides[0] * HOP_LENGTH, x.strides[0])
+    )
+    power = np.abs(np.fft.rfft(frames * _hann(N_FFT), axis=-1)[:-1]) ** 2
+    mel = power @ mel_filters(n_mels).T
+    log_spec = np.log10(np.maximum(mel, 1e-10))
+    log_spec = np.maximum(log_spec, log_spec.max() - 8.0)
+    return ((log_spec + 4.0) / 4.0).astype(np.float32)
+
+
+# --- model ---
+
+
+class MultiHeadAttention(nn.Module):
+    def __init__(self, n_state: int, n_head: int):
+        super().__init__()
+        self.n_head = n_head
+        self.query = nn.Linear(n_state, n_state)
+        self.key = nn.Linear(n_state, n_state, bias=False)
+        self.value = nn.Linear(n_state, n_state)
+        self.out = nn.Linear(n_state, n_state)
+
+    def split_heads(self, x: mx.array) -> mx.array:
+        B, L, _ = x.shape
+        return x.reshape(B, L, self.n_head, -1).transpose(0, 2, 1, 3)
+
+    def __call__(
+        self,
+        x: mx.array,
+        kv: tuple[mx.array, mx.array] | None = None,
+        mask: str | mx.array | None = None,
+    ) -> mx.array:
+        B, L, D = x.shape
+        q = self.split_heads(self.query(x))
+        k, v = kv
+        scale = (D // self.n_head) ** -0.5
+        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        return self.out(o.transpose(0, 2, 1, 3).reshape(B, L, D))
+
+    def project_kv(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        return self.split_heads(self.key(x)), self.split_heads(self.value(x))
+
+
+class ResidualAttentionBlock(nn.Module):
+    def __init__(self, n_state: int, n_head: int, cross_attention: bool = False):
+        super().__init__()
+        self.attn = MultiHeadAttention(n_state, n_head)
+        self.attn_ln = nn.LayerNorm(n_state)
+        self.cross_attn = MultiHeadAttention(n_state, n_head) if cross_attention else None
+        self.cross_attn_ln = nn.LayerNorm(n_state) if cross_attention else None
+        self.mlp1 = nn.Linear(n_state, 4 * n_state)
+        self.mlp2 = nn.Linear(4 * n_state, n_state)
+        self.mlp_ln = nn.LayerNorm(n_state)
+
+    def __call__(
+        self,
+        x: mx.array,
+        cross_kv: tuple[mx.array, mx.array] | None = None,
+        cache: list | None = None,
+        mask: str | None = None,
+    ) -> mx.array:
+        h = self.attn_ln(x)
+        k, v = self.attn.project_kv(h)
+        if cache is not None:
+            # cache holds this layer's self-attention [keys, values], grown in place.
+            if cache[0] is not None:
+                k = mx.concatenate([cache[0], k], axis=2)
+                v = mx.concatenate([cache[1], v], axis=2)
+            cache[0], cache[1] = k, v
+        x = x + self.attn(h, (k, v), mask=mask)
+        if self.cross_attn is not None:
+            x = x + self.cross_attn(self.cross_attn_ln(x), cross_kv)
+        return x + self.mlp2(nn.gelu(self.mlp1(self.mlp_ln(x))))
+
+
+class AudioEncoder(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        n = args.n_audio_state
+        self.conv1 = nn.Conv1d(args.n_mels, n, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(n, n, kernel_size=3, stride=2, padding=1)
+        self.positional_embedding = mx.zeros((args.n_audio_ctx, n))
+        self.blocks = [
+            ResidualAttentionBlock(n, args.n_audio_head) for _ in range(args.n_audio_layer)
+        ]
+        self.ln_post = nn.LayerNorm(n)
+
+    def __call__(self, mel: mx.array) -> mx.array:
+        """mel: (B, frames, n_mels) with any even frame count up to 3000."""
+        x = nn.gelu(self.conv1(mel))
+        x = nn.gelu(self.conv2(x))
+        x = x + self.positional_embedding[: x.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_post(x)
+
+
+class TextDecoder(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        n = args.n_text_state
+        self.token_embedding = nn.Embedding(args.n_vocab, n)
+        self.positional_embedding = mx.zeros((args.n_text_ctx, n))
+        self.blocks = [
+            ResidualAttentionBlock(n, args.n_text_head, cross_attention=True)
+            for _ in range(args.n_text_layer)
+        ]
+        self.ln = nn.LayerNorm(n)
+
+    def cross_kv(self, audio_features: mx.array) -> list[tuple[mx.array, mx.array]]:
+        """Per-layer cross-attention keys/values: computed once per utterance."""
+        return [b.cross_attn.project_kv(audio_features) for b in self.blocks]
+
+    def make_cache(self) -> list[list]:
+        return [[None, None] for _ in self.blocks]
+
+    def __call__(
+        self, tokens: mx.array, cross_kv: list[tuple[mx.array, mx.array]], cache: list[list]
+    ) -> mx.array:
+        offset = cache[0][0].shape[2] if cache[0][0] is not None else 0
+        L = tokens.shape[1]
+        x = self.token_embedding(tokens) + self.positional_embedding[offset : offset + L]
+        mask = "causal" if L > 1 else None
+        for block, kv, c in zip(self.blocks, cross_kv, cache, strict=True):
+            x = block(x, kv, c, mask)
+        return self.token_embedding.as_linear(self.ln(x))
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.encoder = AudioEncoder(args)
+        self.decoder = TextDecoder(args)
+
+
+def load_model(model_dir: Path, dtype: mx.Dtype = mx.float32) -> tuple[Model, dict]:
+    """Load a converted Whisper directory; returns the model and its config dict."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    model = Model(ModelArgs.from_dict(config))
+    weights = mx.load(str(Path(model_dir) / "model.safetensors"))
+    model.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=True)
+    mx.eval(model.parameters())
+    return model, config

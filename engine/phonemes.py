@@ -127,15 +127,16 @@ def _trailing_punctuation(source: str) -> str:
 def phoneme_ids(phonemes: str, id_map: Mapping[str, Sequence[int]]) -> list[int]:
     """Piper ids: `^`, `_`, then every known phoneme's ids each followed by `_`, then `$`.
 
-    Phonemes are NFD-decomposed first (Piper's training did the same); symbols the
-    voice does not know are skipped.
+    A symbol missing from the map is tried in its NFD-decomposed form (a letter with a
+    combining mark); what the voice still does not know is skipped.
     """
     pad = list(id_map[PAD])
     ids = list(id_map[BOS]) + pad
-    for ch in unicodedata.normalize("NFD", phonemes):
-        if ch in id_map:
-            ids.extend(id_map[ch])
-            ids.extend(pad)
+    for ch in phonemes:
+        for part in [ch] if ch in id_map else unicodedata.normalize("NFD", ch):
+            if part in id_map:
+                ids.extend(id_map[part])
+                ids.extend(pad)
     ids.extend(id_map[EOS])
     return ids
 

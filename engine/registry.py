@@ -283,12 +283,13 @@ def _load_converter(spec: ModelSpec) -> tuple[Callable[..., None], str]:
 
 
 def _expected_marker(
-    spec: ModelSpec, precision: str | None, fingerprint: str, version: str
+    spec: ModelSpec, precision: str | None, root: Path, source_version: str, version: str
 ) -> dict[str, Any]:
     return {
         "name": spec.name,
         "source": spec.source,
-        "fingerprint": fingerprint,
+        "source_version": source_version,
+        "fingerprint": _fingerprint(root, source_version),
         "converter": spec.converter,
         "converter_version": version,
         "precision": precision,
@@ -310,7 +311,7 @@ def cached_path(name: str, *, precision: str = "auto") -> Path | None:
     root, version = resolve_source(spec.source)
     _, conv_version = _load_converter(spec)
     target = cache_dir() / _entry_name(spec, resolved)
-    expected = _expected_marker(spec, resolved, _fingerprint(root, version), conv_version)
+    expected = _expected_marker(spec, resolved, root, version, conv_version)
     return target if _marker_matches(target, expected) else None
 
 
@@ -320,7 +321,7 @@ def prepare(name: str, *, progress: bool = True, precision: str = "auto") -> Pat
     resolved = resolve_precision(spec, precision)
     root, version = resolve_source(spec.source)
     convert, conv_version = _load_converter(spec)
-    expected = _expected_marker(spec, resolved, _fingerprint(root, version), conv_version)
+    expected = _expected_marker(spec, resolved, root, version, conv_version)
     entry = _entry_name(spec, resolved)
     target = cache_dir() / entry
     if _marker_matches(target, expected):

@@ -63,6 +63,7 @@ def test_prepare_converts_once_then_returns_the_cache(cache: Path, spec: ModelSp
     assert (path / "weights.txt").read_text() == "HELLO"
     marker = json.loads((path / registry.MARKER).read_text())
     assert marker["converter"] == spec.converter and marker["source"] == spec.source
+    assert marker["source_version"] == "path" and len(marker["fingerprint"]) == 64
     assert registry.prepare("fake-tts", progress=False) == path
     assert registry.cached_path("fake-tts") == path
     assert len(CALLS) == 1
@@ -252,6 +253,14 @@ def test_unreachable_hub_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.setattr(hub, "snapshot_download", offline)
     with pytest.raises(ModelSourceError, match="cannot download 'hf:org/model'.*unreachable"):
+        registry.resolve_source("hf:org/model")
+
+
+def test_hf_source_without_huggingface_hub_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # makes the import fail
+    with pytest.raises(ModelSourceError, match="needs huggingface_hub: pip install"):
         registry.resolve_source("hf:org/model")
 
 

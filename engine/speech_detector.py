@@ -54,8 +54,8 @@ class SpeechDetector:
         chunk: int = 512,
     ) -> None:
         real = isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
-        if not real or not 0 < threshold <= 1:
-            raise ValueError(f"threshold must be in (0, 1], got {threshold!r}")
+        if not real or not 0 <= threshold <= 1:
+            raise ValueError(f"threshold must be within [0, 1], got {threshold!r}")
         for name, value in (
             ("prefix_padding_ms", prefix_padding_ms),
             ("silence_duration_ms", silence_duration_ms),

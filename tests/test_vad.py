@@ -238,6 +238,8 @@ def test_detected_bounds_within_100ms(
     assert [type(e) for e in events] == [SpeechStarted, SpeechStopped]
     started, stopped = events
     assert abs(started.audio_start_ms - (lead_ms + onset)) <= 100
+    # Speech-start latency: decided within 100 ms of the first word's onset.
+    assert started.detected_ms - (lead_ms + onset) <= 100
     assert abs(stopped.audio_end_ms - (lead_ms + offset)) <= 100
     assert stopped.detected_ms - stopped.audio_end_ms >= 500
     padded = SpeechDetector(prefix_padding_ms=300, silence_duration_ms=500).push(probs)
@@ -405,7 +407,7 @@ def test_detector_other_rates_use_their_own_clock() -> None:
 
 def test_detector_rejects_bad_settings_and_values() -> None:
     for kw in (
-        {"threshold": 0},
+        {"threshold": -0.1},
         {"threshold": 1.5},
         {"threshold": True},
         {"prefix_padding_ms": -1},

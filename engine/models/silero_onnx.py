@@ -18,8 +18,10 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-__all__ = ["convert", "find_onnx", "read_branch_weights", "SAMPLE_RATE"]
+__all__ = ["CONVERTER_VERSION", "SAMPLE_RATE", "convert", "find_onnx", "read_branch_weights"]
 
+# Bump when the output changes, so caches made by older converters are redone.
+CONVERTER_VERSION = "1"
 SAMPLE_RATE = 16000
 ONNX_RELATIVE = Path("data") / "silero_vad.onnx"
 LICENSE_NAME = "LICENSE.silero"

@@ -130,7 +130,12 @@ class LlmConfig(_Strict):
 
 
 class AsrConfig(_Strict):
+    """`max_batch` utterances share one Whisper pass; longer turns than `max_audio_s`
+    are refused."""
+
     model: ModelRef = ModelRef(name="whisper-tiny.en")
+    max_batch: int = Field(4, ge=1)
+    max_audio_s: float = Field(120.0, gt=0.0)
 
 
 class TtsConfig(_Strict):

@@ -1,0 +1,566 @@
+"""The multi-stage pipeline (ASR → LLM → TTS) behind the duplex stage port.
+
+One submitted turn is one asyncio task on the event loop: it streams the turn's audio
+through the ASR stage (stage 0), the transcript and history through the LLM (stage 1),
+and each complete clause of the LLM's text through the TTS stage (stage 2) while the LLM
+is still decoding. The model work runs on the engine thread; this task only moves
+results between stages and hands them to the sink. Batching across sessions happens
+inside each stage, which sees every session's requests at once.
+
+Rules of this module:
+1. Every output carries its own stage request id (`...r.stage{N}-turn{T}`), so the
+   session core can tell its fence and drop stale ones.
+2. An id is "open" from submit until its stage's finished output, its abort, or its
+   cleanup. Only open ids are emitted; abort and cleanup close ids synchronously, so
+   nothing of an aborted request reaches the sink once `abort_requests` returns.
+3. A failing stage ends its turn with one `error` output on that stage's id; the turn's
+   later stages emit nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from duplex.contracts import (
+    DuplexFence,
+    DuplexStageRequestContext,
+    DuplexStageSubmission,
+    DuplexStageSubmissionResult,
+    duplex_ephemeral_stage_request_id,
+    duplex_turn_id_from_request_id,
+)
+from duplex.outputs import DuplexStageOutput, DuplexStreamingStagePort
+from engine.clauses import ClauseSplitter
+from engine.config import EngineConfig
+from engine.core import AsyncEngine
+from engine.llm import LlmInput
+from engine.request import RequestOutput, SamplingParams
+from engine.stage import StageOutput
+
+__all__ = ["AsrParams", "DuplexOrchestrator", "LlmBackend", "TtsParams", "STAGE_NAMES"]
+
+logger = logging.getLogger(__name__)
+
+STAGE_NAMES = ("asr", "llm", "tts")
+ASR, LLM, TTS = 0, 1, 2
+PROMPT_KEYS = frozenset(
+    {"audio", "text", "messages", "output_modalities", "max_output_tokens", "voice", "speed"}
+    | {"cache_key"}
+)
+ROLES = frozenset({"system", "user", "assistant"})
+ENGINE_SAMPLE_RATE = 16000
+
+
+@dataclass(frozen=True)
+class AsrParams:
+    """Stage-0 options: turns with more audio than `max_audio_s` are refused."""
+
+    max_audio_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class TtsParams:
+    """Stage-2 options: which voice speaks, how fast, and its noise settings."""
+
+    voice: str
+    speed: float = 1.0
+    noise_scale: float | None = None
+    noise_w: float | None = None
+    sample_rate: int = 24000
+
+
+class LlmBackend(Protocol):
+    """Where stage 1 runs: the engine's LLM stage, or a remote server."""
+
+    def stream(self, request_id: str, inputs: LlmInput) -> AsyncIterator[StageOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+
+class EngineLlm:
+    """The engine thread's "llm" stage as an `LlmBackend`."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    def stream(self, request_id: str, inputs: LlmInput) -> AsyncIterator[StageOutput]:
+        return self._engine.stream("llm", request_id, inputs)
+
+    def abort(self, request_id: str) -> None:
+        self._engine.abort("llm", request_id)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A validated `DuplexAppendPlan.prompt`."""
+
+    audio: np.ndarray | None
+    text: str | None
+    messages: tuple[Mapping[str, str], ...]
+    speak: bool
+    max_output_tokens: int | None
+    voice: str | None
+    speed: float | None
+    cache_key: str | None
+
+
+@dataclass
+class _Turn:
+    ids: dict[int, str]  # stage id -> request id, entry stage .. final stage
+    plan: _Plan
+    params: tuple[Any, ...]
+    submitted_at: float
+    task: asyncio.Task[None] | None = None
+    marks: dict[str, float] = field(default_factory=dict)
+
+    def since(self, mark: str) -> float:
+        return (time.perf_counter() - self.marks[mark]) * 1000.0
+
+
+@dataclass
+class _SessionParams:
+    generation: int
+    params: tuple[Any, ...]
+
+
+class DuplexOrchestrator(DuplexStreamingStagePort):
+    """Runs each submitted turn through ASR, LLM and TTS; see the module docstring."""
+
+    def __init__(
+        self, engine: AsyncEngine, config: EngineConfig, *, llm: LlmBackend | None = None
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self.llm: LlmBackend = llm if llm is not None else EngineLlm(engine)
+        self._sink: Callable[[DuplexStageOutput], None] | None = None
+        self._reserved: dict[str, DuplexStageRequestContext] = {}
+        self._sessions: dict[str, _SessionParams] = {}
+        self._turns: dict[str, _Turn] = {}  # every id of a running turn -> the turn
+        self._open: set[str] = set()
+
+    # --- DuplexStagePort -------------------------------------------------------------
+
+    @property
+    def stage_count(self) -> int:
+        return len(STAGE_NAMES)
+
+    def sampling_defaults(self) -> tuple[Any, ...]:
+        stages = self.config.stages
+        tts = stages.tts
+        return (
+            AsrParams(max_audio_s=stages.asr.max_audio_s),
+            stages.llm.sampling.to_params(),
+            TtsParams(tts.voice, tts.speed, tts.noise_scale, tts.noise_w, tts.sample_rate),
+        )
+
+    def attach_output_sink(self, sink: Callable[[DuplexStageOutput], None]) -> None:
+        self._sink = sink
+
+    def ensure_request(self, context: DuplexStageRequestContext) -> None:
+        if not 0 <= context.stage_id < self.stage_count:
+            raise ValueError(f"stage {context.stage_id} does not exist (0..{self.stage_count - 1})")
+        if len(context.sampling_params) != self.stage_count:
+            raise ValueError(f"sampling_params needs one entry per stage ({self.stage_count})")
+        _check_params(context.sampling_params)
+        self._reserved[context.request_id] = context
+        cached = self._sessions.get(context.session_id)
+        if cached is None or cached.generation != context.config_generation:
+            self._sessions[context.session_id] = _SessionParams(
+                context.config_generation, context.sampling_params
+            )
+
+    async def submit(self, submission: DuplexStageSubmission) -> DuplexStageSubmissionResult:
+        context = submission.context
+        rid = context.request_id
+        if rid not in self._reserved:
+            raise ValueError(f"request {rid!r} was not reserved with ensure_request")
+        if submission.already_submitted or rid in self._turns:
+            raise ValueError(f"request {rid!r} was already submitted; a turn takes one prompt")
+        if duplex_turn_id_from_request_id(rid) is None:
+            raise ValueError(f"request {rid!r} is not a per-turn (stage{{N}}-turn{{T}}) id")
+        if context.stage_id not in (ASR, LLM):
+            raise ValueError(
+                f"a turn enters at stage 0 (audio) or 1 (text), not {context.stage_id}"
+            )
+        if context.final_stage_id not in (LLM, TTS) or context.final_stage_id < context.stage_id:
+            raise ValueError("a turn ends at stage 1 (text reply) or 2 (spoken reply)")
+        plan = _parse_prompt(submission.prompt, context, self.config.stages.tts.voice)
+        params = self._sessions[context.session_id].params
+        self._check_audio_length(plan, params[ASR])
+        self._start_turn(context, plan, params)
+        return DuplexStageSubmissionResult(request_id=rid, stage_id=context.stage_id, replica_id=0)
+
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        turns = self._close(request_ids)
+        for turn in turns:
+            self._stop(turn)
+        await self._wait_stopped(turns)
+
+    async def cleanup(self, request_ids: list[str], *, abort: bool = False) -> None:
+        # Cleaned-up ids never output again, so a still-running turn is stopped either way.
+        await self.abort_requests(request_ids)
+        for rid in request_ids:
+            context = self._reserved.pop(rid, None)
+            if context is not None and not self._session_has_requests(context.session_id):
+                self._sessions.pop(context.session_id, None)
+
+    # --- introspection ---------------------------------------------------------------
+
+    def running_turns(self) -> int:
+        return len({id(t) for t in self._turns.values()})
+
+    def reserved_requests(self) -> int:
+        return len(self._reserved)
+
+    # --- turn lifecycle --------------------------------------------------------------
+
+    def _start_turn(
+        self, context: DuplexStageRequestContext, plan: _Plan, params: tuple[Any, ...]
+    ) -> _Turn:
+        fence: DuplexFence = context.fence
+        entry = ASR if plan.audio is not None else LLM
+        ids = {
+            stage: duplex_ephemeral_stage_request_id(fence, stage_id=stage)
+            for stage in range(context.stage_id, context.final_stage_id + 1)
+        }
+        turn = _Turn(ids=ids, plan=plan, params=params, submitted_at=time.perf_counter())
+        turn.marks["submit"] = turn.submitted_at
+        for rid in ids.values():
+            self._turns[rid] = turn
+            self._open.add(rid)
+        if entry == LLM and ASR in ids:
+            # A text prompt on the audio entry: stage 0 has nothing to do.
+            self._emit(turn, ASR, "done", finished=True, metadata={"skipped": True})
+        turn.task = asyncio.create_task(self._run(turn), name=f"turn {ids[context.stage_id]}")
+        turn.task.add_done_callback(lambda _: self._forget(turn))
+        return turn
+
+    def _close(self, request_ids: list[str]) -> list[_Turn]:
+        """Close the ids and return their running turns (each once)."""
+        turns: dict[int, _Turn] = {}
+        for rid in request_ids:
+            self._open.discard(rid)
+            turn = self._turns.get(rid)
+            if turn is not None:
+                turns[id(turn)] = turn
+        return list(turns.values())
+
+    def _stop(self, turn: _Turn) -> None:
+        """Stop a turn at once: no id of it outputs again, every stage drops its request."""
+        for rid in turn.ids.values():
+            self._open.discard(rid)
+        if turn.task is not None and turn.task is not asyncio.current_task():
+            turn.task.cancel()
+        for stage, rid in turn.ids.items():
+            if stage == LLM:
+                self.llm.abort(rid)
+            else:
+                self.engine.abort(STAGE_NAMES[stage], rid)
+
+    async def _wait_stopped(self, turns: list[_Turn]) -> None:
+        current = asyncio.current_task()
+        tasks = [t.task for t in turns if t.task is not None and t.task is not current]
+        if tasks:
+            await asyncio.wait(tasks)
+
+    def _forget(self, turn: _Turn) -> None:
+        for rid in turn.ids.values():
+            self._open.discard(rid)
+            if self._turns.get(rid) is turn:
+                del self._turns[rid]
+
+    def _session_has_requests(self, session_id: str) -> bool:
+        return any(c.session_id == session_id for c in self._reserved.values())
+
+    def _check_audio_length(self, plan: _Plan, asr: AsrParams) -> None:
+        if plan.audio is not None and len(plan.audio) > asr.max_audio_s * ENGINE_SAMPLE_RATE:
+            seconds = len(plan.audio) / ENGINE_SAMPLE_RATE
+            raise ValueError(f"turn audio is {seconds:.1f} s; the limit is {asr.max_audio_s} s")
+
+    # --- output ----------------------------------------------------------------------
+
+    def _emit(self, turn: _Turn, stage: int, kind: str, **fields: Any) -> None:
+        rid = turn.ids.get(stage)
+        if rid is None or rid not in self._open:
+            return  # aborted, cleaned up or already finished: dropped by rule 2
+        if fields.get("finished"):
+            self._open.discard(rid)
+        if self._sink is None:
+            return
+        self._sink(DuplexStageOutput(request_id=rid, stage_id=stage, kind=kind, **fields))
+
+    def _fail(self, turn: _Turn, stage: int, error: str) -> None:
+        """Rule 3: one error output on `stage`, then the turn's other stages are stopped."""
+        self._emit(turn, stage, "error", finished=True, metadata={"error": error})
+        for rid in turn.ids.values():
+            self._open.discard(rid)
+        for later, rid in turn.ids.items():
+            if later == LLM:
+                self.llm.abort(rid)
+            elif later != stage:
+                self.engine.abort(STAGE_NAMES[later], rid)
+
+    # --- the pipeline ----------------------------------------------------------------
+
+    async def _run(self, turn: _Turn) -> None:
+        stage = min(turn.ids)
+        try:
+            text = turn.plan.text
+            if turn.plan.audio is not None:
+                text = await self._transcribe(turn)
+                if text is None:
+                    return
+            stage = LLM
+            await self._respond(turn, text or "")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug or a dead engine must fail the turn, not hang it
+            logger.exception("turn %s failed", turn.ids[min(turn.ids)])
+            self._fail(turn, stage, f"{type(exc).__name__}: {exc}")
+
+    async def _transcribe(self, turn: _Turn) -> str | None:
+        rid = turn.ids[ASR]
+        turn.marks["asr"] = time.perf_counter()
+        async for out in self.engine.stream("asr", rid, turn.plan.audio):
+            if out.error is not None:
+                self._fail(turn, ASR, out.error)
+                return None
+            if out.finished:
+                text = str(out.payload or "").strip()
+                metadata = {"asr_ms": turn.since("asr"), **out.metrics}
+                self._emit(turn, ASR, "transcript", text=text, metadata=metadata)
+                self._emit(turn, ASR, "done", finished=True)
+                return text
+        return None  # aborted: the stream ended without a result
+
+    async def _respond(self, turn: _Turn, text: str) -> None:
+        if not text.strip():
+            # Nothing was said: the turn ends without asking the model.
+            self._emit(turn, LLM, "done", finished=True, metadata={"skipped": True})
+            self._emit(turn, TTS, "done", finished=True, metadata={"skipped": True})
+            return
+        speaker = _Speaker(self, turn) if turn.plan.speak else None
+        speaking = asyncio.create_task(speaker.run()) if speaker else None
+        try:
+            final = await self._generate(turn, text, speaker)
+            if final is not None and speaking is not None:
+                await speaking
+        finally:
+            if speaking is not None and not speaking.done():
+                speaking.cancel()
+                self.engine.abort("tts", turn.ids[TTS])
+
+    async def _generate(
+        self, turn: _Turn, text: str, speaker: _Speaker | None
+    ) -> RequestOutput | None:
+        rid = turn.ids[LLM]
+        inputs = self._llm_inputs(turn, text)
+        splitter = ClauseSplitter(**self.config.clauses.model_dump())
+        turn.marks["llm"] = time.perf_counter()
+        final: RequestOutput | None = None
+        async for out in self.llm.stream(rid, inputs):
+            if out.error is not None:
+                self._fail(turn, LLM, out.error)
+                return None
+            delta: RequestOutput = out.payload
+            if delta.new_text:
+                self._emit(turn, LLM, "text", text=delta.new_text)
+                if speaker is not None:
+                    speaker.say(splitter.push(delta.new_text))
+            if out.finished:
+                final = delta
+        if final is None:
+            return None
+        metadata = {
+            "usage": final.usage(),
+            "finish_reason": final.finish_reason,
+            "cached_tokens": final.cached_tokens,
+            "llm_ms": turn.since("llm"),
+        }
+        self._emit(turn, LLM, "done", finished=True, metadata=metadata)
+        if speaker is not None:
+            speaker.finish(splitter.flush())
+        return final
+
+    def _llm_inputs(self, turn: _Turn, text: str) -> LlmInput:
+        plan = turn.plan
+        messages = [dict(m) for m in plan.messages]
+        if not messages or messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.config.system_prompt})
+        messages.append({"role": "user", "content": text})
+        params: SamplingParams = turn.params[LLM]
+        if plan.max_output_tokens is not None:
+            params = dataclasses.replace(params, max_tokens=plan.max_output_tokens)
+        return LlmInput(messages=messages, sampling_params=params, cache_key=plan.cache_key)
+
+    def _tts_request(self, turn: _Turn) -> Any:
+        from engine.tts import TtsRequest
+
+        base: TtsParams = turn.params[TTS]
+        speed = turn.plan.speed if turn.plan.speed is not None else base.speed
+        return TtsRequest(
+            sample_rate=base.sample_rate,
+            speed=speed,
+            noise_scale=base.noise_scale,
+            noise_w=base.noise_w,
+        )
+
+
+class _Speaker:
+    """Stage 2 of one turn: feeds clauses to the TTS stage in order, emits its audio."""
+
+    def __init__(self, orchestrator: DuplexOrchestrator, turn: _Turn) -> None:
+        self._orch = orchestrator
+        self._turn = turn
+        self._rid = turn.ids[TTS]
+        self._queue: asyncio.Queue[tuple[str, bool]] = asyncio.Queue()
+        self._first_chunk = True
+
+    def say(self, clauses: list[str]) -> None:
+        for clause in clauses:
+            if "clause" not in self._turn.marks:
+                self._turn.marks["clause"] = time.perf_counter()
+                self._turn.marks["llm_first_clause_ms"] = self._turn.since("llm")
+            self._queue.put_nowait((clause, False))
+
+    def finish(self, clauses: list[str]) -> None:
+        self.say(clauses)
+        self._queue.put_nowait(("", True))
+
+    async def run(self) -> None:
+        text, final = await self._queue.get()
+        if final:
+            # The reply had no speakable text: stage 2 ends without a request.
+            self._orch._emit(self._turn, TTS, "done", finished=True)
+            return
+        engine = self._orch.engine
+        stream = engine.stream("tts", self._rid, self._orch._tts_request(self._turn))
+        consumer = asyncio.create_task(self._consume(stream))
+        try:
+            while not final:
+                await engine.call("tts", "feed", self._rid, text, False)
+                text, final = await self._queue.get()
+            await engine.call("tts", "feed", self._rid, "", True)
+            await consumer
+        except Exception:
+            if consumer.done():
+                return  # the stage already failed the request; its error was emitted
+            raise
+        finally:
+            if not consumer.done():
+                consumer.cancel()
+
+    async def _consume(self, stream: AsyncIterator[StageOutput]) -> None:
+        async for out in stream:
+            if out.error is not None:
+                self._orch._fail(self._turn, TTS, out.error)
+                return
+            chunk = out.payload
+            if chunk is not None and len(chunk.pcm16):
+                self._emit_chunk(chunk)
+            if out.finished:
+                self._orch._emit(self._turn, TTS, "done", finished=True)
+                return
+
+    def _emit_chunk(self, chunk: Any) -> None:
+        metadata: dict[str, Any] = {"duration_ms": chunk.duration_ms}
+        if self._first_chunk:
+            self._first_chunk = False
+            marks = self._turn.marks
+            metadata.update(
+                first_audio_ms=self._turn.since("submit"),
+                tts_first_chunk_ms=self._turn.since("clause"),
+                llm_first_clause_ms=marks.get("llm_first_clause_ms", 0.0),
+            )
+        pcm = chunk.pcm16.tobytes() if isinstance(chunk.pcm16, np.ndarray) else chunk.pcm16
+        self._orch._emit(
+            self._turn,
+            TTS,
+            "audio",
+            text=chunk.text,
+            audio=pcm,
+            sample_rate=chunk.sample_rate,
+            metadata=metadata,
+        )
+
+
+def _check_params(params: tuple[Any, ...]) -> None:
+    expected = (AsrParams, SamplingParams, TtsParams)
+    for stage, (value, kind) in enumerate(zip(params, expected, strict=True)):
+        if not isinstance(value, kind):
+            raise ValueError(
+                f"sampling_params[{stage}] must be {kind.__name__}, got {type(value).__name__}"
+            )
+
+
+def _parse_prompt(
+    prompt: Mapping[str, Any], context: DuplexStageRequestContext, voice: str
+) -> _Plan:
+    """Validate a `DuplexAppendPlan.prompt`; raise ValueError naming the bad field."""
+    unknown = set(prompt) - PROMPT_KEYS
+    if unknown:
+        raise ValueError(f"unknown prompt fields: {sorted(unknown)}")
+    audio, text = prompt.get("audio"), prompt.get("text")
+    if (audio is None) == (text is None):
+        raise ValueError("a turn prompt needs exactly one of 'audio' or 'text'")
+    if audio is not None:
+        audio = _check_audio(audio)
+        if context.stage_id != ASR:
+            raise ValueError("an audio turn enters at stage 0 (ASR)")
+    if text is not None and not isinstance(text, str):
+        raise ValueError("'text' must be a string")
+    speak = context.final_stage_id == TTS
+    modalities = tuple(prompt.get("output_modalities") or (("audio",) if speak else ("text",)))
+    if not set(modalities) <= {"text", "audio"}:
+        raise ValueError("'output_modalities' must be ['text'] or ['audio']")
+    if ("audio" in modalities) != speak:
+        raise ValueError("'output_modalities' must hold 'audio' exactly when the turn ends at TTS")
+    max_tokens = prompt.get("max_output_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError("'max_output_tokens' must be a positive int or None")
+    wanted_voice = prompt.get("voice")
+    if wanted_voice is not None and wanted_voice != voice:
+        raise ValueError(f"unknown voice {wanted_voice!r}; this engine speaks with {voice!r}")
+    speed = prompt.get("speed")
+    if speed is not None and not (isinstance(speed, (int, float)) and 0.25 <= speed <= 4.0):
+        raise ValueError("'speed' must be a number in [0.25, 4.0]")
+    cache_key = prompt.get("cache_key")
+    if cache_key is not None and not isinstance(cache_key, str):
+        raise ValueError("'cache_key' must be a string or None")
+    return _Plan(
+        audio=audio,
+        text=text,
+        messages=_check_messages(prompt.get("messages") or ()),
+        speak=speak,
+        max_output_tokens=max_tokens,
+        voice=wanted_voice,
+        speed=float(speed) if speed is not None else None,
+        cache_key=cache_key,
+    )
+
+
+def _check_audio(audio: Any) -> np.ndarray:
+    if not isinstance(audio, np.ndarray) or audio.ndim != 1 or audio.dtype != np.float32:
+        raise ValueError("'audio' must be a 1-D float32 numpy array of 16 kHz samples")
+    if audio.size == 0:
+        raise ValueError("'audio' is empty")
+    return audio
+
+
+def _check_messages(messages: Any) -> tuple[Mapping[str, str], ...]:
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or set(message) != {"role", "content"}:
+            raise ValueError(f"messages[{i}] must be a mapping with 'role' and 'content'")
+        if message["role"] not in ROLES or not isinstance(message["content"], str):
+            raise ValueError(f"messages[{i}]: role must be one of {sorted(ROLES)}, content a str")
+        checked.append({"role": message["role"], "content": message["content"]})
+    return tuple(checked)

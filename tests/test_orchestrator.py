@@ -1,0 +1,599 @@
+"""The orchestrator through the duplex stage port, with fake stages in a real EngineCore.
+
+The fakes are scripted and fast, so these tests pin the pipeline's contract: output
+order and ids, streaming TTS while the LLM decodes, per-turn overrides, errors, and
+barge-in at each stage leaving no output and no request behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from duplex.contracts import (
+    DuplexFence,
+    DuplexStageRequestContext,
+    DuplexStageSubmission,
+    duplex_ephemeral_stage_request_id,
+)
+from duplex.outputs import DuplexStageOutput, fence_from_request_id
+from engine.config import EngineConfig, RemoteLlmConfig, parse_config
+from engine.core import AsyncEngine, EngineCore
+from engine.llm import LlmInput
+from engine.orchestrator import AsrParams, DuplexOrchestrator, TtsParams
+from engine.remote_llm import RemoteLlm
+from engine.request import RequestOutput, SamplingParams
+from engine.stage import StageOutput
+from engine.tts import AudioChunk, TtsRequest
+
+WAIT_S = 10.0
+
+
+# ---- fake stages --------------------------------------------------------------------
+
+
+class FakeAsr:
+    """Transcribes audio whose first sample is n as "question n"."""
+
+    name = "asr"
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, np.ndarray] = {}
+        self.hold = False
+        self.fail = False
+
+    def add(self, request_id: str, inputs: np.ndarray) -> None:
+        self.waiting[request_id] = inputs
+
+    def abort(self, request_id: str) -> None:
+        self.waiting.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting)
+
+    def step(self) -> list[StageOutput]:
+        time.sleep(0.002)
+        if self.hold:
+            return []
+        outs = []
+        for rid, audio in list(self.waiting.items()):
+            del self.waiting[rid]
+            if self.fail:
+                outs.append(StageOutput(rid, "", finished=True, error="asr exploded"))
+            else:
+                outs.append(StageOutput(rid, f" question {int(audio[0])} ", finished=True))
+        return outs
+
+
+class FakeLlm:
+    """Replies "Reply to <user>. Then more words, ..." one word per step."""
+
+    name = "llm"
+
+    def __init__(self) -> None:
+        self.live: dict[str, list[str]] = {}
+        self.done: dict[str, int] = {}
+        self.inputs: dict[str, LlmInput] = {}
+        self.step_s = 0.002
+
+    def add(self, request_id: str, inputs: LlmInput) -> None:
+        if inputs.messages is None:
+            raise ValueError("FakeLlm takes messages")
+        user = inputs.messages[-1]["content"]
+        words = f"Reply to {user}. It is a fine day. Then more words follow here.".split()
+        while len(words) < inputs.sampling_params.max_tokens:
+            words += ["And", "another", "sentence", "of", "the", "reply", "goes", "on."]
+        self.inputs[request_id] = inputs
+        self.live[request_id] = words[: inputs.sampling_params.max_tokens]
+        self.done[request_id] = 0
+
+    def abort(self, request_id: str) -> None:
+        self.live.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        return bool(self.live)
+
+    def step(self) -> list[StageOutput]:
+        time.sleep(self.step_s)
+        outs = []
+        for rid, words in list(self.live.items()):
+            n = self.done[rid] = self.done[rid] + 1
+            finished = n == len(words)
+            params = self.inputs[rid].sampling_params
+            out = RequestOutput(
+                rid,
+                new_text=(" " if n > 1 else "") + words[n - 1],
+                output_text=" ".join(words[:n]),
+                finished=finished,
+                finish_reason=("length" if n == params.max_tokens else "stop")
+                if finished
+                else None,
+                prompt_tokens=10,
+                completion_tokens=n,
+            )
+            outs.append(StageOutput(rid, out, finished=finished))
+            if finished:
+                del self.live[rid]
+        return outs
+
+
+class FakeTts:
+    """Speaks one clause per request per step: 10 samples per character."""
+
+    name = "tts"
+
+    def __init__(self) -> None:
+        self.streams: dict[str, tuple[TtsRequest, list[str], list[bool]]] = {}
+        self.requests: dict[str, TtsRequest] = {}
+        self.step_s = 0.002
+
+    def add(self, request_id: str, inputs: TtsRequest) -> None:
+        self.streams[request_id] = (inputs, [], [False])
+        self.requests[request_id] = inputs
+
+    def feed(self, request_id: str, text: str, final: bool = False) -> bool:
+        if request_id not in self.streams:
+            return False
+        _, pending, fin = self.streams[request_id]
+        if text:
+            pending.append(text)
+        fin[0] = final
+        return True
+
+    def abort(self, request_id: str) -> None:
+        self.streams.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        return any(p or f[0] for _, p, f in self.streams.values())
+
+    def step(self) -> list[StageOutput]:
+        time.sleep(self.step_s)
+        outs = []
+        for rid, (req, pending, fin) in list(self.streams.items()):
+            if not pending and not fin[0]:
+                continue
+            text = pending.pop(0) if pending else ""
+            pcm = b"\x01\x00" * (10 * len(text))
+            chunk = AudioChunk(pcm, req.sample_rate, text, 1000 * len(pcm) / 2 / req.sample_rate)
+            finished = fin[0] and not pending
+            if finished:
+                del self.streams[rid]
+            outs.append(StageOutput(rid, chunk, finished=finished))
+        return outs
+
+
+# ---- harness ------------------------------------------------------------------------
+
+
+class Harness:
+    def __init__(self, config: EngineConfig, llm: Any = None) -> None:
+        self.asr, self.llm, self.tts = FakeAsr(), FakeLlm(), FakeTts()
+        self.core = EngineCore({"asr": self.asr, "llm": self.llm, "tts": self.tts})
+        self.core.start()
+        self.engine = AsyncEngine(self.core)
+        self.orch = DuplexOrchestrator(self.engine, config, llm=llm)
+        self.outputs: list[DuplexStageOutput] = []
+        self.orch.attach_output_sink(self.outputs.append)
+
+    def reserve(
+        self,
+        session: str = "s1",
+        *,
+        turn: int = 0,
+        epoch: int = 0,
+        entry: int = 0,
+        final: int = 2,
+        generation: int = 0,
+        params: tuple[Any, ...] | None = None,
+    ) -> list[DuplexStageRequestContext]:
+        fence = DuplexFence(session, epoch, turn)
+        contexts = [
+            DuplexStageRequestContext(
+                request_id=duplex_ephemeral_stage_request_id(fence, stage_id=n),
+                session_id=session,
+                fence=fence,
+                stage_id=n,
+                final_stage_id=final,
+                config_generation=generation,
+                sampling_params=params or self.orch.sampling_defaults(),
+            )
+            for n in range(entry, final + 1)
+        ]
+        for ctx in contexts:
+            self.orch.ensure_request(ctx)
+        return contexts
+
+    async def submit(self, contexts: list[DuplexStageRequestContext], **prompt: Any) -> None:
+        submission = DuplexStageSubmission(
+            context=contexts[0], prompt=prompt, already_submitted=False, resumable=False
+        )
+        result = await self.orch.submit(submission)
+        assert (result.request_id, result.stage_id) == (
+            contexts[0].request_id,
+            contexts[0].stage_id,
+        )
+
+    async def voice_turn(self, session: str = "s1", n: int = 1, **kw: Any) -> list[str]:
+        contexts = self.reserve(session, **kw)
+        await self.submit(contexts, audio=_audio(n), messages=[], output_modalities=["audio"])
+        return [c.request_id for c in contexts]
+
+    def of(self, rid: str) -> list[DuplexStageOutput]:
+        return [o for o in self.outputs if o.request_id == rid]
+
+    def finished(self, rid: str) -> bool:
+        return any(o.finished for o in self.of(rid))
+
+    async def until(self, predicate: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not predicate():
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.002)
+
+    async def idle(self) -> None:
+        await self.until(lambda: sum(self.engine.pending().values()) == 0)
+        await self.until(lambda: self.orch.running_turns() == 0)
+
+
+def _audio(n: int) -> np.ndarray:
+    return np.full(1600, float(n), np.float32)
+
+
+@pytest.fixture
+async def h() -> AsyncIterator[Harness]:
+    harness = Harness(parse_config({}))
+    yield harness
+    harness.core.shutdown()
+
+
+# ---- the pipeline -------------------------------------------------------------------
+
+
+async def test_voice_turn_streams_transcript_text_and_audio(h: Harness) -> None:
+    asr, llm, tts = await h.voice_turn(n=7)
+    await h.until(lambda: h.finished(tts))
+    kinds = [(o.stage_id, o.kind) for o in h.outputs]
+    assert kinds[:2] == [(0, "transcript"), (0, "done")]
+    assert h.of(asr)[0].text == "question 7"
+    text = "".join(o.text for o in h.of(llm) if o.kind == "text")
+    assert text.startswith("Reply to question 7. It is a fine day.")
+    llm_done = h.of(llm)[-1]
+    assert llm_done.kind == "done" and llm_done.finished
+    assert llm_done.metadata["usage"]["completion_tokens"] == 96
+    assert llm_done.metadata["finish_reason"] == "length"
+    audio = [o for o in h.of(tts) if o.kind == "audio"]
+    assert [o.kind for o in h.of(tts)][-1] == "done"
+    # Every audio chunk carries the text it speaks; together they speak the reply.
+    assert " ".join(o.text for o in audio) == text
+    assert all(o.sample_rate == 24000 and o.audio for o in audio)
+    # Speech started while the LLM was still decoding.
+    assert h.outputs.index(audio[0]) < h.outputs.index(llm_done)
+    assert audio[0].metadata["first_audio_ms"] > 0
+    assert {"tts_first_chunk_ms", "llm_first_clause_ms"} <= set(audio[0].metadata)
+    # Each output names its own stage request, so its fence.
+    for out in h.outputs:
+        fence = fence_from_request_id(out.request_id)
+        assert fence == DuplexFence("s1", 0, 0)
+        assert out.request_id == (asr, llm, tts)[out.stage_id]
+    assert sum(o.finished for o in h.outputs) == 3
+    await h.idle()
+
+
+async def test_text_turn_with_text_reply_skips_asr_and_tts(h: Harness) -> None:
+    contexts = h.reserve(entry=1, final=1)
+    await h.submit(contexts, text="hello there", messages=[], output_modalities=["text"])
+    rid = contexts[0].request_id
+    await h.until(lambda: h.finished(rid))
+    assert {o.stage_id for o in h.outputs} == {1}
+    assert "".join(o.text for o in h.outputs).startswith("Reply to hello there.")
+    assert not h.tts.requests
+    await h.idle()
+
+
+async def test_text_turn_with_spoken_reply(h: Harness) -> None:
+    contexts = h.reserve(entry=1, final=2)
+    await h.submit(contexts, text="hi", messages=[], output_modalities=["audio"])
+    await h.until(lambda: h.finished(contexts[1].request_id))
+    assert [o.kind for o in h.of(contexts[1].request_id)][-1] == "done"
+    assert any(o.kind == "audio" for o in h.outputs)
+
+
+async def test_text_prompt_at_the_audio_entry_skips_asr(h: Harness) -> None:
+    contexts = h.reserve(entry=0, final=1)
+    await h.submit(contexts, text="typed", output_modalities=["text"])
+    await h.until(lambda: h.finished(contexts[1].request_id))
+    assert h.of(contexts[0].request_id)[0].metadata["skipped"] is True
+    assert not h.asr.waiting
+
+
+async def test_history_system_prompt_and_overrides_reach_the_stages(h: Harness) -> None:
+    contexts = h.reserve()
+    history = [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+    ]
+    await h.submit(
+        contexts,
+        audio=_audio(3),
+        messages=history,
+        output_modalities=["audio"],
+        max_output_tokens=12,
+        voice="joe",
+        speed=1.5,
+        cache_key="conv-1",
+    )
+    llm_rid, tts_rid = contexts[1].request_id, contexts[2].request_id
+    await h.until(lambda: h.finished(tts_rid))
+    inputs = h.llm.inputs[llm_rid]
+    assert inputs.messages == [*history, {"role": "user", "content": "question 3"}]
+    assert inputs.sampling_params.max_tokens == 12
+    assert inputs.cache_key == "conv-1"
+    assert h.tts.requests[tts_rid] == TtsRequest(sample_rate=24000, speed=1.5)
+
+
+async def test_config_system_prompt_is_added_when_history_has_none(h: Harness) -> None:
+    contexts = h.reserve(entry=1, final=1)
+    await h.submit(contexts, text="hey", messages=[], output_modalities=["text"])
+    await h.until(lambda: h.finished(contexts[0].request_id))
+    messages = h.llm.inputs[contexts[0].request_id].messages
+    assert messages is not None
+    assert messages[0] == {"role": "system", "content": h.orch.config.system_prompt}
+
+
+async def test_sampling_defaults_come_from_the_config() -> None:
+    config = parse_config(
+        {
+            "stages": {
+                "llm": {"sampling": {"temperature": 0.2, "top_k": 5, "stop": ["\n"]}},
+                "tts": {"speed": 1.25, "noise_w": 0.5},
+                "asr": {"max_audio_s": 9},
+            }
+        }
+    )
+    harness = Harness(config)
+    try:
+        asr, llm, tts = harness.orch.sampling_defaults()
+        assert asr == AsrParams(max_audio_s=9.0)
+        assert llm == SamplingParams(
+            max_tokens=96, temperature=0.2, top_p=0.9, top_k=5, stop=["\n"]
+        )
+        assert tts == TtsParams("joe", 1.25, None, 0.5, 24000)
+    finally:
+        harness.core.shutdown()
+
+
+async def test_sampling_params_refresh_only_on_a_new_config_generation(h: Harness) -> None:
+    asr, llm, tts = h.orch.sampling_defaults()
+    short = (asr, SamplingParams(max_tokens=3), tts)
+    longer = (asr, SamplingParams(max_tokens=5), tts)
+    h.reserve(entry=1, final=1, turn=0, generation=1, params=short)
+    ctx = h.reserve(entry=1, final=1, turn=1, generation=1, params=longer)
+    await h.submit(ctx, text="a", output_modalities=["text"])
+    await h.until(lambda: h.finished(ctx[0].request_id))
+    assert h.llm.inputs[ctx[0].request_id].sampling_params.max_tokens == 3
+    ctx = h.reserve(entry=1, final=1, turn=2, generation=2, params=longer)
+    await h.submit(ctx, text="b", output_modalities=["text"])
+    await h.until(lambda: h.finished(ctx[0].request_id))
+    assert h.llm.inputs[ctx[0].request_id].sampling_params.max_tokens == 5
+
+
+async def test_empty_transcript_ends_the_turn_without_the_llm(h: Harness) -> None:
+    original = h.asr.step
+
+    def silent() -> list[StageOutput]:
+        return [StageOutput(o.request_id, "  ", finished=True) for o in original()]
+
+    h.asr.step = silent  # type: ignore[method-assign]
+    asr, llm, tts = await h.voice_turn()
+    await h.until(lambda: h.finished(tts))
+    assert h.of(asr)[0].text == ""
+    assert h.of(llm)[0].metadata["skipped"] is True
+    assert not h.llm.inputs
+
+
+# ---- errors -------------------------------------------------------------------------
+
+
+async def test_asr_error_fails_the_turn_on_stage_0(h: Harness) -> None:
+    h.asr.fail = True
+    asr, llm, tts = await h.voice_turn()
+    await h.until(lambda: h.finished(asr))
+    await h.idle()
+    assert [(o.kind, o.finished) for o in h.outputs] == [("error", True)]
+    assert h.outputs[0].metadata["error"] == "asr exploded"
+
+
+async def test_llm_rejection_fails_the_turn_on_stage_1(h: Harness) -> None:
+    contexts = h.reserve(entry=1, final=2)
+    await h.submit(contexts, text="x", output_modalities=["audio"], max_output_tokens=1)
+    h.llm.add = _raise  # type: ignore[method-assign]
+    contexts = h.reserve(entry=1, final=2, turn=1)
+    await h.submit(contexts, text="y", output_modalities=["audio"])
+    rid = contexts[0].request_id
+    await h.until(lambda: h.finished(rid))
+    await h.idle()
+    (out,) = h.of(rid)
+    assert out.kind == "error" and "ValueError: no room" in str(out.metadata["error"])
+    assert h.of(contexts[1].request_id) == []
+
+
+def _raise(request_id: str, inputs: Any) -> None:
+    raise ValueError("no room")
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ({"text": "a", "bogus": 1}, "unknown prompt fields"),
+        ({"text": "a", "audio": np.zeros(4, np.float32)}, "exactly one of"),
+        ({}, "exactly one of"),
+        ({"audio": np.zeros(4)}, "float32"),
+        ({"audio": np.zeros((2, 2), np.float32)}, "1-D"),
+        ({"text": "a", "output_modalities": ["video"]}, "output_modalities"),
+        ({"text": "a", "output_modalities": ["text"]}, "exactly when the turn ends at TTS"),
+        ({"text": "a", "voice": "alloy"}, "unknown voice 'alloy'"),
+        ({"text": "a", "speed": 9}, "speed"),
+        ({"text": "a", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"text": "a", "messages": [{"role": "robot", "content": "x"}]}, "role"),
+        ({"text": "a", "cache_key": 3}, "cache_key"),
+    ],
+)
+async def test_bad_prompts_are_rejected(h: Harness, prompt: dict, message: str) -> None:
+    contexts = h.reserve(entry=0, final=2)
+    with pytest.raises(ValueError, match=message):
+        await h.submit(contexts, **prompt)
+    assert h.orch.running_turns() == 0
+
+
+async def test_audio_over_the_limit_is_rejected() -> None:
+    harness = Harness(parse_config({"stages": {"asr": {"max_audio_s": 0.05}}}))
+    try:
+        with pytest.raises(ValueError, match="limit is 0.05 s"):
+            await harness.voice_turn()
+    finally:
+        harness.core.shutdown()
+
+
+async def test_submit_needs_a_reserved_fresh_turn_request(h: Harness) -> None:
+    fence = DuplexFence("s1", 0, 0)
+    ctx = DuplexStageRequestContext(
+        request_id=duplex_ephemeral_stage_request_id(fence, stage_id=1),
+        session_id="s1",
+        fence=fence,
+        stage_id=1,
+        final_stage_id=1,
+        config_generation=0,
+        sampling_params=h.orch.sampling_defaults(),
+    )
+    with pytest.raises(ValueError, match="not reserved"):
+        await h.submit([ctx], text="a")
+    contexts = h.reserve(entry=1, final=1)
+    await h.submit(contexts, text="a", output_modalities=["text"])
+    with pytest.raises(ValueError, match="already submitted"):
+        await h.submit(contexts, text="a", output_modalities=["text"])
+    with pytest.raises(ValueError, match="sampling_params"):
+        h.reserve(turn=5, params=(1, 2, 3))
+
+
+# ---- barge-in -----------------------------------------------------------------------
+
+
+async def _abort_and_check_silence(h: Harness, ids: list[str]) -> None:
+    await h.orch.abort_requests(ids)
+    count = len(h.outputs)
+    await h.idle()
+    await asyncio.sleep(0.1)
+    assert len(h.outputs) == count, "an aborted turn produced output after abort_requests"
+    assert h.engine.pending() == {"asr": 0, "llm": 0, "tts": 0}
+    await h.orch.cleanup(ids)
+    assert h.orch.reserved_requests() == 0
+
+
+async def _next_turn_works(h: Harness) -> None:
+    ids = await h.voice_turn(n=9, turn=1, epoch=1)
+    await h.until(lambda: h.finished(ids[2]))
+    assert h.of(ids[0])[0].text == "question 9"
+    await h.idle()
+
+
+async def test_barge_in_during_asr(h: Harness) -> None:
+    h.asr.hold = True
+    ids = await h.voice_turn()
+    await h.until(lambda: bool(h.asr.waiting))
+    await _abort_and_check_silence(h, ids)
+    assert h.outputs == []
+    h.asr.hold = False
+    await _next_turn_works(h)
+
+
+async def test_barge_in_mid_llm(h: Harness) -> None:
+    h.llm.step_s = 0.01
+    ids = await h.voice_turn()
+    await h.until(lambda: sum(o.kind == "text" for o in h.of(ids[1])) >= 3)
+    await _abort_and_check_silence(h, ids)
+    assert not h.finished(ids[1])
+    h.llm.step_s = 0.002
+    await _next_turn_works(h)
+
+
+async def test_barge_in_mid_tts(h: Harness) -> None:
+    h.tts.step_s = 0.02
+    ids = await h.voice_turn()
+    await h.until(lambda: any(o.kind == "audio" for o in h.of(ids[2])))
+    await _abort_and_check_silence(h, ids)
+    assert not h.finished(ids[2])
+    h.tts.step_s = 0.002
+    await _next_turn_works(h)
+
+
+async def test_cleanup_with_abort_stops_a_running_turn(h: Harness) -> None:
+    h.llm.step_s = 0.01
+    ids = await h.voice_turn()
+    await h.until(lambda: any(o.kind == "text" for o in h.outputs))
+    await h.orch.cleanup(ids, abort=True)
+    count = len(h.outputs)
+    await h.idle()
+    assert len(h.outputs) == count
+    assert h.orch.reserved_requests() == 0
+
+
+async def test_two_sessions_interleaved_get_only_their_own_outputs(h: Harness) -> None:
+    h.llm.step_s = 0.004
+    a = await h.voice_turn("alice", n=1)
+    b = await h.voice_turn("bob", n=2)
+    await h.until(lambda: h.finished(a[2]) and h.finished(b[2]))
+    for ids, n, session in ((a, 1, "alice"), (b, 2, "bob")):
+        text = "".join(o.text for o in h.of(ids[1]) if o.kind == "text")
+        assert text.startswith(f"Reply to question {n}.")
+        spoken = " ".join(o.text for o in h.of(ids[2]) if o.kind == "audio")
+        assert spoken == text
+        assert all(fence_from_request_id(rid).session_id == session for rid in ids)
+    assert {o.request_id for o in h.outputs} == set(a) | set(b)
+    # Their LLM outputs really interleaved: both were decoding in the same steps.
+    order = [o.request_id for o in h.outputs if o.kind == "text"]
+    assert order.index(b[1]) < max(i for i, r in enumerate(order) if r == a[1])
+    # Barge-in on one session leaves the other running.
+    a2 = await h.voice_turn("alice", n=3, turn=1)
+    b2 = await h.voice_turn("bob", n=4, turn=1)
+    await h.until(lambda: any(o.kind == "text" for o in h.of(a2[1])))
+    await h.orch.abort_requests(a2)
+    await h.until(lambda: h.finished(b2[2]))
+    assert not h.finished(a2[2])
+    await h.idle()
+
+
+# ---- the remote LLM backend behind the port -----------------------------------------
+
+
+async def test_remote_llm_backend_behind_the_port() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        chunks = [
+            {"choices": [{"delta": {"content": "Paris is the capital."}, "finish_reason": None}]},
+            {"choices": [{"delta": {"content": " Yes."}, "finish_reason": "stop"}]},
+        ]
+        body = "".join(f"data: {__import__('json').dumps(c)}\n\n" for c in chunks)
+        return httpx.Response(200, content=(body + "data: [DONE]\n\n").encode())
+
+    remote = RemoteLlm(
+        RemoteLlmConfig(base_url="http://remote.test/v1", model="m"),
+        transport=httpx.MockTransport(handler),
+    )
+    harness = Harness(parse_config({}), llm=remote)
+    try:
+        ids = await harness.voice_turn()
+        await harness.until(lambda: harness.finished(ids[2]))
+        text = "".join(o.text for o in harness.of(ids[1]) if o.kind == "text")
+        assert text == "Paris is the capital. Yes."
+        spoken = [o.text for o in harness.of(ids[2]) if o.kind == "audio"]
+        assert spoken == ["Paris is the capital.", "Yes."]
+        assert not harness.llm.inputs  # the engine's LLM stage was not used
+        await remote.aclose()
+    finally:
+        harness.core.shutdown()

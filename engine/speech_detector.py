@@ -56,21 +56,12 @@ class SpeechDetector:
         real = isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
         if not real or not 0 <= threshold <= 1:
             raise ValueError(f"threshold must be within [0, 1], got {threshold!r}")
-        for name, value in (
-            ("prefix_padding_ms", prefix_padding_ms),
-            ("silence_duration_ms", silence_duration_ms),
-        ):
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-        for name, value in (("sample_rate", sample_rate), ("chunk", chunk)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.threshold = float(threshold)
         self.neg_threshold = max(self.threshold - HYSTERESIS, MIN_NEG_THRESHOLD)
-        self.prefix_padding_ms = prefix_padding_ms
-        self.silence_duration_ms = silence_duration_ms
-        self.sample_rate = sample_rate
-        self.chunk = chunk
+        self.prefix_padding_ms = _whole("prefix_padding_ms", prefix_padding_ms, minimum=0)
+        self.silence_duration_ms = _whole("silence_duration_ms", silence_duration_ms, minimum=0)
+        self.sample_rate = _whole("sample_rate", sample_rate, minimum=1)
+        self.chunk = _whole("chunk", chunk, minimum=1)
         self._chunks = 0  # chunks seen: the stream clock
         self._speaking = False
         self._silence_start: int | None = None  # chunk index where the open silence began
@@ -131,3 +122,11 @@ class SpeechDetector:
             f"{self.prefix_padding_ms}, silence_duration_ms={self.silence_duration_ms}, "
             f"position_ms={self.position_ms}, speaking={self._speaking})"
         )
+
+
+def _whole(name: str, value: object, *, minimum: int) -> int:
+    """`value` as an int; whole floats (300.0 from JSON) are accepted, 2.5 is not."""
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)

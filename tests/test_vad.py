@@ -414,9 +414,12 @@ def test_detector_rejects_bad_settings_and_values() -> None:
         {"silence_duration_ms": 2.5},
         {"sample_rate": 0},
         {"chunk": -512},
+        {"sample_rate": True},
+        {"prefix_padding_ms": float("nan")},
     ):
         with pytest.raises(ValueError):
             SpeechDetector(**kw)
+    assert SpeechDetector(prefix_padding_ms=300.0).prefix_padding_ms == 300
     det = SpeechDetector()
     for bad in ([1.5], [float("nan")], [[0.1, 0.2]], [-0.1]):
         with pytest.raises(ValueError):

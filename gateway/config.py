@@ -20,7 +20,9 @@ class SessionLimits(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # Incoming frames above this are refused by the WebSocket layer (close 1009).
+    # Incoming events above this get an `error` event (the service caps appends at 15 MiB).
+    max_event_bytes: int = Field(15 * 1024 * 1024, ge=1024)
+    # Frames above this are refused by the WebSocket layer itself (close 1009).
     max_frame_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     # Outgoing audio deltas are cut to at most this much audio.
     output_chunk_ms: int = Field(100, ge=10, le=1000)

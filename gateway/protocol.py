@@ -44,7 +44,7 @@ class _Strict(BaseModel):
 
 class TurnDetectionIn(_Strict):
     type: Literal["server_vad", "semantic_vad"] | None = None
-    threshold: float | None = Field(None, ge=0.0, le=1.0)
+    threshold: float | None = Field(None, gt=0.0, le=1.0)
     prefix_padding_ms: int | None = Field(None, ge=0, le=10_000)
     silence_duration_ms: int | None = Field(None, ge=0, le=10_000)
     create_response: bool | None = None

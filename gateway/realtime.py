@@ -44,6 +44,8 @@ __all__ = [
 ]
 
 MIN_COMMIT_MS = 100
+# Clients (the openai SDK among them) refuse messages over 1 MiB by default.
+MAX_SERVER_EVENT_BYTES = 768 * 1024
 # Without speech, server VAD keeps only this much audio before the newest (prefix padding
 # is cut from it when speech starts; the VAD reports speech up to ~0.5 s late).
 VAD_KEEP_MS = 2000
@@ -170,6 +172,20 @@ class RealtimeSession:
     def _session_object(self) -> dict[str, Any]:
         return self.settings.beta_object() if self.beta else self.settings.ga_object()
 
+    def reject_model(self, requested: str, served: str) -> None:
+        """The connection asked for a model this gateway does not serve: error, then close."""
+        self._events.clear()
+        self._actions = [a for a in self._actions if not isinstance(a, ConfigureVad)]
+        self._error(
+            ClientError(
+                f"The model {requested!r} is not served here; use {served!r}",
+                "invalid_model",
+                "model",
+            ),
+            None,
+        )
+        self._actions.append(CloseSession(1008, "invalid model"))
+
     # -- client frames -----------------------------------------------------------------
 
     def receive_binary(self, size: int) -> None:
@@ -184,6 +200,12 @@ class RealtimeSession:
     def receive_text(self, data: str) -> None:
         event_id = None
         try:
+            if len(data) > self.limits.max_event_bytes:
+                raise ClientError(
+                    f"the event is {len(data)} bytes; the limit is "
+                    f"{self.limits.max_event_bytes} bytes",
+                    "event_too_large",
+                )
             payload = self._parse(data)
             event_id = payload.get("event_id") if isinstance(payload.get("event_id"), str) else None
             self._dispatch(payload)
@@ -417,7 +439,7 @@ class RealtimeSession:
     def _on_conversation_item_retrieve(self, event: Any) -> None:
         item = self._item(event.item_id)
         public = item.public(with_audio=True)
-        if len(json.dumps(public)) > self.limits.max_frame_bytes // 2:
+        if len(json.dumps(public)) > MAX_SERVER_EVENT_BYTES:
             raise ClientError(
                 "the item's audio is too large to send in one event", "item_too_large", "item_id"
             )

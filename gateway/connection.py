@@ -1,0 +1,235 @@
+"""The asyncio shell around one `RealtimeSession`: WebSocket frames, engine outputs and
+VAD decisions in; server events out through one bounded send queue.
+
+Send-queue policy: at most `limits.send_queue_events` server events wait for a client.
+A client that stops reading blocks the socket writer (websockets drains at its write
+limit), the queue fills, and at the bound the session is closed with code 1008 ("send
+queue overflow") and all of its engine work is cancelled. Audio is never silently
+dropped from the middle of a response: a gap in speech is worse than a clear close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+
+from gateway.backend import Backend, SpeechEvent, TurnOutput
+from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
+from gateway.realtime import (
+    CancelResponse,
+    CloseSession,
+    ConfigureVad,
+    FeedVad,
+    RealtimeSession,
+    StartResponse,
+)
+
+__all__ = ["RealtimeConnection", "SEND_OVERFLOW_CODE"]
+
+logger = logging.getLogger(__name__)
+
+SEND_OVERFLOW_CODE = 1008
+
+
+class RealtimeConnection:
+    def __init__(
+        self,
+        websocket: ServerConnection,
+        backend: Backend,
+        config: GatewayConfig,
+        metrics: GatewayMetrics,
+        *,
+        model: str,
+        beta: bool,
+    ) -> None:
+        self.websocket = websocket
+        self.config = config
+        self.metrics = metrics
+        self.core = RealtimeSession(config=config, model=model, beta=beta)
+        self.session = backend.open_session(self.core.settings.id)
+        self.speech = backend.open_speech(self.core.settings.id)
+        self._queue: deque[str] = deque()
+        self._ready = asyncio.Event()
+        self._close: CloseSession | None = None
+        self._done = asyncio.Event()
+        self._speech_stopped_at: float | None = None
+        self._created_at: dict[str, float] = {}
+
+    @property
+    def session_id(self) -> str:
+        return self.core.settings.id
+
+    async def run(self) -> None:
+        """Serve the connection until the client leaves, a limit hits, or `shutdown`."""
+        self._pump()
+        tasks = [
+            asyncio.create_task(self._read(), name="realtime-read"),
+            asyncio.create_task(self._send(), name="realtime-send"),
+            asyncio.create_task(self._outputs(), name="realtime-outputs"),
+            asyncio.create_task(self._speech(), name="realtime-speech"),
+        ]
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._done.wait(), self.config.limits.max_session_s)
+            if self._close is None:
+                self._close = CloseSession(
+                    1001,
+                    "Your session hit the maximum duration of "
+                    f"{self.config.limits.max_session_s:g} seconds.",
+                )
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._release()
+
+    async def shutdown(self, reason: str) -> None:
+        """Close from the server side (graceful shutdown): code 1001 with `reason`."""
+        self._finish(CloseSession(1001, reason))
+
+    def _finish(self, close: CloseSession | None) -> None:
+        if self._close is None:
+            self._close = close
+        self._done.set()
+
+    async def _release(self) -> None:
+        self.core.close()
+        self._dispatch(self.core.actions())
+        await self.session.close()
+        await self.speech.close()
+        if self._close is not None and self._close.code != SEND_OVERFLOW_CODE:
+            # Events already decided (an error before the close, say) still go out.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._flush(), 1.0)
+        if self._close is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    self.websocket.close(self._close.code, self._close.reason), 2.0
+                )
+
+    # -- inputs -------------------------------------------------------------------------
+
+    async def _read(self) -> None:
+        try:
+            async for frame in self.websocket:
+                if isinstance(frame, bytes):
+                    self.core.receive_binary(len(frame))
+                else:
+                    self.core.receive_text(frame)
+                self._pump()
+        except ConnectionClosed:
+            pass
+        finally:
+            self._finish(None)
+
+    async def _outputs(self) -> None:
+        async for output in self.session.outputs():
+            self._apply_output(output)
+            self._pump()
+
+    def _apply_output(self, out: TurnOutput) -> None:
+        core = self.core
+        if out.kind == "transcript":
+            core.response_transcript(out.response_id, out.text)
+        elif out.kind == "text":
+            core.response_text(out.response_id, out.text)
+        elif out.kind == "audio":
+            core.response_audio(out.response_id, out.audio, out.sample_rate, out.text)
+        elif out.kind == "done":
+            core.response_done(out.response_id, out.usage, out.finish)
+        else:
+            core.response_failed(out.response_id, out.text)
+
+    async def _speech(self) -> None:
+        async for event in self.speech.events():
+            self._apply_speech(event)
+            self._pump()
+
+    def _apply_speech(self, event: SpeechEvent) -> None:
+        if event.kind == "started":
+            active = self.core.active_id
+            self.core.speech_started(event.ms)
+            if active is not None and self.core.active_id is None:
+                self.metrics.barge_ins.inc()
+        else:
+            self._speech_stopped_at = time.monotonic()
+            self.core.speech_stopped(event.ms)
+
+    # -- outputs ------------------------------------------------------------------------
+
+    def _pump(self) -> None:
+        """Move the core's events to the send queue and its actions to the engine."""
+        events = self.core.events_to_send()
+        if self._done.is_set():
+            events = []  # closing: nothing more is sent
+        for event in events:
+            self._observe(event)
+            self._queue.append(json.dumps(event, separators=(",", ":")))
+        if events:
+            self._ready.set()
+        self._dispatch(self.core.actions())
+        if len(self._queue) > self.config.limits.send_queue_events:
+            self.metrics.send_overflows.inc()
+            self._queue.clear()
+            self._finish(
+                CloseSession(SEND_OVERFLOW_CODE, "send queue overflow: client is not reading")
+            )
+
+    def _dispatch(self, actions: list[Any]) -> None:
+        for action in actions:
+            if isinstance(action, StartResponse):
+                self._created_at[action.response_id] = time.monotonic()
+                self.session.start(action)
+            elif isinstance(action, CancelResponse):
+                self.session.cancel(action.response_id, action.reason == "turn_detected")
+            elif isinstance(action, FeedVad):
+                self.speech.feed(action.samples)
+            elif isinstance(action, ConfigureVad):
+                self.speech.configure(action.settings, action.start_ms)
+            elif isinstance(action, CloseSession):
+                self._finish(action)
+
+    def _observe(self, event: dict[str, Any]) -> None:
+        kind = event["type"]
+        self.metrics.events_sent.inc()
+        if kind == "error":
+            self.metrics.errors.labels(event["error"]["code"] or "none").inc()
+        elif kind in ("response.output_audio.delta", "response.audio.delta"):
+            self._first_output(event["response_id"])
+            if self._speech_stopped_at is not None:
+                self.metrics.first_audio.observe(time.monotonic() - self._speech_stopped_at)
+                self._speech_stopped_at = None
+        elif kind in ("response.output_text.delta", "response.text.delta"):
+            self._first_output(event["response_id"])
+        elif kind == "response.done":
+            response = event["response"]
+            self._created_at.pop(response["id"], None)
+            self.metrics.turns.labels(response["status"]).inc()
+
+    def _first_output(self, response_id: str) -> None:
+        created = self._created_at.pop(response_id, None)
+        if created is not None:
+            self.metrics.first_text.observe(time.monotonic() - created)
+
+    async def _flush(self) -> None:
+        while self._queue:
+            await self.websocket.send(self._queue.popleft())
+
+    async def _send(self) -> None:
+        try:
+            while True:
+                await self._ready.wait()
+                while self._queue:
+                    await self.websocket.send(self._queue.popleft())
+                self._ready.clear()
+        except ConnectionClosed:
+            self._finish(None)

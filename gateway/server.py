@@ -1,0 +1,209 @@
+"""The WebSocket server: /v1/realtime, /healthz, /metrics and /web on one port.
+
+HTTP routes are answered in the handshake hook (`_process_request`), so plain GETs never
+become WebSocket connections. Authentication, the origin allow-list and the session cap
+are checked there too, before any session state exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import mimetypes
+from http import HTTPStatus
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.datastructures import Headers
+from websockets.http11 import Request, Response
+
+from gateway.backend import Backend
+from gateway.config import GatewayConfig
+from gateway.connection import RealtimeConnection
+from gateway.metrics import GatewayMetrics
+
+__all__ = ["GatewayServer", "KEY_PROTOCOL_PREFIX", "BETA_PROTOCOL"]
+
+logger = logging.getLogger(__name__)
+
+KEY_PROTOCOL_PREFIX = "openai-insecure-api-key."
+BETA_PROTOCOL = "openai-beta.realtime-v1"
+REALTIME_PROTOCOL = "realtime"
+DEFAULT_WEB_ROOT = Path(__file__).resolve().parent.parent / "web"
+
+
+def _offered_protocols(request: Request) -> list[str]:
+    values = request.headers.get_all("Sec-WebSocket-Protocol")
+    return [p.strip() for value in values for p in value.split(",") if p.strip()]
+
+
+def is_beta(request: Request) -> bool:
+    header = request.headers.get("OpenAI-Beta", "")
+    return "realtime=v1" in header.replace(" ", "") or BETA_PROTOCOL in _offered_protocols(request)
+
+
+def _api_key(request: Request) -> str | None:
+    auth = request.headers.get("Authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    for proto in _offered_protocols(request):
+        if proto.startswith(KEY_PROTOCOL_PREFIX):
+            return proto[len(KEY_PROTOCOL_PREFIX) :]
+    return None
+
+
+class GatewayServer:
+    def __init__(
+        self, config: GatewayConfig, backend: Backend, metrics: GatewayMetrics | None = None
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.metrics = metrics or GatewayMetrics()
+        self.web_root = (config.web_root or DEFAULT_WEB_ROOT).resolve()
+        self.connections: set[RealtimeConnection] = set()
+        self._server: Server | None = None
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return self._server.sockets[0].getsockname()[1]
+
+    async def start(self) -> None:
+        self._server = await serve(
+            self._handle,
+            self.config.host,
+            self.config.port,
+            process_request=self._process_request,
+            select_subprotocol=self._select_subprotocol,
+            max_size=self.config.limits.max_frame_bytes,
+            # Compression costs CPU on every audio delta for little gain on base64 PCM.
+            compression=None,
+            server_header="duplex-gateway",
+        )
+        logger.info("listening on ws://%s:%d/v1/realtime", self.config.host, self.port)
+
+    async def serve_forever(self) -> None:
+        assert self._server is not None
+        await self._server.wait_closed()
+
+    async def shutdown(self, reason: str = "server shutting down") -> None:
+        """Stop accepting, close every session with 1001 and `reason`, stop the engine."""
+        if self._server is None:
+            return
+        self._server.close(close_connections=False)
+        await asyncio.gather(
+            *(conn.shutdown(reason) for conn in list(self.connections)), return_exceptions=True
+        )
+        await self._server.wait_closed()
+        await self.backend.close()
+
+    # -- handshake ----------------------------------------------------------------------
+
+    def _select_subprotocol(self, connection: ServerConnection, offered: list[str]) -> str | None:
+        # Browsers require an echo of one offered value; the Python SDK offers none and
+        # fails if one comes back. So: `realtime` exactly when offered.
+        return REALTIME_PROTOCOL if REALTIME_PROTOCOL in offered else None
+
+    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        path = urlsplit(request.path).path
+        if path == "/healthz":
+            return self._json(HTTPStatus.OK, self._health())
+        if path == "/metrics":
+            return _response(HTTPStatus.OK, self.metrics.render(), "text/plain; version=0.0.4")
+        if path == "/web" or path.startswith("/web/"):
+            return self._static(path[len("/web") :])
+        if path == "/":
+            return _redirect("/web/")
+        if path != "/v1/realtime":
+            return self._json(HTTPStatus.NOT_FOUND, {"error": f"no route {path}"})
+        return self._check_realtime(request)
+
+    def _check_realtime(self, request: Request) -> Response | None:
+        origin = request.headers.get("Origin")
+        if self.config.allowed_origins and origin and origin not in self.config.allowed_origins:
+            return self._refuse(HTTPStatus.FORBIDDEN, "origin_not_allowed", "origin not allowed")
+        expected = self.config.api_key
+        if expected is not None:
+            given = _api_key(request)
+            if given is None or not hmac.compare_digest(given.encode(), expected.encode()):
+                return self._refuse(
+                    HTTPStatus.UNAUTHORIZED, "invalid_api_key", "missing or invalid API key"
+                )
+        if len(self.connections) >= self.config.max_sessions:
+            return self._refuse(
+                HTTPStatus.SERVICE_UNAVAILABLE, "too_many_sessions", "too many open sessions"
+            )
+        return None
+
+    def _refuse(self, status: HTTPStatus, code: str, message: str) -> Response:
+        self.metrics.rejected.labels(code).inc()
+        error = {"type": "invalid_request_error", "code": code, "message": message}
+        return self._json(status, {"error": error})
+
+    def _json(self, status: HTTPStatus, payload: object) -> Response:
+        return _response(status, json.dumps(payload).encode(), "application/json")
+
+    def _health(self) -> dict[str, object]:
+        return {
+            "status": "ok",
+            "sessions": len(self.connections),
+            "max_sessions": self.config.max_sessions,
+            "model": self.config.model_name,
+        }
+
+    def _static(self, rel: str) -> Response:
+        rel = rel.lstrip("/") or "index.html"
+        target = (self.web_root / rel).resolve()
+        # Resolving first defeats `..`, encoded or not, and symlinks out of the root.
+        if not target.is_relative_to(self.web_root) or not target.is_file():
+            return self._json(HTTPStatus.NOT_FOUND, {"error": "not found"})
+        kind = mimetypes.guess_type(target.name)[0] or "application/octet-stream"
+        if kind in ("text/javascript", "application/javascript"):
+            kind = "text/javascript; charset=utf-8"
+        return _response(HTTPStatus.OK, target.read_bytes(), kind)
+
+    # -- sessions -----------------------------------------------------------------------
+
+    async def _handle(self, websocket: ServerConnection) -> None:
+        request = websocket.request
+        assert request is not None
+        query = parse_qs(urlsplit(request.path).query)
+        model = (query.get("model") or [self.config.model_name])[0]
+        conn = RealtimeConnection(
+            websocket,
+            self.backend,
+            self.config,
+            self.metrics,
+            model=model,
+            beta=is_beta(request),
+        )
+        if model != self.config.model_name:
+            conn.core.reject_model(model, self.config.model_name)
+        self.connections.add(conn)
+        self.metrics.sessions.inc()
+        self.metrics.sessions_total.inc()
+        try:
+            await conn.run()
+        finally:
+            self.connections.discard(conn)
+            self.metrics.sessions.dec()
+
+
+def _response(status: HTTPStatus, body: bytes, content_type: str) -> Response:
+    headers = Headers(
+        [
+            ("Content-Type", content_type),
+            ("Content-Length", str(len(body))),
+            ("Cache-Control", "no-store"),
+            ("Connection", "close"),
+        ]
+    )
+    return Response(status.value, status.phrase, headers, body)
+
+
+def _redirect(location: str) -> Response:
+    headers = Headers([("Location", location), ("Content-Length", "0"), ("Connection", "close")])
+    return Response(HTTPStatus.FOUND.value, HTTPStatus.FOUND.phrase, headers, b"")

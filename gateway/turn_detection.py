@@ -1,0 +1,113 @@
+"""Server VAD glue: the engine's VAD stage gives speech probabilities per 32 ms chunk, a
+`SpeechDetector` turns them into start/stop decisions on the session clock.
+
+Each (re)configuration opens a fresh VAD stream and detector, so new settings apply from
+the next appended audio and never to a half-detected utterance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+import numpy as np
+
+from engine.speech_detector import SpeechDetector, SpeechStarted
+from gateway.backend import SpeechEvent
+from gateway.session_config import TurnDetection
+
+__all__ = ["EngineSpeechSource", "VadEngine"]
+
+logger = logging.getLogger(__name__)
+
+
+class VadEngine(Protocol):
+    """The part of `engine.core.AsyncEngine` server VAD uses."""
+
+    def stream(self, stage: str, request_id: str, inputs: Any) -> AsyncIterator[Any]: ...
+
+    async def call(self, stage: str, method: str, *args: Any) -> Any: ...
+
+    def abort(self, stage: str, request_id: str) -> None: ...
+
+
+class EngineSpeechSource:
+    def __init__(self, engine: VadEngine, session_id: str) -> None:
+        self._engine = engine
+        self._session_id = session_id
+        self._serial = itertools.count()
+        self._stream_id: str | None = None
+        self._events: asyncio.Queue[SpeechEvent | None] = asyncio.Queue()
+        self._feeds: asyncio.Queue[tuple[str, np.ndarray]] = asyncio.Queue()
+        self._reader: asyncio.Task[None] | None = None
+        self._feeder = asyncio.create_task(self._feed_loop(), name="vad-feed")
+        self._closed = False
+
+    def configure(self, settings: TurnDetection | None, start_ms: float) -> None:
+        self._stop_stream()
+        if settings is None or self._closed:
+            return
+        detector = SpeechDetector(
+            threshold=settings.threshold,
+            prefix_padding_ms=settings.prefix_padding_ms,
+            silence_duration_ms=settings.silence_duration_ms,
+        )
+        stream_id = f"{self._session_id}.vad{next(self._serial)}"
+        self._stream_id = stream_id
+        outputs = self._engine.stream("vad", stream_id, None)
+        self._reader = asyncio.create_task(self._read(outputs, detector, start_ms), name="vad-read")
+
+    def feed(self, samples: np.ndarray) -> None:
+        if self._stream_id is not None and samples.size:
+            self._feeds.put_nowait((self._stream_id, samples))
+
+    async def events(self) -> AsyncIterator[SpeechEvent]:
+        while (event := await self._events.get()) is not None:
+            yield event
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_stream()
+        self._feeder.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._feeder
+        self._events.put_nowait(None)
+
+    def _stop_stream(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        if self._stream_id is not None:
+            self._engine.abort("vad", self._stream_id)
+            self._stream_id = None
+
+    async def _feed_loop(self) -> None:
+        while True:
+            stream_id, samples = await self._feeds.get()
+            if stream_id != self._stream_id:
+                continue  # audio for a stream closed since
+            try:
+                await self._engine.call("vad", "feed", stream_id, samples)
+            except (KeyError, ValueError) as exc:
+                # The stream closed under us, or the engine is too far behind to keep up.
+                logger.warning("VAD feed for %s dropped: %s", stream_id, exc)
+
+    async def _read(
+        self, outputs: AsyncIterator[Any], detector: SpeechDetector, start_ms: float
+    ) -> None:
+        async for output in outputs:
+            if output.error:
+                logger.warning("VAD stream failed: %s", output.error)
+                return
+            for decision in detector.push(np.asarray(output.payload, dtype=np.float32)):
+                if isinstance(decision, SpeechStarted):
+                    event = SpeechEvent("started", start_ms + decision.audio_start_ms)
+                else:
+                    event = SpeechEvent("stopped", start_ms + decision.audio_end_ms)
+                self._events.put_nowait(event)

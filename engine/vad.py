@@ -53,7 +53,8 @@ class SileroVad:
     """The Silero model plus the bookkeeping of per-stream state."""
 
     def __init__(self, model_dir: Path | str, *, block_size: int | None = DEFAULT_BLOCK) -> None:
-        if block_size is not None and block_size < 1:
+        valid = isinstance(block_size, int) and not isinstance(block_size, bool) and block_size > 0
+        if block_size is not None and not valid:
             raise ValueError("block_size must be a positive integer or None")
         self.model = silero.load(Path(model_dir))
         self.block_size = block_size

@@ -1,0 +1,379 @@
+"""The asyncio shell around `DuplexSession`: many sessions over one streaming stage port.
+
+`DuplexSessionManager` attaches itself as the port's output sink, routes every output
+to the session its request id names, and carries out the actions sessions return:
+`ensure_request` synchronously, `submit` / `abort_requests` / `cleanup` awaited, in
+the order the session produced them (one lock per session, other sessions unblocked).
+
+Events (`duplex.events`) reach the consumer of `DuplexSessionHandle.events()` at once,
+before any port call they caused is awaited, so a barge-in's `TurnDone` is not held up
+by the abort behind it.
+
+Backpressure: each session's event queue holds at most `max_events` outputs (plus the
+two terminal events that may follow them). When it is full, the active turn fails with
+reason `"backpressure"` (its requests are aborted: producing audio nobody reads only
+adds latency) and `start_turn` raises `DuplexBackpressureError` until the consumer
+catches up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from types import MappingProxyType
+
+from duplex.actions import (
+    AbortRequests,
+    Action,
+    CleanupRequests,
+    EnsureRequest,
+    OutputRoute,
+    SessionStep,
+    SubmitRequest,
+)
+from duplex.contracts import DuplexAppendPlan, DuplexFence, duplex_session_id_from_request_id
+from duplex.errors import (
+    DuplexBackpressureError,
+    DuplexCapacityError,
+    DuplexSessionExistsError,
+    DuplexStateError,
+)
+from duplex.events import DuplexEvent, SessionClosed, SessionOpened, TurnDone, TurnOutput
+from duplex.outputs import DuplexStageOutput, DuplexStreamingStagePort
+from duplex.session import DEFAULT_PLAYBACK_TURNS, DuplexSession
+from duplex.state import SessionState
+
+__all__ = ["DEFAULT_MAX_EVENTS", "DuplexSessionHandle", "DuplexSessionManager"]
+
+logger = logging.getLogger(__name__)
+
+# About 10 s of 40 ms audio chunks plus their text deltas: beyond that the client is
+# not listening in real time any more.
+DEFAULT_MAX_EVENTS = 512
+# Closed ids are refused for a while so a late output can never reach a new session
+# that reused the id.
+_CLOSED_IDS_REMEMBERED = 4096
+_EVENT_TYPES = (SessionOpened, TurnOutput, TurnDone, SessionClosed)
+
+
+class DuplexSessionHandle:
+    """One open session: the gateway's way to drive it and to read its events."""
+
+    def __init__(
+        self, manager: DuplexSessionManager, session: DuplexSession, *, max_events: int
+    ) -> None:
+        self._manager = manager
+        self._session = session
+        self._max_events = max_events
+        # Room for max_events outputs, then a TurnDone and a SessionClosed.
+        self._queue: asyncio.Queue[DuplexEvent] = asyncio.Queue(maxsize=max_events + 2)
+        self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._close_task: asyncio.Future[None] | None = None
+        self._consuming = False
+        self._events_ended = False
+
+    # -- views ------------------------------------------------------------------------
+
+    @property
+    def session_id(self) -> str:
+        return self._session.session_id
+
+    @property
+    def fence(self) -> DuplexFence:
+        return self._session.fence
+
+    @property
+    def epoch(self) -> int:
+        return self._session.epoch
+
+    @property
+    def turn_id(self) -> int:
+        return self._session.turn_id
+
+    @property
+    def active_turn_id(self) -> int | None:
+        return self._session.active_turn_id
+
+    @property
+    def config(self) -> Mapping[str, object]:
+        return self._session.config
+
+    @property
+    def config_generation(self) -> int:
+        return self._session.config_generation
+
+    @property
+    def owned_request_ids(self) -> tuple[str, ...]:
+        return self._session.owned_request_ids
+
+    @property
+    def closed(self) -> bool:
+        return self._session.state is SessionState.CLOSED
+
+    # -- commands ---------------------------------------------------------------------
+
+    async def start_turn(
+        self, plan: DuplexAppendPlan, *, entry_stage_id: int, final_stage_id: int
+    ) -> int:
+        """Submit `plan` as a new turn; returns its `turn_id`.
+
+        Its outputs and its one `TurnDone` arrive through `events()`. A failed
+        submission ends the turn with a failed `TurnDone` rather than raising.
+
+        Raises:
+            DuplexStateError: a turn is active or the session is closed.
+            DuplexBackpressureError: the event queue is full.
+            ValueError: invalid plan or stage range.
+        """
+        if self._queue.qsize() >= self._max_events and not self.closed:
+            raise DuplexBackpressureError(
+                f"session {self.session_id}: {self._queue.qsize()} events are waiting unread"
+            )
+        steps = self._session.start_turn(
+            plan, entry_stage_id=entry_stage_id, final_stage_id=final_stage_id
+        )
+        turn_id = self._session.active_turn_id
+        assert turn_id is not None
+        await self._carry_out(steps)
+        return turn_id
+
+    async def barge_in(self) -> bool:
+        """Cancel the active turn because the user spoke; False if none was active."""
+        steps = self._session.barge_in()
+        await self._carry_out(steps)
+        return bool(steps)
+
+    async def cancel(self) -> bool:
+        """Cancel the active turn at the client's request; False if none was active."""
+        steps = self._session.cancel()
+        await self._carry_out(steps)
+        return bool(steps)
+
+    def update_config(self, config: Mapping[str, object]) -> int:
+        """Replace the session config for later turns; returns the new generation."""
+        return self._session.update_config(config)
+
+    def heard_text(self, audio_end_ms: float, *, turn_id: int | None = None) -> str:
+        """The assistant text the client played in the first `audio_end_ms` ms."""
+        return self._session.heard_text(audio_end_ms, turn_id=turn_id)
+
+    def audio_duration_ms(self, *, turn_id: int | None = None) -> float:
+        return self._session.audio_duration_ms(turn_id=turn_id)
+
+    async def close(self) -> None:
+        """Cancel the active turn, abort and release every owned request; idempotent.
+
+        Completes even if the caller is cancelled while waiting.
+        """
+        if self._close_task is None:
+            self._close_task = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._close_task)
+
+    async def events(self) -> AsyncIterator[DuplexEvent]:
+        """Yield this session's events until (and including) `SessionClosed`."""
+        if self._consuming:
+            raise DuplexStateError(f"session {self.session_id} already has an events() reader")
+        self._consuming = True
+        try:
+            while not self._events_ended:
+                event = await self._queue.get()
+                self._events_ended = isinstance(event, SessionClosed)
+                yield event
+        finally:
+            self._consuming = False
+
+    # -- the shell --------------------------------------------------------------------
+
+    def _on_output(self, out: DuplexStageOutput) -> None:
+        # Fail the turn before routing when the reader is behind: the output and all
+        # later ones of the turn are then stale and dropped.
+        if self._queue.qsize() >= self._max_events and self._session.active_turn_id is not None:
+            error = f"{self._queue.qsize()} events waiting unread; the reader is too slow"
+            turn = self._session.active_turn_id
+            self._spawn(self._session.fail_turn(turn, error, reason="backpressure"))
+        routing = self._session.route_output(out)
+        if routing.route is OutputRoute.DROP:
+            self._manager._count_drop(routing.drop_reason or "dropped")
+        self._spawn(list(routing.steps))
+
+    def _spawn(self, steps: list[SessionStep]) -> asyncio.Task[None] | None:
+        """Queue the events among `steps` now and start their port actions in a task."""
+        actions = self._deliver(steps)
+        if not actions:
+            return None
+        task = asyncio.ensure_future(self._execute(actions))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _carry_out(self, steps: list[SessionStep]) -> None:
+        task = self._spawn(steps)
+        # Shielded: a caller cancelled mid-abort must not leave an abort half issued.
+        if task is not None:
+            await asyncio.shield(task)
+
+    def _deliver(self, steps: list[SessionStep]) -> list[Action]:
+        """Queue the events among `steps` now; return the port actions left to run."""
+        actions: list[Action] = []
+        for step in steps:
+            if isinstance(step, _EVENT_TYPES):
+                self._queue.put_nowait(step)
+            else:
+                actions.append(step)
+        return actions
+
+    async def _execute(self, actions: list[Action]) -> None:
+        async with self._lock:
+            pending = collections.deque(actions)
+            while pending:
+                action = pending.popleft()
+                try:
+                    await self._apply(action)
+                except Exception as exc:
+                    pending = self._recover(action, exc, pending)
+
+    async def _apply(self, action: Action) -> None:
+        port = self._manager.port
+        if isinstance(action, EnsureRequest):
+            port.ensure_request(action.context)
+        elif isinstance(action, SubmitRequest):
+            context = action.submission.context
+            result = await port.submit(action.submission)
+            if (result.request_id, result.stage_id) != (context.request_id, context.stage_id):
+                raise RuntimeError(
+                    f"stage port answered {result.request_id!r} on stage {result.stage_id} "
+                    f"for {context.request_id!r} on stage {context.stage_id}"
+                )
+        elif isinstance(action, AbortRequests):
+            await port.abort_requests(list(action.request_ids))
+        elif isinstance(action, CleanupRequests):
+            await port.cleanup(list(action.request_ids))
+
+    def _recover(
+        self, action: Action, exc: Exception, pending: collections.deque[Action]
+    ) -> collections.deque[Action]:
+        """After a failed port call: a failed reservation or submission fails its turn."""
+        if not isinstance(action, (EnsureRequest, SubmitRequest)):
+            logger.error("duplex session %s: %s failed: %r", self.session_id, action, exc)
+            return pending
+        context = action.context if isinstance(action, EnsureRequest) else action.submission.context
+        logger.warning(
+            "duplex session %s: turn %d start failed: %r",
+            self.session_id,
+            context.fence.turn_id,
+            exc,
+        )
+        # The turn's remaining reservations/submission are moot; its release follows.
+        rest = [a for a in pending if not isinstance(a, (EnsureRequest, SubmitRequest))]
+        steps = self._session.fail_turn(context.fence.turn_id, f"stage {context.stage_id}: {exc}")
+        return collections.deque([*rest, *self._deliver(steps)])
+
+    async def _close(self) -> None:
+        await self._carry_out(self._session.close())
+        # Port calls already under way (e.g. a submit) finish before the slot is freed.
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        self._manager._forget(self)
+
+
+class DuplexSessionManager:
+    """Holds up to `max_sessions` sessions over one streaming stage port."""
+
+    def __init__(
+        self,
+        port: DuplexStreamingStagePort,
+        *,
+        max_sessions: int,
+        max_events: int = DEFAULT_MAX_EVENTS,
+        playback_turns: int = DEFAULT_PLAYBACK_TURNS,
+    ) -> None:
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        if max_events < 1:
+            raise ValueError(f"max_events must be >= 1, got {max_events}")
+        self._port = port
+        self._max_sessions = max_sessions
+        self._max_events = max_events
+        self._playback_turns = playback_turns
+        self._handles: dict[str, DuplexSessionHandle] = {}
+        self._closed_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._drops: collections.Counter[str] = collections.Counter()
+        port.attach_output_sink(self._on_output)
+
+    @property
+    def port(self) -> DuplexStreamingStagePort:
+        return self._port
+
+    @property
+    def max_sessions(self) -> int:
+        return self._max_sessions
+
+    @property
+    def dropped_outputs(self) -> Mapping[str, int]:
+        """Outputs dropped so far, by reason (`stale`, `closed`, `unknown_session`, ...)."""
+        return MappingProxyType(dict(self._drops))
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def open(
+        self, session_id: str | None = None, *, config: Mapping[str, object] | None = None
+    ) -> DuplexSessionHandle:
+        """Open a session (id `duplex-<uuid4 hex>` unless given) and return its handle.
+
+        Raises:
+            DuplexCapacityError: `max_sessions` sessions are open or still closing.
+            DuplexSessionExistsError: `session_id` is open or was closed recently.
+        """
+        if session_id is None:
+            session_id = f"duplex-{uuid.uuid4().hex}"
+        if session_id in self._handles or session_id in self._closed_ids:
+            raise DuplexSessionExistsError(f"duplex session id {session_id!r} is taken")
+        if len(self._handles) >= self._max_sessions:
+            raise DuplexCapacityError(
+                f"duplex session limit reached ({self._max_sessions} sessions); retry later"
+            )
+        session = DuplexSession(
+            session_id,
+            stage_count=self._port.stage_count,
+            sampling_defaults=self._port.sampling_defaults(),
+            config=config,
+            playback_turns=self._playback_turns,
+        )
+        handle = DuplexSessionHandle(self, session, max_events=self._max_events)
+        handle._deliver(session.open())
+        self._handles[session_id] = handle
+        return handle
+
+    def get(self, session_id: str) -> DuplexSessionHandle | None:
+        return self._handles.get(session_id)
+
+    def session_for_request(self, request_id: str) -> DuplexSessionHandle | None:
+        """The open session a stage request id belongs to, if any."""
+        session_id = duplex_session_id_from_request_id(request_id)
+        return None if session_id is None else self._handles.get(session_id)
+
+    async def close_all(self) -> None:
+        """Close every session (server shutdown)."""
+        await asyncio.gather(*(h.close() for h in list(self._handles.values())))
+
+    def _on_output(self, out: DuplexStageOutput) -> None:
+        handle = self.session_for_request(out.request_id)
+        if handle is None:
+            self._count_drop("unknown_session")
+            return
+        handle._on_output(out)
+
+    def _count_drop(self, reason: str) -> None:
+        self._drops[reason] += 1
+
+    def _forget(self, handle: DuplexSessionHandle) -> None:
+        if self._handles.get(handle.session_id) is handle:
+            del self._handles[handle.session_id]
+        self._closed_ids[handle.session_id] = None
+        while len(self._closed_ids) > _CLOSED_IDS_REMEMBERED:
+            self._closed_ids.popitem(last=False)

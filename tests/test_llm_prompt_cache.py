@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import engine  # noqa: F401 - first, so MLX picks up the optimised BLAS
+
+# isort: split
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-import engine  # noqa: F401  (fast BLAS before mlx)
 from engine.prompt_cache import PromptCache, common_prefix_length
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import engine  # noqa: F401 - first, so MLX picks up the optimised BLAS
+
+# isort: split
 import mlx.core as mx
 import pytest
 
-import engine  # noqa: F401  (fast BLAS before mlx)
 from engine.request import SamplingParams
 from engine.sampling import RowSampler, new_key, sample_batch
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import engine  # noqa: F401 - first, so MLX picks up the optimised BLAS
+
+# isort: split
 import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 
-import engine  # noqa: F401  (fast BLAS before mlx)
 from engine.llm import LlmInput, LlmStage
 from engine.request import RequestOutput, RequestStatus, SamplingParams
 

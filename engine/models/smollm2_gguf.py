@@ -63,7 +63,17 @@ def _find_gguf(source_dir: Path) -> Path:
     found = sorted(Path(source_dir).rglob("*.gguf"))
     if len(found) != 1:
         raise FileNotFoundError(f"expected one .gguf file under {source_dir}, found {len(found)}")
+    _check_header(found[0])
     return found[0]
+
+
+def _check_header(path: Path) -> None:
+    # MLX's GGUF reader trusts the header; reject what is plainly not GGUF v2/v3 first.
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+    version = int.from_bytes(head[4:8], "little") if len(head) == 8 else -1
+    if head[:4] != b"GGUF" or version not in (2, 3):
+        raise ValueError(f"{path.name} is not a GGUF v2/v3 file (damaged download?)")
 
 
 def _scalar(meta: dict[str, Any], key: str) -> Any:

@@ -270,17 +270,20 @@ class LlmStage:
     # --- decode --------------------------------------------------------------------
 
     def _make_room(self) -> None:
-        # Each running row grows by one token this step; preempt the request that
+        # Each running row grows by one token this step; preempt the live request that
         # sorts last (lowest priority, latest arrival) until the budget holds.
-        while len(self._running) > 1 and not self._kv_fits(len(self._running)):
-            victim = max(range(len(self._running)), key=lambda i: self._running[i].req)
-            self._preempt(victim)
+        while self._live_slots() > 1 and not self._kv_fits(len(self._running)):
+            self._preempt(max(self._running + self._prefilling, key=lambda s: s.req))
 
-    def _preempt(self, row: int) -> None:
-        seq = self._running[row]
-        self._drop_rows([row], keep_kv=False)
+    def _preempt(self, seq: _Seq) -> None:
+        if seq in self._running:
+            self._drop_rows([self._running.index(seq)], keep_kv=False)
+        else:
+            self._prefilling.remove(seq)
+            seq.layers = []
         seq.req.status = RequestStatus.PREEMPTED
         seq.req.num_computed_tokens = 0
+        seq.req.prompt_cache = None
         heapq.heappush(self._waiting, seq.req)
         self.num_preemptions += 1
 
@@ -290,15 +293,34 @@ class LlmStage:
         tokens = sample_batch(logits, [s.sampler for s in self._running])
         mx.eval(tokens, [s.sampler.key for s in self._running])
         now = time.time()
-        outputs, finished = [], []
+        outputs, done = [], []
         for row, (seq, token) in enumerate(zip(self._running, tokens.tolist(), strict=True)):
-            out = self._advance(seq, token, now)
-            outputs.append(StageOutput(seq.req.request_id, out, finished=out.finished))
-            if out.finished:
-                finished.append(row)
-        if finished:
-            self._drop_rows(finished)
+            if seq.sampler.error is not None:
+                outputs.append(self._fail(seq, seq.sampler.error))
+            else:
+                out = self._advance(seq, token, now)
+                metrics = self._metrics(seq.req, now) if out.finished else {}
+                outputs.append(StageOutput(seq.req.request_id, out, out.finished, metrics=metrics))
+            if seq.req.is_finished():
+                done.append(row)
+        if done:
+            self._drop_rows(done)
         return outputs
+
+    def _fail(self, seq: _Seq, exc: Exception) -> StageOutput:
+        # Only this request failed (its logits processor raised); the batch goes on.
+        seq.req.set_finished(RequestStatus.FINISHED_ABORTED, "error")
+        error = f"logits processor failed: {type(exc).__name__}: {exc}"
+        return StageOutput(seq.req.request_id, None, finished=True, error=error)
+
+    @staticmethod
+    def _metrics(req: Request, now: float) -> dict[str, float]:
+        first = req.first_token_time or now
+        return {
+            "ttft_s": first - req.arrival_time,
+            "e2e_s": now - req.arrival_time,
+            "decode_tok_s": (req.num_output_tokens - 1) / max(now - first, 1e-9),
+        }
 
     def _advance(self, seq: _Seq, token: int, now: float) -> RequestOutput:
         req, params = seq.req, seq.req.sampling_params

@@ -33,6 +33,7 @@ class RowSampler:
     prompt_ids: list[int]
     output_ids: list[int]
     key: mx.array
+    error: Exception | None = None  # set when a logits processor of this row raised
 
 
 def sample_batch(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
@@ -53,7 +54,11 @@ def _process_rows(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
     for i, row in enumerate(rows):
         x = logits[i : i + 1]
         if _needs_row_processing(row.params):
-            x = _process_row(x, row)
+            try:
+                x = _process_row(x, row)
+            except Exception as exc:  # a user callable: fail its row, not the batch
+                row.error = exc
+                x = logits[i : i + 1]
         out.append(x)
     return mx.concatenate(out, axis=0)
 
@@ -64,8 +69,11 @@ def _needs_row_processing(p: SamplingParams) -> bool:
 
 def _process_row(x: mx.array, row: RowSampler) -> mx.array:
     p = row.params
+    shape = x.shape
     for fn in p.logits_processors or []:
         x = fn(mx.array(row.prompt_ids + row.output_ids), x)
+        if not isinstance(x, mx.array) or x.shape != shape:
+            raise ValueError(f"logits processor {fn!r} must return an array of shape {shape}")
     if p.repetition_penalty != 1.0:
         # As in vLLM: every token seen in prompt or output is penalised.
         seen = mx.array(sorted(set(row.prompt_ids) | set(row.output_ids)))

@@ -385,3 +385,59 @@ def test_duplicate_request_id_is_rejected(model: llama.Model) -> None:
     stage.add("r", LlmInput(prompt_token_ids=[1, 2]))
     with pytest.raises(ValueError, match="already live"):
         stage.add("r", LlmInput(prompt_token_ids=[1, 2]))
+
+
+def test_failing_logits_processor_fails_only_its_request(model: llama.Model) -> None:
+    def broken(tokens: mx.array, logits: mx.array) -> mx.array:
+        raise RuntimeError("bad processor")
+
+    alone = generate(make_stage(model), prompt(6), greedy(6))
+    stage = make_stage(model)
+    stage.add(
+        "bad",
+        LlmInput(prompt_token_ids=prompt(5), sampling_params=greedy(6, logits_processors=[broken])),
+    )
+    stage.add("good", LlmInput(prompt_token_ids=prompt(6), sampling_params=greedy(6)))
+    errors: dict[str, str | None] = {}
+    good: list[RequestOutput] = []
+    while stage.has_work():
+        for o in stage.step():
+            if o.finished:
+                errors[o.request_id] = o.error
+            if o.request_id == "good":
+                good.append(o.payload)
+    assert "bad processor" in errors["bad"] and errors["good"] is None
+    assert good[-1].output_token_ids == alone
+
+
+def test_preemption_also_reclaims_a_prefilling_request(model: llama.Model) -> None:
+    stage = make_stage(model, max_kv_tokens=120, prefill_chunk_tokens=8, max_tokens_per_step=32)
+    stage.add("a", LlmInput(prompt_token_ids=prompt(10), sampling_params=greedy(100)))
+    while stage.stats()["kv_tokens"] < 20:
+        stage.step()
+    # Admitted exactly at the budget; "a" keeps growing while "b" prefills slowly.
+    stage.add("b", LlmInput(prompt_token_ids=prompt(100, 1), sampling_params=greedy(8), priority=1))
+    reference = generate(make_stage(model), prompt(100, 1), greedy(8))
+    preempted_while_prefilling = False
+    outs: dict[str, list[RequestOutput]] = {}
+    while stage.has_work():
+        was_prefilling = stage.stats()["prefilling"] == 1
+        for o in stage.step():
+            outs.setdefault(o.request_id, []).append(o.payload)
+        b = stage.request("b")
+        if b is not None and b.status == RequestStatus.PREEMPTED and was_prefilling:
+            preempted_while_prefilling = True
+        assert stage.stats()["kv_tokens"] <= 120
+    assert preempted_while_prefilling
+    assert outs["b"][-1].output_token_ids == reference
+    assert len(outs["a"][-1].output_token_ids) == 100
+
+
+def test_finished_output_carries_latency_metrics(model: llama.Model) -> None:
+    stage = make_stage(model)
+    stage.add("r", LlmInput(prompt_token_ids=prompt(4), sampling_params=greedy(3)))
+    finished: list[Any] = []
+    while stage.has_work():
+        finished += [o for o in stage.step() if o.finished]
+    assert set(finished[0].metrics) == {"ttft_s", "e2e_s", "decode_tok_s"}
+    assert 0 <= finished[0].metrics["ttft_s"] <= finished[0].metrics["e2e_s"]

@@ -77,14 +77,14 @@ def conv_transpose_reference(x: np.ndarray, w: np.ndarray, s: int, p: int) -> np
 
 
 @pytest.mark.parametrize("s,K,p", [(8, 16, 4), (4, 8, 2), (3, 7, 2), (2, 3, 0), (5, 5, 0)])
-@pytest.mark.parametrize("fast", [True, False])
-def test_conv_transpose_matches_definition(s: int, K: int, p: int, fast: bool) -> None:
+@pytest.mark.parametrize("mode", ["taps", "stock"])
+def test_conv_transpose_matches_definition(s: int, K: int, p: int, mode: str) -> None:
     rng = np.random.default_rng(s * K)
     x = rng.standard_normal((2, 11, 6)).astype(np.float32)
     conv = vits.ConvTranspose1d(6, 5, K, s, p)
     conv.weight = mx.array(rng.standard_normal((5, K, 6)).astype(np.float32))
     conv.bias = mx.zeros((5,))
-    conv.fast = fast
+    conv.mode = mode
     got = np.array(conv(mx.array(x)))
     np.testing.assert_allclose(
         got, conv_transpose_reference(x, np.array(conv.weight), s, p), atol=1e-4
@@ -94,16 +94,26 @@ def test_conv_transpose_matches_definition(s: int, K: int, p: int, fast: bool) -
 @pytest.mark.parametrize("K", [3, 5, 7])
 @pytest.mark.parametrize("dilation", [1, 2, 3, 6, 12])
 @pytest.mark.parametrize("L", [1, 17, 64])
-def test_polyphase_dilated_conv_matches_stock(K: int, dilation: int, L: int) -> None:
+def test_rewritten_convs_match_stock(K: int, dilation: int, L: int) -> None:
     conv = vits.Conv1d(4, 3, K, dilation=dilation)
     conv.weight = mx.random.normal((3, K, 4))
     conv.bias = mx.random.normal((3,))
     x = mx.random.normal((2, L, 4))
-    fast = conv(x)
-    conv.fast = False
-    stock = conv(x)
-    assert fast.shape == stock.shape == (2, L, 3)
-    np.testing.assert_allclose(np.array(fast), np.array(stock), atol=1e-4)
+    residual = mx.random.normal((2, L, 3))
+    conv.mode = "stock"
+    stock = np.array(conv(x))
+    for mode in ("polyphase", "taps"):
+        conv.mode = mode
+        got = conv(x)
+        assert got.shape == (2, L, 3)
+        np.testing.assert_allclose(np.array(got), stock, atol=1e-4)
+        with_residual = np.array(conv(x, residual=residual))
+        np.testing.assert_allclose(with_residual, stock + np.array(residual), atol=1e-4)
+
+
+def test_unknown_conv_mode_rejected() -> None:
+    with pytest.raises(ValueError, match="conv mode"):
+        tiny_model().set_conv_mode("fastest")
 
 
 def spline_forward(x, uw, uh, ud, B, min_bin=1e-3, min_d=1e-3):
@@ -146,12 +156,14 @@ def test_inverse_spline_inverts_forward() -> None:
     assert back[-2:].tolist() == [-7.0, 6.5]
 
 
-def test_fast_convs_match_stock_on_whole_model() -> None:
+@pytest.mark.parametrize("mode", ["polyphase", "taps"])
+def test_rewritten_convs_match_stock_on_whole_model(mode: str) -> None:
     model = tiny_model(1)
     seqs = [[1, 0, 5, 0, 9, 0, 12, 0, 3, 0, 2]]
-    (fast,) = run(model, seqs)
-    model.set_fast_convs(False)
+    model.set_conv_mode("stock")
     (stock,) = run(model, seqs)
+    model.set_conv_mode(mode)
+    (fast,) = run(model, seqs)
     assert fast.shape == stock.shape and fast.size > 0
     np.testing.assert_allclose(fast, stock, atol=1e-4)
 

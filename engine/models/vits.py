@@ -78,8 +78,17 @@ def _dilated_polyphase(x: mx.array, w: mx.array, dilation: int) -> mx.array:
     return y[:, :out_len]
 
 
+CONV_MODES = ("stock", "polyphase", "taps")
+
+
 class Conv1d(nn.Module):
-    """Same-padded conv with PyTorch's padding rule; `fast` picks the rewritten kernels."""
+    """Same-padded conv with PyTorch's padding rule.
+
+    `mode` picks the kernel: "stock" is `mx.conv1d`; "polyphase" runs dilated convs as
+    undilated ones over interleaved phases; "taps" (default) accumulates one GEMM per
+    tap into the output with `addmm`, which on the CPU beats `mx.conv1d` for narrow or
+    dilated convs, and takes an optional residual for free.
+    """
 
     def __init__(
         self,
@@ -97,19 +106,48 @@ class Conv1d(nn.Module):
         self.dilation = dilation
         self.groups = groups
         self.pad = (kernel * dilation - dilation) // 2
-        self.fast = True
+        self.mode = "taps"
+        object.__setattr__(self, "_taps", None)
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def _tap_weights(self) -> list[mx.array]:
+        # (in, out) matrices per tap, rebuilt only when the weight array is replaced.
+        cached = self._taps
+        if cached is None or cached[0] is not self.weight:
+            taps = [mx.contiguous(self.weight[:, k, :].T) for k in range(self.weight.shape[1])]
+            cached = (self.weight, taps)
+            object.__setattr__(self, "_taps", cached)
+        return cached[1]
+
+    def _use_taps(self) -> bool:
+        narrow = self.weight.shape[2] <= 64 or self.dilation > 1
+        return self.mode == "taps" and self.groups == 1 and narrow
+
+    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
         K = self.weight.shape[1]
         if K == 1 and self.groups == 1:
             y = x @ self.weight[:, 0, :].T
+        elif self._use_taps():
+            return self._tap_sum(x, residual)
         else:
             x = mx.pad(x, [(0, 0), (self.pad, self.pad), (0, 0)]) if self.pad else x
-            if self.fast and self.dilation > 1 and self.groups == 1:
+            if self.mode == "polyphase" and self.dilation > 1 and self.groups == 1:
                 y = _dilated_polyphase(x, self.weight, self.dilation)
             else:
                 y = mx.conv1d(x, self.weight, dilation=self.dilation, groups=self.groups)
-        return y + self.bias if "bias" in self else y
+        y = y + self.bias if "bias" in self else y
+        return y if residual is None else y + residual
+
+    def _tap_sum(self, x: mx.array, residual: mx.array | None) -> mx.array:
+        B, L, _ = x.shape
+        d = self.dilation
+        xp = mx.pad(x, [(0, 0), (self.pad, self.pad), (0, 0)]) if self.pad else x
+        taps = self._tap_weights()
+        y = mx.zeros((B, L, taps[0].shape[1])) if residual is None else residual
+        if "bias" in self:
+            y = y + self.bias
+        for k, w in enumerate(taps):
+            y = mx.addmm(y, xp[:, k * d : k * d + L], w)
+        return y
 
 
 class ConvTranspose1d(nn.Module):
@@ -125,7 +163,7 @@ class ConvTranspose1d(nn.Module):
         self.bias = mx.zeros((out_ch,))
         self.stride = stride
         self.padding = padding
-        self.fast = True
+        self.mode = "taps"
         # Derived from `weight` on first use; kept off the parameter tree.
         object.__setattr__(self, "_poly", None)
 
@@ -149,7 +187,7 @@ class ConvTranspose1d(nn.Module):
         B, L, _ = x.shape
         s = self.stride
         out_len = (L - 1) * s - 2 * self.padding + self.weight.shape[1]
-        if not self.fast:
+        if self.mode == "stock":
             y = mx.conv_transpose1d(x, self.weight, stride=s, padding=self.padding)
             return y + self.bias
         w, e_max, e_min = self._polyphase_weight()
@@ -474,6 +512,10 @@ class CouplingFlows(nn.Module):
 # --- HiFi-GAN ------------------------------------------------------------------------
 
 
+def _masked(x: mx.array, mask: mx.array | None) -> mx.array:
+    return x if mask is None else x * mask
+
+
 class ResBlock(nn.Module):
     """Resblock "2" (one dilated conv per step) or "1" (dilated conv, then undilated)."""
 
@@ -489,11 +531,11 @@ class ResBlock(nn.Module):
     def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
         if self.kind == "1":
             for c1, c2 in zip(self.convs1, self.convs2, strict=True):
-                xt = c1(nn.leaky_relu(x, 0.1) * mask)
-                x = x + c2(nn.leaky_relu(xt, 0.1) * mask)
+                xt = c1(_masked(nn.leaky_relu(x, 0.1), mask))
+                x = c2(_masked(nn.leaky_relu(xt, 0.1), mask), residual=x)
             return x
         for c in self.convs:
-            x = x + c(nn.leaky_relu(x, 0.1) * mask)
+            x = c(_masked(nn.leaky_relu(x, 0.1), mask), residual=x)
         return x
 
 
@@ -516,17 +558,18 @@ class Generator(nn.Module):
         self.rates = args.upsample_rates
         self.n_kernels = len(args.resblock_kernel_sizes)
 
-    def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
-        x = self.conv_pre(x * mask)
+    def __call__(self, x: mx.array, mask: mx.array | None) -> mx.array:
+        """`mask` [B, frames, 1], or None when every item fills the whole length."""
+        x = self.conv_pre(_masked(x, mask))
         for i, up in enumerate(self.ups):
-            x = up(nn.leaky_relu(x, 0.1) * mask)
-            mask = mx.repeat(mask, self.rates[i], axis=1)
+            x = up(_masked(nn.leaky_relu(x, 0.1), mask))
+            mask = None if mask is None else mx.repeat(mask, self.rates[i], axis=1)
             blocks = self.resblocks[i * self.n_kernels : (i + 1) * self.n_kernels]
             xs = blocks[0](x, mask)
             for block in blocks[1:]:
                 xs = xs + block(x, mask)
             x = xs / self.n_kernels
-        x = self.conv_post(nn.leaky_relu(x, 0.01) * mask)
+        x = self.conv_post(_masked(nn.leaky_relu(x, 0.01), mask))
         return mx.tanh(x)[..., 0]
 
 
@@ -542,11 +585,13 @@ class Model(nn.Module):
         self.flow = CouplingFlows(args)
         self.dec = Generator(args)
 
-    def set_fast_convs(self, fast: bool) -> None:
-        """Rewritten dilated/transposed convs (default) or MLX's stock kernels."""
+    def set_conv_mode(self, mode: str) -> None:
+        """Conv kernels: "taps" (default, fastest on CPU), "polyphase", or MLX's "stock"."""
+        if mode not in CONV_MODES:
+            raise ValueError(f"conv mode must be one of {CONV_MODES}")
         for _, m in self.named_modules():
             if isinstance(m, (Conv1d, ConvTranspose1d)):
-                m.fast = fast
+                m.mode = mode
 
     def durations(
         self, ids: mx.array, lengths: mx.array, noise_w: mx.array, length_scale: mx.array
@@ -586,7 +631,8 @@ class Model(nn.Module):
         y_mask = (mx.arange(T)[None, :] < mx.array(frames)[:, None]).astype(mx.float32)[..., None]
         z_p = m + mx.random.normal(m.shape) * mx.exp(logs) * noise_scale[:, None, None]
         z = self.flow(z_p * y_mask, y_mask)
-        audio = self.dec(z * y_mask, y_mask)
+        full = bool((frames == T).all())
+        audio = self.dec(z * y_mask, None if full else y_mask)
         hop = self.args.hop_length
         return audio, [int(f) * hop for f in frames]
 

@@ -46,9 +46,10 @@ __all__ = [
 MIN_COMMIT_MS = 100
 # Clients (the openai SDK among them) refuse messages over 1 MiB by default.
 MAX_SERVER_EVENT_BYTES = 768 * 1024
-# Without speech, server VAD keeps only this much audio before the newest (prefix padding
-# is cut from it when speech starts; the VAD reports speech up to ~0.5 s late).
-VAD_KEEP_MS = 2000
+# Without speech, server VAD keeps only this much audio before the newest. The VAD runs
+# behind the appends (a client may send seconds of audio at once), and the engine's VAD
+# stage refuses to fall more than 30 s behind, so 30 s always covers the speech start.
+VAD_KEEP_MS = 30_000
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,434 @@
+"""Load: many realtime sessions on loopback, each streaming 24 kHz PCM16 in real time
+(one 20 ms `input_audio_buffer.append` per 20 ms), most silent and some speaking.
+
+    python bench/load.py [--json] [--levels 10,50,100] [--max-speaking 16] [--plot-dir DIR]
+
+The gateway runs as `duplex-gateway` in a child process with the real embedded models and
+server VAD on (the session default), so every silent stream still costs decode, resampling
+and a VAD pass. Speaking sessions send an alsa-utils recording of real speech.
+
+Per level (N sessions, N/10 of them speaking one utterance at once):
+- `event_loop_lag_ms_p50/p99`: a separate probe process pings the gateway over its own
+  WebSocket every 50 ms; lag is the round trip minus the idle round trip (the gateway
+  answers pings on its event loop, so a busy loop shows up here).
+- `cpu_percent`: the gateway process (every thread) over the window; 100 = one core.
+- `rss_mb_per_session`: gateway RSS growth over its idle RSS with all N sessions streaming
+  (before any turn, so model activations are not counted), divided by N.
+
+Knee: the speaking count is stepped up (1, 2, 3, 4, 6, 8, ...) over a pool of 10 sessions
+until a step fails. A speaking session is served in real time when its reply completes
+and its audio, played from the first delta with a `JITTER_MS` buffer, never runs dry.
+`active_sessions_realtime` is the largest step where every speaker was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import soundfile as sf
+import soxr
+from websockets.asyncio.client import ClientConnection, connect
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORDINGS = sorted(Path("/usr/share/sounds/alsa").glob("[FRS]*_*.wav"))
+RATE = 24000
+FRAME_MS = 20
+FRAME_BYTES = RATE * 2 * FRAME_MS // 1000
+# A client plays from the first delta; this much buffered audio absorbs network jitter.
+JITTER_MS = 200
+PROBE_INTERVAL_S = 0.05
+TURN_TIMEOUT_S = 120.0
+KNEE_POOL = 10
+KNEE_STEPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def _append(pcm: bytes) -> str:
+    audio = base64.b64encode(pcm).decode()
+    return json.dumps({"type": "input_audio_buffer.append", "audio": audio})
+
+
+SILENT_FRAME = _append(bytes(FRAME_BYTES))
+
+
+def utterance_frames(path: Path) -> list[str]:
+    """A recording as 20 ms append events (silence frames follow it on the stream)."""
+    data, rate = sf.read(path, dtype="float32", always_2d=True)
+    pcm = soxr.resample(data.mean(axis=1), rate, RATE)
+    raw = (np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes()
+    raw += bytes(-len(raw) % FRAME_BYTES)
+    return [_append(raw[i : i + FRAME_BYTES]) for i in range(0, len(raw), FRAME_BYTES)]
+
+
+# -- the gateway under test ------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def gateway(max_sessions: int) -> Iterator[tuple[str, int]]:
+    """`duplex-gateway` in a child process; yields (ws URL, pid)."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "gateway.cli", "--port", str(port), "--log-level", "WARNING"]
+    cmd += ["--max-sessions", str(max_sessions)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "listening on" in line:
+            break
+    else:
+        raise RuntimeError("the gateway exited at start:\n" + "".join(lines[-30:]))
+    try:
+        yield f"ws://127.0.0.1:{port}/v1/realtime", proc.pid
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# -- clients ---------------------------------------------------------------------------
+
+
+@dataclass
+class Turn:
+    """What one speaking session saw of its reply."""
+
+    spoke_at: float
+    deltas: list[tuple[float, float]] = field(default_factory=list)  # (arrival, audio ms)
+    status: str | None = None
+    done_at: float | None = None
+
+    def stall_ms(self) -> float:
+        """How far delivery fell behind playback that began at the first delta."""
+        if not self.deltas:
+            return float("inf")
+        first = self.deltas[0][0]
+        played, worst = 0.0, 0.0
+        for arrival, ms in self.deltas:
+            worst = max(worst, (arrival - first) * 1000 - played)
+            played += ms
+        return worst
+
+    def realtime(self) -> bool:
+        return self.status == "completed" and self.stall_ms() <= JITTER_MS
+
+    def first_audio_ms(self) -> float | None:
+        return (self.deltas[0][0] - self.spoke_at) * 1000 if self.deltas else None
+
+
+class Client:
+    """One session: streams a 20 ms frame every 20 ms and reads every server event."""
+
+    def __init__(self, ws: ClientConnection) -> None:
+        self.ws = ws
+        self.pending: list[str] = []
+        self.turn: Turn | None = None
+        self.done = asyncio.Event()
+        self.errors: list[str] = []
+        self._tasks = [asyncio.create_task(self._stream()), asyncio.create_task(self._read())]
+
+    def speak(self, frames: list[str]) -> None:
+        self.pending = list(reversed(frames))
+        self.done.clear()
+        self.turn = Turn(spoke_at=time.monotonic() + len(frames) * FRAME_MS / 1000)
+
+    async def _stream(self) -> None:
+        start, sent = time.monotonic(), 0
+        while True:
+            # An absolute schedule: a late wake-up sends the frames it owes at once.
+            due = int((time.monotonic() - start) * 1000 / FRAME_MS) + 1
+            while sent < due:
+                await self.ws.send(self.pending.pop() if self.pending else SILENT_FRAME)
+                sent += 1
+            await asyncio.sleep(start + sent * FRAME_MS / 1000 - time.monotonic())
+
+    async def _read(self) -> None:
+        async for message in self.ws:
+            event = json.loads(message)
+            kind, turn = event["type"], self.turn
+            if kind == "error":
+                self.errors.append(event["error"]["message"])
+            elif turn is None:
+                continue
+            elif kind == "response.output_audio.delta":
+                ms = len(base64.b64decode(event["delta"])) / 2 / RATE * 1000
+                turn.deltas.append((time.monotonic(), ms))
+            elif kind == "response.done":
+                turn.status = event["response"]["status"]
+                turn.done_at = time.monotonic()
+                self.done.set()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.ws.close()
+
+
+async def open_clients(url: str, n: int) -> list[Client]:
+    async def one() -> Client:
+        ws = await connect(url, max_size=None, open_timeout=60)
+        first = json.loads(await ws.recv())
+        assert first["type"] == "session.created", first
+        return Client(ws)
+
+    clients: list[Client] = []
+    for start in range(0, n, 10):  # a few at a time: the handshake is not what we measure
+        clients += await asyncio.gather(*(one() for _ in range(min(10, n - start))))
+    return clients
+
+
+async def run_turns(
+    clients: list[Client], speakers: int, utterances: list[list[str]]
+) -> list[Turn]:
+    talking = clients[:speakers]
+    for i, client in enumerate(talking):
+        client.speak(utterances[i % len(utterances)])
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(TURN_TIMEOUT_S):
+            await asyncio.gather(*(c.done.wait() for c in talking))
+    return [c.turn for c in talking if c.turn is not None]
+
+
+# -- event-loop probe ------------------------------------------------------------------
+
+
+async def probe(url: str, out: Path) -> None:
+    """Child process: ping the gateway every 50 ms; append round trips (ms) to `out`."""
+    async with connect(url, max_size=None) as ws:
+        with out.open("w") as f:
+            while True:
+                sent = time.perf_counter()
+                await (await ws.ping())
+                f.write(f"{(time.perf_counter() - sent) * 1000:.3f}\n")
+                f.flush()
+                await asyncio.sleep(PROBE_INTERVAL_S)
+
+
+@contextlib.contextmanager
+def probing(url: str) -> Iterator[list[float]]:
+    """Round trips (ms) measured while the block runs."""
+    samples: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rtt.txt"
+        cmd = [sys.executable, __file__, "--probe", url, "--probe-out", str(out)]
+        proc = subprocess.Popen(cmd, cwd=ROOT)
+        try:
+            yield samples
+        finally:
+            proc.terminate()
+            proc.wait()
+            samples += [float(x) for x in out.read_text().split()] if out.exists() else []
+
+
+# -- measurement -----------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 1) if values else None
+
+
+def summarize_turns(turns: list[Turn]) -> dict[str, Any]:
+    first = [t.first_audio_ms() for t in turns]
+    stalls = [t.stall_ms() for t in turns]
+    return {
+        "speaking_realtime": bool(turns) and all(t.realtime() for t in turns),
+        "speaking_completed": sum(t.status == "completed" for t in turns),
+        "worst_stall_ms": round(max(stalls), 1) if stalls else None,
+        "first_audio_ms_p50": percentile([f for f in first if f is not None], 50),
+    }
+
+
+async def measure_level(
+    url: str, pid: int, n: int, utterances: list[list[str]], idle: dict[str, float]
+) -> dict[str, Any]:
+    server = psutil.Process(pid)
+    clients = await open_clients(url, n)
+    try:
+        await asyncio.sleep(2.0)  # every stream running before the window opens
+        # Per-session memory before any turn, so model activations do not count.
+        streaming_rss = server.memory_info().rss / 2**20
+        speakers = max(1, n // 10)
+        server.cpu_percent(None)
+        started = time.monotonic()
+        with probing(url) as rtts:
+            turns = await run_turns(clients, speakers, utterances)
+            await asyncio.sleep(max(0.0, 5.0 - (time.monotonic() - started)))
+            cpu = server.cpu_percent(None)
+            rss = server.memory_info().rss / 2**20
+        lags = [max(0.0, r - idle["rtt_ms"]) for r in rtts]
+        errors = sum(len(c.errors) for c in clients)
+    finally:
+        await asyncio.gather(*(c.close() for c in clients))
+    return {
+        "sessions": n,
+        "speaking": speakers,
+        "window_s": round(time.monotonic() - started, 1),
+        "event_loop_lag_ms_p50": percentile(lags, 50),
+        "event_loop_lag_ms_p99": percentile(lags, 99),
+        "cpu_percent": round(cpu, 1),
+        "rss_mb_streaming": round(streaming_rss, 1),
+        "rss_mb_after_turns": round(rss, 1),
+        "rss_mb_per_session": round((streaming_rss - idle["rss_mb"]) / n, 2),
+        "error_events": errors,
+        **summarize_turns(turns),
+    }
+
+
+async def find_knee(url: str, utterances: list[list[str]], max_speaking: int) -> list[dict]:
+    steps = []
+    for speaking in (s for s in KNEE_STEPS if s <= max_speaking):
+        clients = await open_clients(url, max(KNEE_POOL, speaking))
+        try:
+            await asyncio.sleep(1.0)
+            turns = await run_turns(clients, speaking, utterances)
+        finally:
+            await asyncio.gather(*(c.close() for c in clients))
+        steps.append({"speaking": speaking, **summarize_turns(turns)})
+        if not steps[-1]["speaking_realtime"]:
+            break
+        await asyncio.sleep(1.0)
+    return steps
+
+
+async def idle_baseline(url: str, pid: int) -> dict[str, float]:
+    await asyncio.sleep(1.0)
+    with probing(url) as rtts:
+        await asyncio.sleep(3.0)
+    return {
+        "rtt_ms": float(np.median(rtts)) if rtts else 0.0,
+        "rss_mb": psutil.Process(pid).memory_info().rss / 2**20,
+    }
+
+
+async def run(levels: list[int], max_speaking: int) -> dict[str, Any]:
+    utterances = [utterance_frames(p) for p in RECORDINGS]
+    with gateway(max_sessions=max(levels + [KNEE_POOL, max_speaking]) + 2) as (url, pid):
+        idle = await idle_baseline(url, pid)
+        results = [await measure_level(url, pid, n, utterances, idle) for n in levels]
+        knee = await find_knee(url, utterances, max_speaking)
+    passing = [s["speaking"] for s in knee if s["speaking_realtime"]]
+    top = results[-1]
+    return {
+        "cpu_count": os.cpu_count(),
+        "idle_rtt_ms": round(idle["rtt_ms"], 2),
+        "idle_rss_mb": round(idle["rss_mb"], 1),
+        "jitter_buffer_ms": JITTER_MS,
+        "levels": results,
+        "knee": knee,
+        "active_sessions_realtime": max(passing, default=0),
+        "sessions": top["sessions"],
+        "event_loop_lag_ms_p99": top["event_loop_lag_ms_p99"],
+        "cpu_percent": top["cpu_percent"],
+        "rss_mb_per_session": top["rss_mb_per_session"],
+    }
+
+
+# -- plots -----------------------------------------------------------------------------
+
+
+def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Lag, CPU and memory against sessions; the realtime knee. Returns the PNG paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    levels = result["levels"]
+    n = [lv["sessions"] for lv in levels]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    series = [
+        ("event_loop_lag_ms_p99", "event-loop lag p99 (ms)"),
+        ("cpu_percent", "gateway CPU (%, 100 = 1 core)"),
+        ("rss_mb_per_session", "RSS per session (MB)"),
+    ]
+    for ax, (key, label) in zip(axes, series, strict=True):
+        ax.plot(n, [lv[key] or 0 for lv in levels], marker="o")
+        ax.set_xlabel("concurrent sessions")
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    scale = out_dir / "load_scale.png"
+    fig.savefig(scale, dpi=80)
+    plt.close(fig)
+
+    knee = result["knee"]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    speaking = [s["speaking"] for s in knee]
+    stalls = [min(s["worst_stall_ms"] or 0, 1e5) for s in knee]
+    colors = ["tab:green" if s["speaking_realtime"] else "tab:red" for s in knee]
+    ax.bar([str(s) for s in speaking], stalls, color=colors)
+    ax.axhline(JITTER_MS, color="gray", linestyle="--", label=f"jitter buffer {JITTER_MS} ms")
+    ax.set_xlabel("sessions speaking at once")
+    ax.set_ylabel("worst playback stall (ms)")
+    ax.set_yscale("symlog")
+    ax.set_title(f"realtime knee: {result['active_sessions_realtime']} speaking", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    knee_png = out_dir / "load_knee.png"
+    fig.savefig(knee_png, dpi=80)
+    plt.close(fig)
+    return [scale, knee_png]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--levels", default="10,50,100", help="comma-separated session counts")
+    parser.add_argument("--max-speaking", type=int, default=16, help="last knee step to try")
+    parser.add_argument("--plot-dir", type=Path, help="write PNG plots here")
+    parser.add_argument("--probe", help=argparse.SUPPRESS)
+    parser.add_argument("--probe-out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.probe:
+        with contextlib.suppress(KeyboardInterrupt):
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+            asyncio.run(probe(args.probe, args.probe_out))
+        return
+    levels = [int(x) for x in args.levels.split(",")]
+    if not levels or min(levels) < 1 or args.max_speaking < 1:
+        parser.error("--levels and --max-speaking must be positive")
+    result = asyncio.run(run(levels, args.max_speaking))
+    if args.plot_dir is not None:
+        result["plots"] = [os.path.relpath(p, ROOT) for p in plot(result, args.plot_dir)]
+    if args.json:
+        print(json.dumps(result))
+        return
+    for level in result["levels"]:
+        print(json.dumps(level))
+    for step in result["knee"]:
+        print(json.dumps(step))
+    print(f"active_sessions_realtime: {result['active_sessions_realtime']}")
+
+
+if __name__ == "__main__":
+    main()

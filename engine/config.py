@@ -139,7 +139,8 @@ class AsrConfig(_Strict):
 
 
 class TtsConfig(_Strict):
-    """`voice` is the name clients use for this voice; `speed` > 1 speaks faster."""
+    """`voice` is the name clients use for this voice; `speed` > 1 speaks faster;
+    `max_batch` clauses of different requests are spoken in one batched pass."""
 
     model: ModelRef = ModelRef(name="piper-en_US-joe-medium")
     voice: str = Field("joe", min_length=1)
@@ -147,6 +148,7 @@ class TtsConfig(_Strict):
     noise_scale: float | None = Field(None, ge=0.0)
     noise_w: float | None = Field(None, ge=0.0)
     sample_rate: int = Field(24000, ge=8000, le=48000)
+    max_batch: int = Field(8, ge=1)
 
 
 class VadConfig(_Strict):
@@ -171,6 +173,8 @@ class EngineLimits(_Strict):
     max_running_sequences: int = Field(8, ge=1)
     prefill_chunk_tokens: int = Field(512, ge=16)
     prompt_cache_bytes: int = Field(256 * 1024 * 1024, ge=0)
+    # One tiny request through each stage at start-up, so the first turn is not slow.
+    warmup: bool = True
 
 
 class StagesConfig(_Strict):

@@ -212,6 +212,10 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             if context is not None and not self._session_has_requests(context.session_id):
                 self._sessions.pop(context.session_id, None)
 
+    async def shutdown(self) -> None:
+        """Stop every running turn; nothing more reaches the sink."""
+        await self.abort_requests(list(self._turns))
+
     # --- introspection ---------------------------------------------------------------
 
     def running_turns(self) -> int:

@@ -1,0 +1,174 @@
+"""Build the running engine from a profile: models, stages, the engine thread, the port.
+
+`build_engine` converts each stage's model into the cache on first use (with a progress
+bar), loads the models in a worker thread so the event loop keeps serving, optionally
+warms every stage with one tiny request (the first real turn then pays no compile or
+allocation cost), and starts the engine thread. `EngineBundle.aclose` undoes it all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.config import EngineConfig, ModelRef
+from engine.core import AsyncEngine, EngineCore
+from engine.orchestrator import DuplexOrchestrator
+from engine.remote_llm import RemoteLlm
+from engine.stage import Stage, StageOutput
+
+__all__ = ["EngineBundle", "build_engine", "load_stages", "prepare_model"]
+
+logger = logging.getLogger(__name__)
+
+WARMUP_ID = "warmup"
+WARMUP_MAX_STEPS = 64
+
+
+@dataclass
+class EngineBundle:
+    """Everything `build_engine` started; `aclose` stops it (idempotent)."""
+
+    config: EngineConfig
+    core: EngineCore
+    engine: AsyncEngine
+    orchestrator: DuplexOrchestrator
+    remote_llm: RemoteLlm | None = None
+    _closed: bool = False
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self.orchestrator.shutdown()
+        if self.remote_llm is not None:
+            await self.remote_llm.aclose()
+        await asyncio.to_thread(self.core.shutdown)
+
+
+async def build_engine(config: EngineConfig, *, progress: bool = True) -> EngineBundle:
+    """Load every stage off the event loop, start the engine thread, wire the port."""
+    stages = await asyncio.to_thread(_load_and_warm, config, progress)
+    core = EngineCore(stages)
+    core.start()
+    engine = AsyncEngine(core)
+    llm = config.stages.llm
+    remote = RemoteLlm(llm.remote) if llm.backend == "remote" and llm.remote else None
+    orchestrator = DuplexOrchestrator(engine, config, llm=remote)
+    return EngineBundle(config, core, engine, orchestrator, remote)
+
+
+def _load_and_warm(config: EngineConfig, progress: bool) -> dict[str, Stage]:
+    import mlx.core as mx
+
+    try:
+        stages = load_stages(config, progress=progress)
+        if config.engine.warmup:
+            warm_up(stages)
+        return stages
+    finally:
+        # MLX work still in flight when a worker thread goes idle can abort the process
+        # at interpreter exit; finish it on the thread that started it.
+        mx.synchronize()
+
+
+def prepare_model(stage: str, ref: ModelRef, *, progress: bool = True) -> Path:
+    """The converted directory of `ref`, registering it first when it names a source."""
+    from engine import registry
+
+    if ref.source is not None:
+        converter = ref.converter or "engine.registry:link_files"
+        registry.register(registry.ModelSpec(ref.name, stage, ref.source, converter))
+    spec = registry.get_spec(ref.name)
+    if spec.stage != stage:
+        raise ValueError(f"model {ref.name!r} is a {spec.stage} model, not a {stage} model")
+    return registry.prepare(ref.name, progress=progress, precision=ref.precision)
+
+
+def load_stages(config: EngineConfig, *, progress: bool = True) -> dict[str, Stage]:
+    """Build the asr/llm/tts/vad stages (the LLM stage only for the local backend)."""
+    loaders: dict[str, Callable[[EngineConfig, bool], Stage]] = {
+        "asr": _asr_stage,
+        "tts": _tts_stage,
+        "vad": _vad_stage,
+    }
+    if config.stages.llm.backend == "local":
+        loaders["llm"] = _llm_stage
+    stages = {}
+    for name, load in loaders.items():
+        logger.info("loading the %s stage", name)
+        stages[name] = load(config, progress)
+    return stages
+
+
+def _asr_stage(config: EngineConfig, progress: bool) -> Stage:
+    from engine.asr import AsrStage, load_transcriber
+
+    asr = config.stages.asr
+    path = prepare_model("asr", asr.model, progress=progress)
+    return AsrStage(load_transcriber(path), max_batch=asr.max_batch)
+
+
+def _llm_stage(config: EngineConfig, progress: bool) -> Stage:
+    from engine.llm import LlmStage
+
+    model = config.stages.llm.model
+    assert model is not None  # the config fills it in for the local backend
+    limits = config.engine
+    return LlmStage.from_path(
+        prepare_model("llm", model, progress=progress),
+        max_running_sequences=limits.max_running_sequences,
+        prefill_chunk_tokens=limits.prefill_chunk_tokens,
+        prompt_cache_bytes=limits.prompt_cache_bytes,
+    )
+
+
+def _tts_stage(config: EngineConfig, progress: bool) -> Stage:
+    from engine.tts import TtsStage, Voice
+
+    tts = config.stages.tts
+    voice = Voice.load(prepare_model("tts", tts.model, progress=progress))
+    return TtsStage(voice, max_batch=tts.max_batch)
+
+
+def _vad_stage(config: EngineConfig, progress: bool) -> Stage:
+    from engine.vad import SileroVad, VadStage
+
+    return VadStage(SileroVad(prepare_model("vad", config.stages.vad.model, progress=progress)))
+
+
+def warm_up(stages: dict[str, Stage]) -> None:
+    """Run one tiny request through each model stage before the engine thread starts."""
+    from engine.llm import LlmInput
+    from engine.request import SamplingParams
+    from engine.tts import TtsRequest
+
+    if "asr" in stages:
+        stages["asr"].add(WARMUP_ID, np.zeros(16000, np.float32))
+        _drain(stages["asr"])
+    if "llm" in stages:
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        hello = [{"role": "user", "content": "Hello"}]
+        stages["llm"].add(WARMUP_ID, LlmInput(messages=hello, sampling_params=params))
+        _drain(stages["llm"])
+    if "tts" in stages:
+        stages["tts"].add(WARMUP_ID, TtsRequest())
+        stages["tts"].feed(WARMUP_ID, "Hello there.", True)  # type: ignore[attr-defined]
+        _drain(stages["tts"])
+
+
+def _drain(stage: Stage) -> None:
+    for _ in range(WARMUP_MAX_STEPS):
+        outs: list[StageOutput] = stage.step()
+        for out in outs:
+            if out.request_id == WARMUP_ID and out.finished:
+                if out.error is not None:
+                    raise RuntimeError(f"{stage.name} stage failed its warm-up: {out.error}")
+                return
+    stage.abort(WARMUP_ID)
+    raise RuntimeError(f"{stage.name} stage did not finish its warm-up request")

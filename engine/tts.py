@@ -39,6 +39,10 @@ DEFAULT_VOICE = "piper-en_US-joe-medium"
 MIN_RATE, MAX_RATE = 8000, 48000
 # Clauses longer than this are cut further, so one clause never stalls a step for long.
 MAX_CLAUSE_CHARS = 300
+# A request's first clause is split at its first comma when that leaves a piece at least
+# this long on each side: a shorter first piece is ready sooner, so playback starts sooner.
+FIRST_PIECE_MIN_CHARS = 4
+_SOFT_BREAKS = (", ", "; ", ": ")
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,17 @@ def _clauses(text: str) -> list[str]:
     return [c for c in split_clauses(text, max_chars=MAX_CLAUSE_CHARS) if c.strip()]
 
 
+def first_piece(clause: str) -> tuple[str, str]:
+    """Split a clause at its first soft break into (head, rest); rest may be empty."""
+    cuts = [i for b in _SOFT_BREAKS if (i := clause.find(b)) >= 0]
+    if cuts:
+        cut = min(cuts) + 1
+        head, rest = clause[:cut].strip(), clause[cut:].strip()
+        if len(head) >= FIRST_PIECE_MIN_CHARS and len(rest) >= FIRST_PIECE_MIN_CHARS:
+            return head, rest
+    return clause, ""
+
+
 class Synthesizer:
     """Text in, one `AudioChunk` per clause out, at the caller's rate."""
 
@@ -211,6 +226,7 @@ class _Stream:
     resampler: _Resampler
     pending: deque[str] = field(default_factory=deque)
     final: bool = False
+    started: bool = False
 
 
 class TtsStage:
@@ -241,7 +257,11 @@ class TtsStage:
             return False
         if stream.final:
             raise ValueError(f"TTS request {request_id!r} already received its final text")
-        stream.pending.extend(_clauses(text))
+        clauses = _clauses(text)
+        if clauses and not stream.started and not stream.pending:
+            head, rest = first_piece(clauses[0])
+            clauses[:1] = [head, rest] if rest else [head]
+        stream.pending.extend(clauses)
         stream.final = final
         return True
 
@@ -255,6 +275,8 @@ class TtsStage:
         ready = [(rid, s) for rid, s in self._streams.items() if s.pending or s.final]
         ready = ready[: self.max_batch]
         speak = [(rid, s, s.pending.popleft()) for rid, s in ready if s.pending]
+        for _, s, _ in speak:
+            s.started = True
         outputs: list[StageOutput] = []
         if speak:
             outputs += self._speak(speak)

@@ -23,6 +23,7 @@ from engine.tts import (
     TtsRequest,
     TtsStage,
     Voice,
+    first_piece,
     load_voice,
     to_pcm16,
 )
@@ -283,16 +284,31 @@ def test_stage_streams_clauses_in_order(voice: Voice) -> None:
     stage.add("a", TtsRequest())
     stage.feed("a", "Hello there, my friend. How are you?")
     first = stage.step()
-    assert [o.payload.text for o in first] == ["Hello there, my friend."]
+    # The first clause is cut at its comma so that playback can start sooner.
+    assert [o.payload.text for o in first] == ["Hello there,"]
     assert not first[0].finished and first[0].payload.sample_rate == 24000
-    stage.feed("a", "Fine.", final=True)
+    stage.feed("a", "Fine, thanks.", final=True)
     rest = drain(stage)
-    assert [o.payload.text for o in rest] == ["How are you?", "Fine."]
-    assert [o.finished for o in rest] == [False, True]
+    assert [o.payload.text for o in rest] == ["my friend.", "How are you?", "Fine, thanks."]
+    assert [o.finished for o in rest] == [False, False, True]
     for o in first + rest:
         chunk: AudioChunk = o.payload
         assert len(chunk.pcm16) % 2 == 0 and chunk.duration_ms > 100
         assert chunk.duration_ms == pytest.approx(1000 * len(chunk.pcm16) / 2 / 24000)
+
+
+@pytest.mark.parametrize(
+    "clause,expected",
+    [
+        ("Sure, here it is.", ("Sure,", "here it is.")),
+        ("Well; maybe not.", ("Well;", "maybe not.")),
+        ("No commas here.", ("No commas here.", "")),
+        ("Hi, yo.", ("Hi, yo.", "")),
+        ("1,000 people came.", ("1,000 people came.", "")),
+    ],
+)
+def test_first_piece(clause: str, expected: tuple[str, str]) -> None:
+    assert first_piece(clause) == expected
 
 
 def test_stage_batches_requests_and_honours_settings(voice: Voice) -> None:

@@ -142,6 +142,8 @@ class Conv1d(nn.Module):
         d = self.dilation
         xp = mx.pad(x, [(0, 0), (self.pad, self.pad), (0, 0)]) if self.pad else x
         taps = self._tap_weights()
+        if taps[0].shape[1] == 1:
+            return self._single_output(xp, L, residual)
         y = mx.zeros((B, L, taps[0].shape[1])) if residual is None else residual
         if "bias" in self:
             y = y + self.bias
@@ -149,12 +151,23 @@ class Conv1d(nn.Module):
             y = mx.addmm(y, xp[:, k * d : k * d + L], w)
         return y
 
+    def _single_output(self, xp: mx.array, L: int, residual: mx.array | None) -> mx.array:
+        # One output channel: a GEMM per tap would be a matrix-vector product; do one
+        # GEMM for all taps and add the shifted columns instead.
+        d = self.dilation
+        cols = xp @ mx.concatenate(self._tap_weights(), axis=1)
+        y = sum(cols[:, k * d : k * d + L, k : k + 1] for k in range(cols.shape[-1]))
+        if "bias" in self:
+            y = y + self.bias
+        return y if residual is None else y + residual
+
 
 class ConvTranspose1d(nn.Module):
     """PyTorch-equivalent transposed conv (weight stored as (out, kernel, in)).
 
-    The fast path computes all `stride` output phases as one short undilated conv with
-    stride*out channels (polyphase), instead of convolving a zero-stuffed input.
+    The rewritten paths compute all `stride` output phases as one short undilated conv
+    with stride*out channels (polyphase) instead of convolving a zero-stuffed input; in
+    "taps" mode that conv is one `addmm` per tap.
     """
 
     def __init__(self, in_ch: int, out_ch: int, kernel: int, stride: int, padding: int) -> None:
@@ -167,9 +180,10 @@ class ConvTranspose1d(nn.Module):
         # Derived from `weight` on first use; kept off the parameter tree.
         object.__setattr__(self, "_poly", None)
 
-    def _polyphase_weight(self) -> tuple[mx.array, int, int]:
+    def _polyphase_weight(self) -> tuple[mx.array, list[mx.array], int, int]:
         # Output t = m*s + r takes input m - e through tap k = q + e*s, q = r + padding.
-        if self._poly is None:
+        cached = self._poly
+        if cached is None or cached[0] is not self.weight:
             w = np.array(self.weight)
             O, K, Ci = w.shape
             s, p = self.stride, self.padding
@@ -180,8 +194,13 @@ class ConvTranspose1d(nn.Module):
             poly = np.zeros((s, O, e_max - e_min + 1, Ci), dtype=np.float32)
             for r, e, k in taps:
                 poly[r, :, e_max - e] = w[:, k, :]
-            object.__setattr__(self, "_poly", (mx.array(poly.reshape(s * O, -1, Ci)), e_max, e_min))
-        return self._poly
+            poly = poly.reshape(s * O, -1, Ci)
+            per_tap = [
+                mx.array(np.ascontiguousarray(poly[:, u, :].T)) for u in range(poly.shape[1])
+            ]
+            cached = (self.weight, mx.array(poly), per_tap, e_max, e_min)
+            object.__setattr__(self, "_poly", cached)
+        return cached[1:]
 
     def __call__(self, x: mx.array) -> mx.array:
         B, L, _ = x.shape
@@ -190,11 +209,17 @@ class ConvTranspose1d(nn.Module):
         if self.mode == "stock":
             y = mx.conv_transpose1d(x, self.weight, stride=s, padding=self.padding)
             return y + self.bias
-        w, e_max, e_min = self._polyphase_weight()
+        w, per_tap, e_max, e_min = self._polyphase_weight()
         m = -(-out_len // s)
         right = max(0, m - 1 - e_min - (L - 1))
-        y = mx.conv1d(mx.pad(x, [(0, 0), (e_max, right), (0, 0)]), w)[:, :m]
-        y = y.reshape(B, m, s, -1).reshape(B, m * s, -1)[:, :out_len]
+        xp = mx.pad(x, [(0, 0), (e_max, right), (0, 0)])
+        if self.mode == "taps":
+            y = mx.zeros((B, m, w.shape[0])) + mx.tile(self.bias, s)
+            for u, wu in enumerate(per_tap):
+                y = mx.addmm(y, xp[:, u : u + m], wu)
+            return y.reshape(B, m * s, -1)[:, :out_len]
+        y = mx.conv1d(xp, w)[:, :m]
+        y = y.reshape(B, m * s, -1)[:, :out_len]
         return y + self.bias
 
 

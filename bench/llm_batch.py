@@ -5,7 +5,7 @@ on the same model and prompts in the same run, time to first token for a request
 joins 8 decoding streams, cold versus cached second-turn TTFT of a ~500-token
 conversation, and event-loop lag while 8 streams decode through the engine thread.
 
-    python bench/llm_batch.py [--json] [--max-tokens 48]
+    python bench/llm_batch.py [--json] [--max-tokens 64]
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ async def engine_measurements(model: Any, tok: Any, max_tokens: int) -> dict[str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
 
     model, tok = load(str(registry.prepare("smollm2-135m-instruct")))

@@ -284,7 +284,11 @@ class AsyncEngine:
             raise ValueError(f"request {request_id!r} is already streaming on {stage!r}")
         stream = _Stream(self._limit)
         self._streams[key] = stream
-        self._core.add(stage, request_id, inputs)
+        try:
+            self._core.add(stage, request_id, inputs)
+        except Exception:
+            del self._streams[key]
+            raise
         return self._iterate(key, stream)
 
     async def call(self, stage: str, method: str, *args: Any) -> Any:

@@ -248,3 +248,10 @@ def test_unknown_stage_is_rejected() -> None:
     core = EngineCore({"count": CountingStage()})
     with pytest.raises(KeyError, match="unknown stage"):
         core.add("nope", "r", 1)
+
+
+async def test_stream_on_unknown_stage_raises_and_leaves_nothing(core: EngineCore) -> None:
+    engine = AsyncEngine(core)
+    with pytest.raises(KeyError):
+        engine.stream("nope", "r", 1)
+    assert engine._streams == {}

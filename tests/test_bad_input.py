@@ -1,0 +1,258 @@
+"""Property-based bad input against a running `duplex-gateway` (real embedded models,
+started through the CLI): for any sequence of well-formed and malformed client events,
+the server stays up, answers every bad event with exactly one `error` event (naming the
+event's `event_id` when it had one), answers no good event with an error, and a normal
+text turn works afterwards on the same connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from websockets.asyncio.client import ClientConnection, connect
+
+ROOT = Path(__file__).resolve().parent.parent
+SYNC = json.dumps({"type": "input_audio_buffer.clear"})
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One client frame and whether the server must refuse it."""
+
+    frame: str | bytes
+    bad: bool
+    event_id: str | None = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[int]:
+    """`duplex-gateway` in a subprocess; yields its port."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "gateway.cli", "--port", str(port), "--log-level", "WARNING"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("DUPLEX_GATEWAY_API_KEY", None)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "listening on" in line:
+            break
+    else:
+        raise RuntimeError("gateway exited:\n" + "".join(lines[-40:]))
+    try:
+        yield port
+        assert proc.poll() is None, "the gateway is still running after every example"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+# -- strategies ------------------------------------------------------------------------
+
+KNOWN_TYPES = {
+    "session.update",
+    "transcription_session.update",
+    "input_audio_buffer.append",
+    "input_audio_buffer.commit",
+    "input_audio_buffer.clear",
+    "output_audio_buffer.clear",
+    "conversation.item.create",
+    "conversation.item.retrieve",
+    "conversation.item.delete",
+    "conversation.item.truncate",
+    "response.create",
+    "response.cancel",
+}
+
+ids = st.from_regex(r"[a-z]{3}_[A-Za-z0-9]{1,20}", fullmatch=True)
+texts = st.text(max_size=40)
+quiet_pcm = st.integers(1, 48).map(lambda n: bytes(n * 20))
+
+
+def _event(kind: str, **fields: Any) -> st.SearchStrategy[dict[str, Any]]:
+    return st.fixed_dictionaries({"type": st.just(kind), **fields})
+
+
+good_events = st.one_of(
+    _event(
+        "input_audio_buffer.append", audio=quiet_pcm.map(lambda b: base64.b64encode(b).decode())
+    ),
+    _event("input_audio_buffer.clear"),
+    _event(
+        "session.update",
+        session=st.fixed_dictionaries(
+            {"type": st.just("realtime"), "instructions": texts},
+            optional={"output_modalities": st.sampled_from([["text"], ["audio"]])},
+        ),
+    ),
+    _event(
+        "conversation.item.create",
+        item=texts.map(
+            lambda t: {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": t}],
+            }
+        ),
+    ),
+)
+
+bad_objects = st.one_of(
+    st.fixed_dictionaries({}, optional={"type": st.none() | st.integers() | st.lists(texts)}),
+    _event("response.explode"),
+    st.builds(lambda t: {"type": t}, texts.filter(lambda t: t not in KNOWN_TYPES)),
+    _event("input_audio_buffer.append", audio=st.integers() | st.none() | st.just("@@not b64@@")),
+    _event("input_audio_buffer.append"),
+    _event("session.update", session=st.just({"type": "realtime", "bogus": 1})),
+    _event("session.update", session=st.just({"type": "realtime", "output_modalities": ["video"]})),
+    _event("session.update", session=texts | st.integers()),
+    _event("conversation.item.create", item=st.just({"type": "message", "role": "robot"})),
+    _event("conversation.item.create", item=st.just({"type": "sandwich"})),
+    _event("conversation.item.retrieve", item_id=ids),
+    _event("conversation.item.delete", item_id=ids),
+    _event(
+        "conversation.item.truncate",
+        item_id=ids,
+        content_index=st.integers(0, 3),
+        audio_end_ms=st.integers(-5, 5000),
+    ),
+    _event("response.cancel"),
+    _event("response.create", response=st.just({"output_modalities": ["smell"]})),
+    _event("input_audio_buffer.clear", extra=st.integers()),
+)
+
+
+def _not_an_object(text: str) -> bool:
+    try:
+        return not isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):
+        return True
+
+
+@st.composite
+def frames(draw: st.DrawFn) -> Sent:
+    kind = draw(st.sampled_from(["good", "bad", "bad", "raw", "json", "binary", "deep"]))
+    if kind == "good":
+        return Sent(json.dumps(draw(good_events)), False)
+    if kind == "bad":
+        event = draw(bad_objects)
+        event_id = draw(st.none() | ids)
+        if event_id is not None:
+            event["event_id"] = event_id
+        return Sent(json.dumps(event), True, event_id)
+    if kind == "raw":
+        return Sent(draw(texts.filter(_not_an_object)), True)
+    if kind == "json":
+        value = draw(st.none() | st.integers() | st.lists(st.integers()) | texts)
+        return Sent(json.dumps(value), True)
+    if kind == "binary":
+        return Sent(draw(st.binary(max_size=64)), True)
+    depth = draw(st.integers(2000, 20000))
+    return Sent("[" * depth + "]" * depth, True)
+
+
+# -- the client ------------------------------------------------------------------------
+
+
+def is_clear(sent: Sent) -> bool:
+    return not sent.bad and json.loads(sent.frame).get("type") == "input_audio_buffer.clear"
+
+
+async def text_turn(ws: ClientConnection) -> dict[str, Any]:
+    await ws.send(json.dumps({"type": "session.update", "session": {"type": "realtime"}}))
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi!"}]}
+    await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
+    response = {"output_modalities": ["text"], "max_output_tokens": 2}
+    await ws.send(json.dumps({"type": "response.create", "response": response}))
+    deltas = []
+    async with asyncio.timeout(120):
+        while True:
+            event = json.loads(await ws.recv())
+            assert event["type"] != "error", event
+            if event["type"] == "response.output_text.delta":
+                deltas.append(event["delta"])
+            if event["type"] == "response.done":
+                assert deltas, "the turn produced text"
+                return event["response"]
+
+
+async def run_sequence(port: int, sequence: list[Sent]) -> None:
+    url = f"ws://127.0.0.1:{port}/v1/realtime"
+    async with connect(url, max_size=None) as ws:
+        assert json.loads(await ws.recv())["type"] == "session.created"
+        update = {"type": "realtime", "audio": {"input": {"turn_detection": None}}}
+        await ws.send(json.dumps({"type": "session.update", "session": update}))
+        for sent in sequence:
+            caused = await exchange_one(ws, sent)
+            errors = [e for e in caused if e["type"] == "error"]
+            if sent.bad:
+                assert len(errors) == 1, (sent, caused)
+                if sent.event_id is not None:
+                    assert errors[0]["error"]["event_id"] == sent.event_id
+            else:
+                assert errors == [], (sent, caused)
+        response = await text_turn(ws)
+        assert response["status"] in ("completed", "incomplete")
+
+
+async def exchange_one(ws: ClientConnection, sent: Sent) -> list[dict[str, Any]]:
+    """Events caused by `sent`: everything before the sync event's `cleared`."""
+    await ws.send(sent.frame)
+    await ws.send(SYNC)
+    caused: list[dict[str, Any]] = []
+    skip = 1 if is_clear(sent) else 0  # a good clear answers with its own `cleared` first
+    async with asyncio.timeout(30):
+        while True:
+            event = json.loads(await ws.recv())
+            if event["type"] == "input_audio_buffer.cleared":
+                if skip:
+                    skip -= 1
+                    continue
+                return caused
+            caused.append(event)
+
+
+def open_sessions(port: int) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=30) as response:
+        return json.loads(response.read())["sessions"]
+
+
+@settings(
+    max_examples=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(sequence=st.lists(frames(), min_size=1, max_size=10))
+def test_any_event_sequence_is_answered_and_survived(gateway: int, sequence: list[Sent]) -> None:
+    asyncio.run(run_sequence(gateway, sequence))
+
+
+def test_sessions_are_released_after_the_examples(gateway: int) -> None:
+    deadline = time.monotonic() + 10
+    while open_sessions(gateway) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert open_sessions(gateway) == 0

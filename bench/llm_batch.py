@@ -88,13 +88,16 @@ async def first_token_ms(engine_: AsyncEngine, rid: str, inputs: LlmInput) -> fl
     return elapsed
 
 
-async def background(engine_: AsyncEngine, n: int, max_tokens: int) -> list[asyncio.Task]:
-    async def drain(i: int) -> None:
-        inputs = LlmInput(messages=story_prompt(i), sampling_params=greedy(max_tokens))
-        async for _ in engine_.stream("llm", f"bg{i}", inputs):
-            pass
+async def drain(engine_: AsyncEngine, rid: str, inputs: LlmInput) -> int:
+    """Consume a whole stream; returns how many outputs it carried."""
+    return len([out async for out in engine_.stream("llm", rid, inputs)])
 
-    tasks = [asyncio.create_task(drain(i)) for i in range(n)]
+
+async def background(engine_: AsyncEngine, n: int, max_tokens: int) -> list[asyncio.Task]:
+    def inputs(i: int) -> LlmInput:
+        return LlmInput(messages=story_prompt(i), sampling_params=greedy(max_tokens))
+
+    tasks = [asyncio.create_task(drain(engine_, f"bg{i}", inputs(i))) for i in range(n)]
     await asyncio.sleep(0)
     return tasks
 
@@ -147,10 +150,9 @@ async def engine_measurements(model: Any, tok: Any, max_tokens: int) -> dict[str
         history = conversation(500, tok)
         turn1 = history + chat("Summarise our conversation.")
         params = greedy(8)
-        async for _ in engine_.stream(
-            "llm", "t1", LlmInput(messages=turn1, sampling_params=params, cache_key="conv")
-        ):
-            pass
+        await drain(
+            engine_, "t1", LlmInput(messages=turn1, sampling_params=params, cache_key="conv")
+        )
         turn2 = turn1 + [
             {"role": "assistant", "content": "We talked about many things."},
             {"role": "user", "content": "Which topic was first?"},

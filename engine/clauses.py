@@ -4,7 +4,8 @@ A clause ends at sentence punctuation followed by a space (so "3.14", "1,000" an
 inside a word never end one), at a newline, or, once it is long enough, at a comma,
 semicolon, colon or dash. Titles ("Dr.", "Mr.") never end a clause; other abbreviations
 ("etc.", "U.S.") and ellipses end one only when the next word starts with a capital.
-A clause that grows past `max_chars` without a boundary is cut at its last comma or space.
+A clause that grows past `max_chars` without a boundary is cut at its last comma or space;
+the first clause already past `first_max_chars`, so speech can start a few words in.
 
 The streaming splitter decides a boundary only once enough text has arrived to be sure,
 so pushing a text in any pieces gives the same clauses as splitting it whole.
@@ -88,14 +89,22 @@ class ClauseSplitter:
 
     `first_min_chars` is the length a first clause needs before a comma may end it (short,
     so the first audio starts early); `min_chars` the same for later clauses.
+    `first_max_chars` (default `max_chars`) and `max_chars` cap the first and later clauses.
     """
 
     def __init__(
-        self, *, first_min_chars: int = 16, min_chars: int = 48, max_chars: int = 160
+        self,
+        *,
+        first_min_chars: int = 16,
+        first_max_chars: int | None = None,
+        min_chars: int = 48,
+        max_chars: int = 160,
     ) -> None:
-        if not 0 < first_min_chars <= max_chars or not 0 < min_chars <= max_chars:
+        first_max_chars = max_chars if first_max_chars is None else first_max_chars
+        if not 0 < first_min_chars <= first_max_chars or not 0 < min_chars <= max_chars:
             raise ValueError("clause lengths must satisfy 0 < min_chars <= max_chars")
         self.first_min_chars = first_min_chars
+        self.first_max_chars = first_max_chars
         self.min_chars = min_chars
         self.max_chars = max_chars
         self._buffer = ""
@@ -131,11 +140,13 @@ class ClauseSplitter:
     def _next_cut(self, final: bool) -> int | None:
         """Index just past the first decided clause end in the buffer, or None to wait."""
         text = self._buffer
-        soft_min = self.first_min_chars if self._emitted == 0 else self.min_chars
+        first = self._emitted == 0
+        soft_min = self.first_min_chars if first else self.min_chars
+        cap = self.first_max_chars if first else self.max_chars
         i = 0
         while i < len(text):
-            if i >= self.max_chars:
-                return _cap_cut(text, self.max_chars)
+            if i >= cap:
+                return _cap_cut(text, cap)
             ch = text[i]
             if ch == "\n":
                 return i + 1
@@ -153,12 +164,12 @@ class ClauseSplitter:
             if verdict == _WAIT:
                 return None
             i = end
-        if len(text) > self.max_chars:
-            return _cap_cut(text, self.max_chars)
+        if len(text) > cap:
+            return _cap_cut(text, cap)
         return None
 
 
-def split_clauses(text: str, **limits: int) -> list[str]:
+def split_clauses(text: str, **limits: int | None) -> list[str]:
     """Split a whole text into the clauses the streaming splitter would give."""
     splitter = ClauseSplitter(**limits)
     return splitter.push(text) + splitter.flush()

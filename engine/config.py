@@ -159,13 +159,14 @@ class ClauseConfig(_Strict):
     """How LLM text is cut into clauses for speech (see `engine.clauses`)."""
 
     first_min_chars: int = Field(16, ge=1)
+    first_max_chars: int = Field(40, ge=8)
     min_chars: int = Field(48, ge=1)
     max_chars: int = Field(160, ge=8)
 
     @model_validator(mode="after")
     def _ordered(self) -> ClauseConfig:
-        if max(self.first_min_chars, self.min_chars) > self.max_chars:
-            raise ValueError("first_min_chars and min_chars must not exceed max_chars")
+        if self.first_min_chars > self.first_max_chars or self.min_chars > self.max_chars:
+            raise ValueError("min_chars must not exceed max_chars (first clause: likewise)")
         return self
 
 

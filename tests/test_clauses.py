@@ -93,6 +93,15 @@ def test_long_clause_prefers_the_last_comma_before_the_cap() -> None:
     assert clauses[0] == "alpha beta gamma,"
 
 
+def test_first_clause_is_cut_at_a_space_past_its_cap() -> None:
+    text = "The tallest mountain in the world is Mount Everest in Nepal. It is high."
+    assert split_clauses(text, first_max_chars=40) == [
+        "The tallest mountain in the world is",
+        "Mount Everest in Nepal.",
+        "It is high.",
+    ]
+
+
 def test_streaming_waits_for_lookahead() -> None:
     splitter = ClauseSplitter()
     assert splitter.push("It costs 3.") == []  # could still become 3.14
@@ -118,7 +127,7 @@ _ALPHABET = "abc XYZ .,!?;:…\"'0123456789\nDr.etc"
 @settings(max_examples=300, deadline=None)
 @given(st.text(alphabet=_ALPHABET, max_size=300), st.lists(st.integers(1, 7), max_size=80))
 def test_streaming_matches_whole_text(text: str, sizes: list[int]) -> None:
-    limits = {"first_min_chars": 5, "min_chars": 12, "max_chars": 40}
+    limits = {"first_min_chars": 5, "first_max_chars": 20, "min_chars": 12, "max_chars": 40}
     splitter = ClauseSplitter(**limits)
     streamed: list[str] = []
     pos = 0

@@ -107,6 +107,8 @@ def test_converter_needs_a_source() -> None:
 def test_clause_limits_must_be_ordered() -> None:
     with pytest.raises(ConfigError, match="must not exceed max_chars"):
         parse_config({"clauses": {"min_chars": 100, "max_chars": 50}})
+    with pytest.raises(ConfigError, match="must not exceed max_chars"):
+        parse_config({"clauses": {"first_min_chars": 30, "first_max_chars": 20}})
 
 
 def test_bad_yaml_and_missing_file_are_reported(tmp_path: Path) -> None:

@@ -178,6 +178,18 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             )
 
     async def submit(self, submission: DuplexStageSubmission) -> DuplexStageSubmissionResult:
+        """Start a turn's pipeline; the prompt (a `DuplexAppendPlan.prompt`) holds:
+
+        - `audio` (1-D float32 16 kHz; enters at stage 0) or `text` (enters at stage 1),
+          or neither: the reply continues from `messages` alone;
+        - `messages`: the history before this turn, `{"role", "content"}` each (a
+          leading system message replaces the configured system prompt);
+        - `output_modalities`: `["audio"]` exactly when the turn ends at stage 2;
+        - `max_output_tokens`, `voice`, `speed`, `cache_key` (all optional): per-turn
+          LLM length, voice check, speaking rate, and the conversation's prompt-cache key.
+
+        Raises ValueError for an unreserved or reused id and for a malformed prompt.
+        """
         context = submission.context
         rid = context.request_id
         if rid not in self._reserved:
@@ -205,7 +217,8 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         await self._wait_stopped(turns)
 
     async def cleanup(self, request_ids: list[str], *, abort: bool = False) -> None:
-        # Cleaned-up ids never output again, so a still-running turn is stopped either way.
+        """Forget the ids. A cleaned-up id never outputs again, so a turn still running is
+        stopped whether or not `abort` is set."""
         await self.abort_requests(request_ids)
         for rid in request_ids:
             context = self._reserved.pop(rid, None)
@@ -323,7 +336,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
                 if text is None:
                     return
             stage = LLM
-            await self._respond(turn, text or "")
+            await self._respond(turn, text)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug or a dead engine must fail the turn, not hang it
@@ -345,8 +358,9 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
                 return text
         return None  # aborted: the stream ended without a result
 
-    async def _respond(self, turn: _Turn, text: str) -> None:
-        if not text.strip():
+    async def _respond(self, turn: _Turn, text: str | None) -> None:
+        """Answer `text`, or with no new input (None) continue from the history."""
+        if text is not None and not text.strip():
             # Nothing was said: the turn ends without asking the model.
             self._emit(turn, LLM, "done", finished=True, metadata={"skipped": True})
             self._emit(turn, TTS, "done", finished=True, metadata={"skipped": True})
@@ -363,7 +377,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
                 self.engine.abort("tts", turn.ids[TTS])
 
     async def _generate(
-        self, turn: _Turn, text: str, speaker: _Speaker | None
+        self, turn: _Turn, text: str | None, speaker: _Speaker | None
     ) -> RequestOutput | None:
         rid = turn.ids[LLM]
         inputs = self._llm_inputs(turn, text)
@@ -394,12 +408,13 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             speaker.finish(splitter.flush())
         return final
 
-    def _llm_inputs(self, turn: _Turn, text: str) -> LlmInput:
+    def _llm_inputs(self, turn: _Turn, text: str | None) -> LlmInput:
         plan = turn.plan
         messages = [dict(m) for m in plan.messages]
         if not messages or messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.config.system_prompt})
-        messages.append({"role": "user", "content": text})
+        if text is not None:
+            messages.append({"role": "user", "content": text})
         params: SamplingParams = turn.params[LLM]
         if plan.max_output_tokens is not None:
             params = dataclasses.replace(params, max_tokens=plan.max_output_tokens)
@@ -513,8 +528,8 @@ def _parse_prompt(
     if unknown:
         raise ValueError(f"unknown prompt fields: {sorted(unknown)}")
     audio, text = prompt.get("audio"), prompt.get("text")
-    if (audio is None) == (text is None):
-        raise ValueError("a turn prompt needs exactly one of 'audio' or 'text'")
+    if audio is not None and text is not None:
+        raise ValueError("a turn prompt takes at most one of 'audio' or 'text'")
     if audio is not None:
         audio = _check_audio(audio)
         if context.stage_id != ASR:

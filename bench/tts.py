@@ -89,6 +89,14 @@ def first_audio_ms(voice: Voice) -> float:
 
 
 def breakdown_ms(voice: Voice, ids: list[int]) -> dict[str, float]:
+    once = _breakdown_once(voice, ids)  # warm-up for this input size
+    for _ in range(2):
+        again = _breakdown_once(voice, ids)
+        once = {k: min(v, again[k]) for k, v in once.items()}
+    return once
+
+
+def _breakdown_once(voice: Voice, ids: list[int]) -> dict[str, float]:
     model = voice.model
     tokens, lengths = mx.array([ids]), mx.array([len(ids)])
     one, zero = mx.array([1.0]), mx.array([0.8])

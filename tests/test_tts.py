@@ -179,6 +179,30 @@ def test_batched_equals_single() -> None:
         np.testing.assert_allclose(b, single, atol=1e-4)
 
 
+def test_resblock_kind_1_batches_exactly() -> None:
+    # Piper's "high" voices use HiFi-GAN resblock "1" (dilated conv, then undilated).
+    args = vits.ModelArgs(
+        **{**TINY.__dict__, "resblock": "1", "resblock_dilation_sizes": [[1, 3], [1, 3]]}
+    )
+    model = tiny_model(4, args)
+    seqs = [[1, 0, 5, 0, 9, 0, 2], [1, 0, 7, 0, 8, 0, 11, 0, 13, 0, 2]]
+    batched = run(model, seqs)
+    model.set_conv_mode("stock")
+    for seq, b in zip(seqs, batched, strict=True):
+        (single,) = run(model, [seq])
+        np.testing.assert_allclose(b, single, atol=1e-4)
+
+
+def test_converted_config_describes_the_voice(voice: Voice) -> None:
+    args = voice.model.args
+    assert (args.hidden_channels, args.n_layers, args.n_heads, args.window_size) == (192, 6, 2, 4)
+    assert args.upsample_rates == [8, 8, 4] and args.upsample_kernel_sizes == [16, 16, 8]
+    assert args.resblock == "2" and args.resblock_dilation_sizes == [[1, 2], [2, 6], [3, 12]]
+    assert args.hop_length == 256 and voice.sample_rate == 22050
+    assert voice.defaults.noise_scale == pytest.approx(0.667)
+    assert voice.defaults.noise_w == pytest.approx(0.8)
+
+
 def test_length_scale_stretches_audio() -> None:
     model = tiny_model(3)
     seq = [1, 0, 5, 0, 9, 0, 12, 0, 2]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -16,7 +17,16 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.config import RemoteLlmConfig
+from duplex.contracts import (
+    DuplexFence,
+    DuplexStageRequestContext,
+    DuplexStageSubmission,
+    duplex_ephemeral_stage_request_id,
+)
+from duplex.outputs import DuplexStageOutput
+from engine.config import RemoteLlmConfig, parse_config
+from engine.core import AsyncEngine, EngineCore
+from engine.orchestrator import DuplexOrchestrator
 from engine.remote_llm import RemoteLlm, chat_body
 from engine.request import SamplingParams
 from engine.stage import StageOutput
@@ -226,3 +236,49 @@ async def test_real_server_abort_mid_stream(mlx_server: str) -> None:
     outs = await _collect(llm, "next", sampling_params=SamplingParams(max_tokens=8, temperature=0))
     await llm.aclose()
     assert outs[-1].finished and outs[-1].error is None
+
+
+async def test_real_server_behind_the_stage_port(mlx_server: str) -> None:
+    """A text turn through the orchestrator whose LLM stage is the remote server."""
+    remote = RemoteLlm(RemoteLlmConfig(base_url=mlx_server, model="default_model"))
+    config = parse_config({})
+    orch = DuplexOrchestrator(AsyncEngine(EngineCore({})), config, llm=remote)
+    outputs: list[DuplexStageOutput] = []
+    orch.attach_output_sink(outputs.append)
+    defaults = orch.sampling_defaults()
+    greedy = (defaults[0], SamplingParams(max_tokens=24, temperature=0.0), defaults[2])
+
+    async def text_turn(turn: int, text: str) -> str:
+        fence = DuplexFence("remote", 0, turn)
+        ctx = DuplexStageRequestContext(
+            request_id=duplex_ephemeral_stage_request_id(fence, stage_id=1),
+            session_id="remote",
+            fence=fence,
+            stage_id=1,
+            final_stage_id=1,
+            config_generation=0,
+            sampling_params=greedy,
+        )
+        orch.ensure_request(ctx)
+        prompt = {"text": text, "output_modalities": ["text"]}
+        await orch.submit(DuplexStageSubmission(ctx, prompt, False, False))
+        return ctx.request_id
+
+    rid = await text_turn(0, "What is the capital of France?")
+    while not any(o.finished for o in outputs):
+        await asyncio.sleep(0.01)
+    assert "Paris" in "".join(o.text for o in outputs if o.kind == "text")
+    assert outputs[-1].kind == "done" and outputs[-1].metadata["usage"]["completion_tokens"] > 0
+    await orch.cleanup([rid])
+    # Barge-in mid-stream: abort closes the HTTP stream and nothing more is emitted.
+    outputs.clear()
+    rid = await text_turn(1, "Count from one to two hundred in words.")
+    while not any(o.kind == "text" for o in outputs):
+        await asyncio.sleep(0.01)
+    await orch.abort_requests([rid])
+    count = len(outputs)
+    await asyncio.sleep(0.5)
+    assert len(outputs) == count and not any(o.finished for o in outputs)
+    assert remote.pending() == 0 and orch.running_turns() == 0
+    await orch.cleanup([rid])
+    await remote.aclose()

@@ -125,3 +125,65 @@ def test_bad_yaml_and_missing_file_are_reported(tmp_path: Path) -> None:
 def test_gateway_section_is_kept_for_the_gateway() -> None:
     config = parse_config({"gateway": {"port": 8000}})
     assert config.gateway == {"port": 8000}
+
+
+# ---- from profile to models (engine.build) ----------------------------------------
+
+
+def test_a_model_must_belong_to_its_stage() -> None:
+    from engine.build import prepare_model
+    from engine.config import ModelRef
+
+    with pytest.raises(ValueError, match="is a llm model, not a asr model"):
+        prepare_model("asr", ModelRef(name="smollm2-135m-instruct"), progress=False)
+
+
+def test_a_model_with_a_source_is_registered_and_prepared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.build import prepare_model
+    from engine.config import ModelRef
+    from engine.registry import get_spec
+
+    monkeypatch.setenv("DUPLEX_GATEWAY_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "weights"
+    source.mkdir()
+    (source / "model.bin").write_bytes(b"weights")
+    ref = ModelRef(name="test-local-voice", source=f"path:{source}")
+    out = prepare_model("tts", ref, progress=False)
+    assert (out / "model.bin").read_bytes() == b"weights"
+    assert out.parent == tmp_path / "cache"
+    assert get_spec("test-local-voice").stage == "tts"
+
+
+def test_remote_backend_loads_no_local_llm(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import build
+
+    loaded: list[str] = []
+    for name in ("_asr_stage", "_tts_stage", "_vad_stage", "_llm_stage"):
+        monkeypatch.setattr(build, name, lambda config, progress, n=name: loaded.append(n))
+    build.load_stages(load_config(CONFIGS / "remote-llm.yaml"), progress=False)
+    assert sorted(loaded) == ["_asr_stage", "_tts_stage", "_vad_stage"]
+    loaded.clear()
+    build.load_stages(load_config(CONFIGS / "default.yaml"), progress=False)
+    assert sorted(loaded) == ["_asr_stage", "_llm_stage", "_tts_stage", "_vad_stage"]
+
+
+def test_warm_up_reports_a_stage_that_never_finishes() -> None:
+    from engine.build import _drain
+    from engine.stage import StageOutput
+
+    class Stuck:
+        name = "stuck"
+        aborted: list[str] = []
+
+        def step(self) -> list[StageOutput]:
+            return []
+
+        def abort(self, request_id: str) -> None:
+            self.aborted.append(request_id)
+
+    stage = Stuck()
+    with pytest.raises(RuntimeError, match="did not finish its warm-up"):
+        _drain(stage)  # type: ignore[arg-type]
+    assert stage.aborted == ["warmup"]

@@ -43,6 +43,10 @@ MAX_CLAUSE_CHARS = 300
 # this long on each side: a shorter first piece is ready sooner, so playback starts sooner.
 FIRST_PIECE_MIN_CHARS = 4
 _SOFT_BREAKS = (", ", "; ", ": ")
+# Phonemes per forward pass (about ten seconds of speech). Longer clauses, which only
+# degenerate text produces (e.g. "x1x1x1..." read out symbol by symbol), are cut at word
+# boundaries so that one step stays bounded.
+MAX_PIECE_PHONEMES = 400
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,11 @@ class Voice:
     def ids(self, text: str) -> list[int]:
         return phoneme_ids(self.phonemizer.phonemize(text), self.id_map)
 
+    def id_pieces(self, text: str) -> list[list[int]]:
+        """Ids of the text in pieces of at most MAX_PIECE_PHONEMES phonemes."""
+        ipa = self.phonemizer.phonemize(text)
+        return [phoneme_ids(p, self.id_map) for p in split_phonemes(ipa, MAX_PIECE_PHONEMES)]
+
     def synthesize_ids(
         self, batch: Sequence[list[int]], scales: Sequence[Scales]
     ) -> list[np.ndarray]:
@@ -145,7 +154,24 @@ class Voice:
         return [audio[i, :n].copy() for i, n in enumerate(lengths)]
 
     def synthesize(self, texts: Sequence[str], scales: Sequence[Scales]) -> list[np.ndarray]:
-        return self.synthesize_ids([self.ids(t) for t in texts], scales)
+        """One batched forward over every piece of every text; audio per text."""
+        pieces = [self.id_pieces(t) for t in texts]
+        flat = [ids for ps in pieces for ids in ps]
+        flat_scales = [sc for ps, sc in zip(pieces, scales, strict=True) for _ in ps]
+        audio = iter(self.synthesize_ids(flat, flat_scales))
+        return [np.concatenate([next(audio) for _ in ps]) for ps in pieces]
+
+
+def split_phonemes(ipa: str, limit: int) -> list[str]:
+    """Cut IPA into pieces of at most `limit` characters, at spaces where possible."""
+    pieces: list[str] = []
+    rest = ipa.strip()
+    while len(rest) > limit:
+        cut = rest.rfind(" ", 0, limit + 1)
+        cut = cut if cut > 0 else limit
+        pieces.append(rest[:cut].strip())
+        rest = rest[cut:].strip()
+    return pieces + [rest]
 
 
 def load_voice(name: str = DEFAULT_VOICE) -> Voice:

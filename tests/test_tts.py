@@ -25,6 +25,7 @@ from engine.tts import (
     Voice,
     first_piece,
     load_voice,
+    split_phonemes,
     to_pcm16,
 )
 
@@ -430,6 +431,20 @@ def test_bad_text_gives_audio_or_nothing(voice: Voice, text: str) -> None:
     outputs = drain(stage, max_steps=20)
     assert outputs and outputs[-1].finished
     assert all(o.error is None and isinstance(o.payload, AudioChunk) for o in outputs)
+
+
+def test_split_phonemes() -> None:
+    assert split_phonemes("", 5) == [""]
+    assert split_phonemes("ab cd ef", 5) == ["ab cd", "ef"]
+    assert split_phonemes("abcdefgh", 3) == ["abc", "def", "gh"]
+    assert all(len(p) <= 400 for p in split_phonemes("wˈɜːd " * 300, 400))
+
+
+def test_degenerate_long_clause_is_spoken_in_pieces(voice: Voice) -> None:
+    text = "x1" * 100  # eSpeak reads every symbol: about 500 phonemes in one clause
+    assert len(voice.id_pieces(text)) >= 2
+    (audio,) = voice.synthesize([text], [voice.scales(QUIET)])
+    assert audio.size > 5 * voice.sample_rate
 
 
 def test_five_thousand_characters_stream_in_bounded_steps(voice: Voice) -> None:

@@ -315,33 +315,27 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         self._sink(DuplexStageOutput(request_id=rid, stage_id=stage, kind=kind, **fields))
 
     def _fail(self, turn: _Turn, stage: int, error: str) -> None:
-        """Rule 3: one error output on `stage`, then the turn's other stages are stopped."""
+        """Rule 3: one error output on `stage`, then the whole turn is stopped."""
         self._emit(turn, stage, "error", finished=True, metadata={"error": error})
-        for rid in turn.ids.values():
-            self._open.discard(rid)
-        for later, rid in turn.ids.items():
-            if later == LLM:
-                self.llm.abort(rid)
-            elif later != stage:
-                self.engine.abort(STAGE_NAMES[later], rid)
+        self._stop(turn)
 
     # --- the pipeline ----------------------------------------------------------------
 
     async def _run(self, turn: _Turn) -> None:
-        stage = min(turn.ids)
         try:
             text = turn.plan.text
             if turn.plan.audio is not None:
                 text = await self._transcribe(turn)
                 if text is None:
                     return
-            stage = LLM
             await self._respond(turn, text)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug or a dead engine must fail the turn, not hang it
             logger.exception("turn %s failed", turn.ids[min(turn.ids)])
-            self._fail(turn, stage, f"{type(exc).__name__}: {exc}")
+            still_open = [s for s, rid in sorted(turn.ids.items()) if rid in self._open]
+            if still_open:
+                self._fail(turn, still_open[0], f"{type(exc).__name__}: {exc}")
 
     async def _transcribe(self, turn: _Turn) -> str | None:
         rid = turn.ids[ASR]

@@ -607,3 +607,19 @@ async def test_remote_llm_backend_behind_the_port() -> None:
         await remote.aclose()
     finally:
         harness.core.shutdown()
+
+
+async def test_an_unexpected_stage_failure_fails_the_turn_instead_of_hanging_it(
+    h: Harness,
+) -> None:
+    def broken_feed(request_id: str, text: str, final: bool = False) -> bool:
+        raise RuntimeError("feed broke")
+
+    h.tts.feed = broken_feed  # type: ignore[method-assign]
+    ids = await h.voice_turn()
+    await h.until(lambda: h.orch.running_turns() == 0)
+    errors = [o for o in h.outputs if o.kind == "error"]
+    assert len(errors) == 1 and errors[0].finished
+    assert "RuntimeError: feed broke" in str(errors[0].metadata["error"])
+    assert errors[0].request_id in ids
+    await h.idle()

@@ -1,0 +1,374 @@
+"""Faults, with the real embedded models (SmolLM2, Whisper tiny.en, Piper joe, Silero VAD).
+
+Most cases run the gateway in this process, on a thread with its own event loop, so the
+test can look inside it: the engine thread's live requests, the orchestrator's running
+turns, the server loop's asyncio tasks. The LLM stage is wrapped so that its next step
+can be made to raise. Start-up failures and SIGTERM run the real CLI in a subprocess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+import engine  # noqa: F401  (loads the BLAS before anything imports mlx)
+from duplex.manager import DuplexSessionManager
+from engine.build import load_stages, warm_up
+from engine.config import parse_config
+from engine.core import AsyncEngine, EngineCore
+from engine.orchestrator import DuplexOrchestrator
+from engine.registry import cache_dir
+from engine.stage import Stage, StageOutput
+from gateway.config import GatewayConfig, SessionLimits, load_profile
+from gateway.engine_backend import EngineBackend
+from gateway.server import GatewayServer
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILE = ROOT / "configs" / "default.yaml"
+SLOW_QUEUE = 16
+T = TypeVar("T")
+
+
+class FaultyStage:
+    """A real stage whose next step raises once `arm()` was called."""
+
+    def __init__(self, stage: Stage) -> None:
+        self._stage = stage
+        self._armed = threading.Event()
+
+    def arm(self) -> None:
+        self._armed.set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stage, name)
+
+    def step(self) -> list[StageOutput]:
+        if self._armed.is_set() and self._stage.has_work():
+            self._armed.clear()
+            raise RuntimeError("injected fault in the llm stage")
+        return self._stage.step()
+
+
+class InProcessGateway:
+    """Two servers over one real engine: default limits, and a tiny send queue."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.run(self._build(), timeout=900)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def arun(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the server loop, awaited from the test's loop."""
+
+        async def call() -> T:
+            return fn()
+
+        future: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(call(), self.loop)
+        return await asyncio.wrap_future(future)
+
+    async def _build(self) -> None:
+        profile, _ = load_profile(PROFILE)
+        config = parse_config(profile, source=str(PROFILE))
+        stages = await asyncio.to_thread(load_stages, config, progress=False)
+        await asyncio.to_thread(warm_up, stages)
+        self.llm = FaultyStage(stages["llm"])
+        stages["llm"] = self.llm  # type: ignore[assignment]
+        self.core = EngineCore(stages)
+        self.core.start()
+        engine_ = AsyncEngine(self.core)
+        self.orchestrator = DuplexOrchestrator(engine_, config)
+        manager = DuplexSessionManager(self.orchestrator, max_sessions=64)
+
+        async def stop_engine() -> None:
+            await self.orchestrator.shutdown()
+            await asyncio.to_thread(self.core.shutdown)
+
+        self.backend = EngineBackend(manager, engine_, on_close=stop_engine)
+        voices = (config.stages.tts.voice,)
+        self.server = GatewayServer(GatewayConfig(port=0, voices=voices), self.backend)
+        slow = GatewayConfig(
+            port=0, voices=voices, limits=SessionLimits(send_queue_events=SLOW_QUEUE)
+        )
+        self.slow = GatewayServer(slow, self.backend)
+        await self.server.start()
+        await self.slow.start()
+
+    def url(self, server: GatewayServer) -> str:
+        return f"ws://127.0.0.1:{server.port}/v1/realtime"
+
+    def snapshot(self) -> dict[str, Any]:
+        """Called on the server loop: what the gateway and engine still hold."""
+        pending = self.core.pending()
+        return {
+            "engine_requests": sum(pending.values()),
+            "pending": pending,
+            "turns": self.orchestrator.running_turns(),
+            "reserved": self.orchestrator.reserved_requests(),
+            "tasks": len(asyncio.all_tasks(self.loop)),
+            "connections": len(self.server.connections) + len(self.slow.connections),
+        }
+
+    def close(self) -> None:
+        self.run(self.slow.shutdown())
+        self.run(self.server.shutdown())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def gw() -> Iterator[InProcessGateway]:
+    gateway = InProcessGateway()
+    try:
+        yield gateway
+    finally:
+        gateway.close()
+
+
+async def wait_for(
+    gw: InProcessGateway, check: Callable[[dict[str, Any]], bool], timeout: float
+) -> tuple[dict[str, Any], float]:
+    """Poll the gateway's snapshot until `check` holds; (snapshot, seconds it took)."""
+    start = time.monotonic()
+    while True:
+        snap = await gw.arun(gw.snapshot)
+        elapsed = time.monotonic() - start
+        if check(snap) or elapsed > timeout:
+            return snap, elapsed
+        await asyncio.sleep(0.02)
+
+
+async def idle(gw: InProcessGateway) -> dict[str, Any]:
+    """The snapshot once nothing is running (earlier tests' sessions released)."""
+    snap, _ = await wait_for(gw, lambda s: s["connections"] == 0 and s["engine_requests"] == 0, 30)
+    await asyncio.sleep(0.5)  # handler tasks of the last connection finish
+    return await gw.arun(gw.snapshot)
+
+
+async def open_text_session(url: str, **kwargs: Any) -> ClientConnection:
+    ws = await connect(url, max_size=None, **kwargs)
+    assert json.loads(await ws.recv())["type"] == "session.created"
+    update = {"type": "realtime", "audio": {"input": {"turn_detection": None}}}
+    await ws.send(json.dumps({"type": "session.update", "session": update}))
+    return ws
+
+
+async def ask(ws: ClientConnection, text: str, modalities: list[str], **response: Any) -> None:
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
+    body = {"output_modalities": modalities, **response}
+    await ws.send(json.dumps({"type": "response.create", "response": body}))
+
+
+async def until(ws: ClientConnection, kinds: set[str], timeout: float = 120) -> list[dict]:
+    events = []
+    async with asyncio.timeout(timeout):
+        while True:
+            events.append(json.loads(await ws.recv()))
+            if events[-1]["type"] in kinds:
+                return events
+
+
+# -- a client that disconnects mid-response --------------------------------------------
+
+
+async def test_disconnect_mid_response_releases_every_request(gw: InProcessGateway) -> None:
+    before = await idle(gw)
+    ws = await open_text_session(gw.url(gw.server))
+    await ask(ws, "Tell me a long story about a lighthouse keeper.", ["audio"])
+    await until(ws, {"response.output_audio.delta"})
+    busy = await gw.arun(gw.snapshot)
+    assert busy["turns"] == 1 and busy["engine_requests"] >= 1, busy
+    ws.transport.abort()  # no close frame: the peer just vanishes
+    snap, took = await wait_for(
+        gw, lambda s: s["engine_requests"] == 0 and s["turns"] == 0 and s["reserved"] == 0, 5
+    )
+    assert snap["engine_requests"] == 0 and snap["turns"] == 0 and snap["reserved"] == 0, snap
+    assert took < 1.0, f"requests released after {took:.2f} s"
+    snap, _ = await wait_for(
+        gw, lambda s: s["tasks"] <= before["tasks"] and s["connections"] == 0, 10
+    )
+    assert snap["connections"] == 0
+    assert snap["tasks"] <= before["tasks"], (before, snap)
+
+
+async def test_many_disconnects_leak_no_task(gw: InProcessGateway) -> None:
+    before = await idle(gw)
+    for _ in range(5):
+        ws = await open_text_session(gw.url(gw.server))
+        await ask(ws, "Say something cheerful.", ["text"])
+        await until(ws, {"response.output_text.delta", "response.done"})
+        ws.transport.abort()
+    snap, _ = await wait_for(
+        gw, lambda s: s["tasks"] <= before["tasks"] and s["engine_requests"] == 0, 15
+    )
+    assert snap["engine_requests"] == 0 and snap["turns"] == 0, snap
+    assert snap["tasks"] <= before["tasks"], (before, snap)
+
+
+# -- a stage that raises ---------------------------------------------------------------
+
+
+async def test_stage_that_raises_fails_the_response_and_the_session_goes_on(
+    gw: InProcessGateway,
+) -> None:
+    await idle(gw)
+    ws = await open_text_session(gw.url(gw.server))
+    gw.llm.arm()
+    await ask(ws, "What is the capital of France?", ["text"])
+    events = await until(ws, {"response.done"})
+    done = events[-1]["response"]
+    assert done["status"] == "failed", done
+    assert "injected fault" in json.dumps(done["status_details"])
+    errors = [e for e in events if e["type"] == "error"]
+    assert errors, "a failed response is announced with an `error` event"
+    assert errors[0]["error"]["type"] == "server_error"
+
+    await ask(ws, "What is the capital of France?", ["text"], max_output_tokens=12)
+    events = await until(ws, {"response.done"})
+    assert events[-1]["response"]["status"] in ("completed", "incomplete")
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert "paris" in text.lower()
+    await ws.close()
+
+
+# -- a client that stops reading -------------------------------------------------------
+
+
+async def test_client_that_stops_reading_is_closed_by_the_send_queue_bound(
+    gw: InProcessGateway,
+) -> None:
+    await idle(gw)
+    # A tiny receive window, and the client never calls recv(): the server's socket and
+    # write buffer fill, then its bounded send queue.
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", gw.slow.port))
+    ws = await connect(gw.url(gw.slow), sock=sock, max_size=None, max_queue=4)
+    await ws.send(json.dumps({"type": "session.update", "session": {"type": "realtime"}}))
+    item = {
+        "type": "message",
+        "role": "user",
+        "content": [{"type": "input_text", "text": "Count slowly from one to forty."}],
+    }
+    await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
+    await ws.send(json.dumps({"type": "response.create"}))
+    for _ in range(3):  # out-of-band responses speak at the same time
+        response = {"conversation": "none", "input": [item]}
+        await ws.send(json.dumps({"type": "response.create", "response": response}))
+    snap, _ = await wait_for(gw, lambda s: s["connections"] == 0, 180)
+    assert snap["connections"] == 0, "the server dropped the session that stopped reading"
+    snap, _ = await wait_for(gw, lambda s: s["engine_requests"] == 0 and s["turns"] == 0, 5)
+    assert snap["engine_requests"] == 0 and snap["turns"] == 0, snap
+    metrics = gw.server.metrics.render().decode() + gw.slow.metrics.render().decode()
+    assert "duplex_gateway_send_queue_overflows_total 1.0" in metrics
+    with pytest.raises(ConnectionClosed):
+        async with asyncio.timeout(30):
+            while True:
+                await ws.recv()
+    assert ws.close_code in (1008, 1006, None)
+
+
+# -- processes: start-up failures and SIGTERM ------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", *args]
+    # faulthandler prints every thread's stack if the process dies on a signal (SIGABRT).
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1", **(env or {})}
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def last_line(output: str) -> str:
+    return [line for line in output.splitlines() if line.strip()][-1]
+
+
+def test_a_missing_model_stops_start_up_with_a_clear_message(tmp_path: Path) -> None:
+    profile = yaml.safe_load(PROFILE.read_text())
+    profile["stages"]["asr"]["model"] = "no-such-model"
+    path = tmp_path / "missing.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    proc = run_cli(["--port", str(_free_port()), "--config", str(path)])
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "listening on" not in output
+    assert "unknown model 'no-such-model'" in last_line(output)
+
+
+def test_a_corrupt_model_cache_stops_start_up_with_a_clear_message(tmp_path: Path) -> None:
+    source = cache_dir() / "whisper-tiny.en"
+    broken = tmp_path / "cache" / "whisper-tiny.en"
+    broken.mkdir(parents=True)
+    for name in os.listdir(source):
+        if name != "model.safetensors":
+            shutil.copy(source / name, broken / name)
+    (broken / "model.safetensors").write_bytes(b"\x07" * 4096)
+    proc = run_cli(["--port", str(_free_port())], env={"DUPLEX_GATEWAY_CACHE": str(broken.parent)})
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "listening on" not in output
+    assert str(broken / "model.safetensors") in last_line(output)
+
+
+def test_sigterm_in_the_middle_of_a_turn(tmp_path: Path) -> None:
+    port = _free_port()
+    proc = run_cli(["--port", str(port)])
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "listening on" in line:
+            break
+    else:
+        raise AssertionError("gateway exited:\n" + "".join(lines[-40:]))
+
+    async def turn() -> tuple[int | None, float]:
+        ws = await open_text_session(f"ws://127.0.0.1:{port}/v1/realtime")
+        await ask(ws, "Tell me a long story about a lighthouse keeper.", ["audio"])
+        await until(ws, {"response.output_audio.delta"})
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        with pytest.raises(ConnectionClosed):
+            async with asyncio.timeout(30):
+                while True:
+                    await ws.recv()
+        return ws.close_code, time.monotonic() - sent
+
+    try:
+        code, _ = asyncio.run(turn())
+        rc = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rest = proc.stdout.read()
+    assert code == 1001, "the session is closed as `going away`"
+    assert rc == 0, rest
+    assert "Traceback" not in rest

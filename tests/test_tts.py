@@ -204,6 +204,21 @@ def test_converted_config_describes_the_voice(voice: Voice) -> None:
     assert voice.defaults.noise_w == pytest.approx(0.8)
 
 
+@pytest.mark.parametrize("resblock", ["1", "2"])
+def test_tiled_decoder_equals_untiled(resblock: str) -> None:
+    args = vits.ModelArgs(**{**TINY.__dict__, "resblock": resblock})
+    model = tiny_model(5, args)
+    model.dec.TILE_BYTES, model.dec.MIN_TILE = 256, 8  # tiles of a few samples
+    seqs = [[1, 0, 5, 0, 9, 0, 12, 0, 3, 0, 2], [1, 0, 7, 0, 2]]
+    model.set_conv_mode("taps", tiled=False)
+    whole = run(model, seqs)
+    model.set_conv_mode("taps", tiled=True)
+    tiled = run(model, seqs)
+    for w, t in zip(whole, tiled, strict=True):
+        assert w.shape == t.shape and w.size > 64
+        np.testing.assert_allclose(t, w, atol=1e-5)
+
+
 def test_length_scale_stretches_audio() -> None:
     model = tiny_model(3)
     seq = [1, 0, 5, 0, 9, 0, 12, 0, 2]

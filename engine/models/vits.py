@@ -564,7 +564,23 @@ class ResBlock(nn.Module):
         return x
 
 
+def _stage_radius(kernels: list[int], dilations: list[list[int]], kind: str) -> int:
+    # Samples on each side that one stage of parallel resblocks reads beyond its output.
+    def radius(k: int, ds: list[int]) -> int:
+        r = sum((k - 1) // 2 * d for d in ds)
+        return r + (k - 1) // 2 * len(ds) if kind == "1" else r
+
+    return max(radius(k, ds) for k, ds in zip(kernels, dilations, strict=True))
+
+
 class Generator(nn.Module):
+    """HiFi-GAN. On the CPU each stage's resblocks run over time tiles of about 1 MiB
+    (plus a halo of the stage's receptive radius, so results are unchanged): the
+    narrow convs then work from cache instead of memory, about twice as fast."""
+
+    TILE_BYTES = 1 << 20
+    MIN_TILE = 1024
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         C = args.upsample_initial_channel
@@ -582,6 +598,36 @@ class Generator(nn.Module):
         self.conv_post = Conv1d(C >> len(self.ups), 1, 7, bias=False)
         self.rates = args.upsample_rates
         self.n_kernels = len(args.resblock_kernel_sizes)
+        self.radius = _stage_radius(
+            args.resblock_kernel_sizes, args.resblock_dilation_sizes, args.resblock
+        )
+        self.tiled = True
+
+    def _stage(self, i: int, x: mx.array, mask: mx.array | None) -> mx.array:
+        blocks = self.resblocks[i * self.n_kernels : (i + 1) * self.n_kernels]
+        xs = blocks[0](x, mask)
+        for block in blocks[1:]:
+            xs = xs + block(x, mask)
+        x = xs / self.n_kernels
+        if i == len(self.ups) - 1:
+            x = mx.tanh(self.conv_post(_masked(nn.leaky_relu(x, 0.01), mask)))
+        return x
+
+    def _run_stage(self, i: int, x: mx.array, mask: mx.array | None) -> mx.array:
+        B, length, C = x.shape
+        tile = max(self.MIN_TILE, self.TILE_BYTES // (4 * C * B))
+        halo = self.radius + (3 if i == len(self.ups) - 1 else 0)
+        on_cpu = mx.default_device() == mx.cpu
+        if not (self.tiled and on_cpu) or length <= tile + 2 * halo:
+            return self._stage(i, x, mask)
+        outs = []
+        for start in range(0, length, tile):
+            a, b = max(0, start - halo), min(length, start + tile + halo)
+            part = self._stage(i, x[:, a:b], None if mask is None else mask[:, a:b])
+            part = part[:, start - a : start - a + min(tile, length - start)]
+            mx.eval(part)  # finish this tile while its activations are still in cache
+            outs.append(part)
+        return mx.concatenate(outs, axis=1)
 
     def __call__(self, x: mx.array, mask: mx.array | None) -> mx.array:
         """`mask` [B, frames, 1], or None when every item fills the whole length."""
@@ -589,13 +635,8 @@ class Generator(nn.Module):
         for i, up in enumerate(self.ups):
             x = up(_masked(nn.leaky_relu(x, 0.1), mask))
             mask = None if mask is None else mx.repeat(mask, self.rates[i], axis=1)
-            blocks = self.resblocks[i * self.n_kernels : (i + 1) * self.n_kernels]
-            xs = blocks[0](x, mask)
-            for block in blocks[1:]:
-                xs = xs + block(x, mask)
-            x = xs / self.n_kernels
-        x = self.conv_post(_masked(nn.leaky_relu(x, 0.01), mask))
-        return mx.tanh(x)[..., 0]
+            x = self._run_stage(i, x, mask)
+        return x[..., 0]
 
 
 # --- the whole voice -----------------------------------------------------------------
@@ -610,13 +651,15 @@ class Model(nn.Module):
         self.flow = CouplingFlows(args)
         self.dec = Generator(args)
 
-    def set_conv_mode(self, mode: str) -> None:
-        """Conv kernels: "taps" (default, fastest on CPU), "polyphase", or MLX's "stock"."""
+    def set_conv_mode(self, mode: str, tiled: bool = True) -> None:
+        """Conv kernels: "taps" (default, fastest on CPU), "polyphase", or MLX's "stock";
+        `tiled` runs the decoder's resblocks over cache-sized time tiles on the CPU."""
         if mode not in CONV_MODES:
             raise ValueError(f"conv mode must be one of {CONV_MODES}")
         for _, m in self.named_modules():
             if isinstance(m, (Conv1d, ConvTranspose1d)):
                 m.mode = mode
+        self.dec.tiled = tiled
 
     def durations(
         self, ids: mx.array, lengths: mx.array, noise_w: mx.array, length_scale: mx.array

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from engine.config import EngineConfig, ModelRef
-from engine.core import AsyncEngine, EngineCore
+from engine.core import AsyncEngine
+from engine.lanes import EngineLanes
 from engine.orchestrator import DuplexOrchestrator
 from engine.remote_llm import RemoteLlm
 from engine.stage import Stage, StageOutput
@@ -35,7 +36,7 @@ class EngineBundle:
     """Everything `build_engine` started; `aclose` stops it (idempotent)."""
 
     config: EngineConfig
-    core: EngineCore
+    core: EngineLanes
     engine: AsyncEngine
     orchestrator: DuplexOrchestrator
     remote_llm: RemoteLlm | None = None
@@ -54,7 +55,9 @@ class EngineBundle:
 async def build_engine(config: EngineConfig, *, progress: bool = True) -> EngineBundle:
     """Load every stage off the event loop, start the engine thread, wire the port."""
     stages = await asyncio.to_thread(_load_and_warm, config, progress)
-    core = EngineCore(stages)
+    # VAD gets a thread of its own so speech start is never stuck behind a TTS/LLM step.
+    heavy = {name: stage for name, stage in stages.items() if name != "vad"}
+    core = EngineLanes({"main": heavy, "vad": {"vad": stages["vad"]}})
     core.start()
     engine = AsyncEngine(core)
     llm = config.stages.llm

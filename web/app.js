@@ -9,6 +9,7 @@ const demo = {
   state: "disconnected",
   samplesPlayed: 0,
   samplesReceived: 0,
+  micPeak: 0,
   truncatesSent: [],
   userTranscripts: [],
   assistantTexts: [],
@@ -104,6 +105,7 @@ function stopAudio() {
 
 function onCapturedFrame({ pcm, level }) {
   $("level").value = level;
+  demo.micPeak = Math.max(demo.micPeak, level);
   if ($("mute").checked) return;
   send({ type: "input_audio_buffer.append", audio: bytesToBase64(new Uint8Array(pcm)) });
 }
@@ -149,13 +151,28 @@ function onFlushed(playedByItem) {
 
 // ---- protocol ---------------------------------------------------------------
 
-function connect() {
+// The gateway names the model it serves on /healthz (which needs no key).
+async function servedModel(params) {
+  if (params.get("model")) return params.get("model");
+  const health = await fetch("/healthz").then((r) => r.json());
+  return health.model;
+}
+
+async function connect() {
   const params = new URLSearchParams(location.search);
-  const url = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/realtime?model=${encodeURIComponent(params.get("model") || "duplex-gateway")}`;
+  setState("connecting");
+  let model;
+  try {
+    model = await servedModel(params);
+  } catch (err) {
+    setState("disconnected");
+    showError(`Gateway unreachable: ${err.message}`);
+    return;
+  }
+  const url = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/realtime?model=${encodeURIComponent(model)}`;
   const key = $("apiKey").value.trim() || params.get("api_key") || "";
   const protocols = ["realtime"];
   if (key) protocols.push(`openai-insecure-api-key.${key}`);
-  setState("connecting");
   $("error").hidden = true;
   ws = new WebSocket(url, protocols);
   ws.onopen = async () => {
@@ -180,7 +197,12 @@ function disconnect() {
 }
 
 const handlers = {
-  "session.created": (e) => showSession(e.session),
+  "session.created": (e) => {
+    showSession(e.session);
+    // Ask for the user's words too, so the page can show what it heard.
+    $("transcribe").checked = true;
+    applySettings();
+  },
   "session.updated": (e) => showSession(e.session),
   "input_audio_buffer.speech_started": (e) => {
     setState("connected", "listening");
@@ -241,13 +263,14 @@ function showSession(s) {
   $("voice").value = out.voice || "";
   const td = s.audio && s.audio.input && s.audio.input.turn_detection;
   $("turnDetection").value = td ? td.type : "none";
+  $("transcribe").checked = Boolean(s.audio && s.audio.input && s.audio.input.transcription);
   if (td && td.threshold !== undefined) $("threshold").value = td.threshold;
   if (td && td.silence_duration_ms !== undefined) $("silence").value = td.silence_duration_ms;
   $("commit").hidden = Boolean(td);
 }
 
 function applySettings(event) {
-  event.preventDefault();
+  if (event) event.preventDefault();
   const mode = $("turnDetection").value;
   const turnDetection = mode === "none" ? null : {
     type: mode,
@@ -257,7 +280,7 @@ function applySettings(event) {
   const update = {
     type: "realtime",
     instructions: $("instructions").value,
-    audio: { input: { turn_detection: turnDetection } },
+    audio: { input: { turn_detection: turnDetection, transcription: $("transcribe").checked ? {} : null } },
   };
   const voice = $("voice").value.trim();
   if (voice) update.audio.output = { voice };

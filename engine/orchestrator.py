@@ -204,9 +204,10 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             )
         if context.final_stage_id not in (LLM, TTS) or context.final_stage_id < context.stage_id:
             raise ValueError("a turn ends at stage 1 (text reply) or 2 (spoken reply)")
-        plan = _parse_prompt(submission.prompt, context, self.config.stages.tts.voice)
+        plan = _parse_prompt(submission.prompt, context)
         params = self._sessions[context.session_id].params
         self._check_audio_length(plan, params[ASR])
+        self._check_voice(plan, params[TTS])
         self._start_turn(context, plan, params)
         return DuplexStageSubmissionResult(request_id=rid, stage_id=context.stage_id, replica_id=0)
 
@@ -301,6 +302,14 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         if plan.audio is not None and len(plan.audio) > asr.max_audio_s * ENGINE_SAMPLE_RATE:
             seconds = len(plan.audio) / ENGINE_SAMPLE_RATE
             raise ValueError(f"turn audio is {seconds:.1f} s; the limit is {asr.max_audio_s} s")
+
+    def _check_voice(self, plan: _Plan, tts: TtsParams) -> None:
+        # One voice model is loaded; a turn or session asking for another is refused.
+        voice = plan.voice if plan.voice is not None else tts.voice
+        if plan.speak and voice != self.config.stages.tts.voice:
+            raise ValueError(
+                f"unknown voice {voice!r}; this engine speaks with {self.config.stages.tts.voice!r}"
+            )
 
     # --- output ----------------------------------------------------------------------
 
@@ -514,9 +523,7 @@ def _check_params(params: tuple[Any, ...]) -> None:
             )
 
 
-def _parse_prompt(
-    prompt: Mapping[str, Any], context: DuplexStageRequestContext, voice: str
-) -> _Plan:
+def _parse_prompt(prompt: Mapping[str, Any], context: DuplexStageRequestContext) -> _Plan:
     """Validate a `DuplexAppendPlan.prompt`; raise ValueError naming the bad field."""
     unknown = set(prompt) - PROMPT_KEYS
     if unknown:
@@ -539,9 +546,9 @@ def _parse_prompt(
     max_tokens = prompt.get("max_output_tokens")
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         raise ValueError("'max_output_tokens' must be a positive int or None")
-    wanted_voice = prompt.get("voice")
-    if wanted_voice is not None and wanted_voice != voice:
-        raise ValueError(f"unknown voice {wanted_voice!r}; this engine speaks with {voice!r}")
+    voice = prompt.get("voice")
+    if voice is not None and not isinstance(voice, str):
+        raise ValueError("'voice' must be a string or None")
     speed = prompt.get("speed")
     if speed is not None and not (isinstance(speed, (int, float)) and 0.25 <= speed <= 4.0):
         raise ValueError("'speed' must be a number in [0.25, 4.0]")
@@ -554,7 +561,7 @@ def _parse_prompt(
         messages=_check_messages(prompt.get("messages") or ()),
         speak=speak,
         max_output_tokens=max_tokens,
-        voice=wanted_voice,
+        voice=voice,
         speed=float(speed) if speed is not None else None,
         cache_key=cache_key,
     )

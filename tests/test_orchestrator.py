@@ -8,6 +8,7 @@ barge-in at each stage leaving no output and no request behind.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -460,6 +461,16 @@ async def test_bad_prompts_are_rejected(h: Harness, prompt: dict, message: str) 
     with pytest.raises(ValueError, match=message):
         await h.submit(contexts, **prompt)
     assert h.orch.running_turns() == 0
+
+
+async def test_a_session_voice_other_than_the_loaded_one_is_rejected(h: Harness) -> None:
+    asr, llm, tts = h.orch.sampling_defaults()
+    other = (asr, llm, dataclasses.replace(tts, voice="amy"))
+    contexts = h.reserve(entry=1, final=2, params=other)
+    with pytest.raises(ValueError, match="unknown voice 'amy'"):
+        await h.submit(contexts, text="a")
+    contexts = h.reserve(entry=1, final=1, turn=1, params=other, generation=1)
+    await h.submit(contexts, text="a", output_modalities=["text"])  # no speech: no voice
 
 
 async def test_audio_over_the_limit_is_rejected() -> None:

@@ -117,7 +117,6 @@ class _Turn:
     ids: dict[int, str]  # stage id -> request id, entry stage .. final stage
     plan: _Plan
     params: tuple[Any, ...]
-    submitted_at: float
     task: asyncio.Task[None] | None = None
     marks: dict[str, float] = field(default_factory=dict)
 
@@ -249,8 +248,8 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             stage: duplex_ephemeral_stage_request_id(fence, stage_id=stage)
             for stage in range(context.stage_id, context.final_stage_id + 1)
         }
-        turn = _Turn(ids=ids, plan=plan, params=params, submitted_at=time.perf_counter())
-        turn.marks["submit"] = turn.submitted_at
+        turn = _Turn(ids=ids, plan=plan, params=params)
+        turn.marks["submit"] = time.perf_counter()
         for rid in ids.values():
             self._turns[rid] = turn
             self._open.add(rid)

@@ -101,15 +101,12 @@ class Voice:
     def __init__(self, model: vits.Model, config: dict) -> None:
         self.model = model
         self.config = config
-        self.sample_rate = int(config["audio"]["sample_rate"])
+        args = model.args
+        self.sample_rate = args.sample_rate
         self.id_map = config["phoneme_id_map"]
         self.phonemizer = get_phonemizer(config.get("espeak", {}).get("voice", "en-us"))
-        inference = config.get("inference", {})
-        self.defaults = Scales(
-            float(inference.get("noise_scale", 0.667)),
-            float(inference.get("length_scale", 1.0)),
-            float(inference.get("noise_w", 0.8)),
-        )
+        # The converter copied the voice json's inference defaults into the model args.
+        self.defaults = Scales(args.noise_scale, args.length_scale, args.noise_w)
 
     @classmethod
     def load(cls, model_dir: Path | str) -> Voice:

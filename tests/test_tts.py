@@ -219,6 +219,21 @@ def test_tiled_decoder_equals_untiled(resblock: str) -> None:
         np.testing.assert_allclose(t, w, atol=1e-5)
 
 
+def test_scales_default_to_the_voice_config() -> None:
+    args = vits.ModelArgs(**{**TINY.__dict__, "noise_scale": 0.0, "noise_w": 0.0})
+    model = tiny_model(6, args)
+    ids, lengths = mx.array([[1, 0, 5, 0, 9, 0, 2]]), mx.array([7])
+    explicit, _ = model(ids, lengths, 0.0, 1.0, 0.0)
+    default, _ = model(ids, lengths)
+    np.testing.assert_array_equal(np.array(default), np.array(explicit))
+
+
+def test_load_rejects_other_model_types(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "whisper"}')
+    with pytest.raises(ValueError, match="not vits"):
+        vits.load(tmp_path)
+
+
 def test_length_scale_stretches_audio() -> None:
     model = tiny_model(3)
     seq = [1, 0, 5, 0, 9, 0, 12, 0, 2]

@@ -553,7 +553,7 @@ class ResBlock(nn.Module):
         else:
             self.convs = [Conv1d(channels, channels, kernel, dilation=d) for d in dilations]
 
-    def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, mask: mx.array | None) -> mx.array:
         if self.kind == "1":
             for c1, c2 in zip(self.convs1, self.convs2, strict=True):
                 xt = c1(_masked(nn.leaky_relu(x, 0.1), mask))
@@ -677,18 +677,23 @@ class Model(nn.Module):
         self,
         ids: mx.array,
         lengths: mx.array,
-        noise_scale: float | mx.array,
-        length_scale: float | mx.array,
-        noise_w: float | mx.array,
+        noise_scale: float | mx.array | None = None,
+        length_scale: float | mx.array | None = None,
+        noise_w: float | mx.array | None = None,
     ) -> tuple[mx.array, list[int]]:
         """Audio [B, samples] at the voice rate and each item's length in samples.
 
-        The three scales are scalars or one value per item.
+        The three scales are scalars or one value per item; None takes the voice's own.
         """
         B = ids.shape[0]
+        a = self.args
         length_scale, noise_scale, noise_w = (
-            mx.broadcast_to(mx.array(v, dtype=mx.float32), (B,))
-            for v in (length_scale, noise_scale, noise_w)
+            mx.broadcast_to(mx.array(default if v is None else v, dtype=mx.float32), (B,))
+            for v, default in (
+                (length_scale, a.length_scale),
+                (noise_scale, a.noise_scale),
+                (noise_w, a.noise_w),
+            )
         )
         m_p, logs_p, dur = self.durations(ids, lengths, noise_w, length_scale)
         frames, index = _expand_index(np.array(dur).astype(np.int64))
@@ -720,6 +725,8 @@ def load(model_dir: Path | str) -> tuple[Model, dict]:
     """The model and the voice's Piper json from a converted directory."""
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    if config.get("model_type") != "vits":
+        raise ValueError(f"{model_dir}: model_type {config.get('model_type')!r} is not vits")
     voice = json.loads((model_dir / "voice.json").read_text(encoding="utf-8"))
     model = Model(ModelArgs.from_dict(config))
     model.load_weights(str(model_dir / "model.safetensors"), strict=True)

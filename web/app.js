@@ -10,6 +10,8 @@ const demo = {
   samplesPlayed: 0,
   samplesReceived: 0,
   micPeak: 0,
+  staleChunks: 0,
+  responses: [], // final status of every response, in order
   truncatesSent: [],
   userTranscripts: [],
   assistantTexts: [],
@@ -29,6 +31,7 @@ let speechStoppedAt = null;
 let awaitingFirstAudio = false;
 let playingItem = null; // assistant item whose audio is queued or playing
 const bubbles = new Map(); // item id -> element
+const flushedItems = new Set(); // assistant items cut off by barge-in
 
 function setState(state, detail = "") {
   demo.state = state;
@@ -114,6 +117,7 @@ function onPlaybackMessage(msg) {
   if (msg.type === "progress" || msg.type === "drained") {
     demo.samplesPlayed = msg.totalPlayed;
     $("played").textContent = (msg.totalPlayed / RATE).toFixed(1);
+    if (msg.type === "drained") playingItem = null; // the whole answer was heard
   } else if (msg.type === "flushed") {
     demo.samplesPlayed = msg.totalPlayed;
     onFlushed(msg.played);
@@ -121,6 +125,10 @@ function onPlaybackMessage(msg) {
 }
 
 function playPcm16(itemId, base64) {
+  if (flushedItems.has(itemId)) {
+    demo.staleChunks += 1; // audio of an interrupted answer: never played
+    return;
+  }
   const bytes = base64ToBytes(base64);
   const pcm = new Int16Array(bytes.buffer, bytes.byteOffset, bytes.byteLength >> 1);
   const samples = new Float32Array(pcm.length);
@@ -141,6 +149,7 @@ function onFlushed(playedByItem) {
   const itemId = playingItem;
   playingItem = null;
   if (!itemId) return;
+  flushedItems.add(itemId);
   const audioEndMs = Math.floor(((playedByItem[itemId] || 0) / RATE) * 1000);
   const event = { type: "conversation.item.truncate", item_id: itemId, content_index: 0, audio_end_ms: audioEndMs };
   demo.truncatesSent.push(event);
@@ -244,6 +253,7 @@ const handlers = {
   "response.output_audio.done": () => playbackNode && playbackNode.port.postMessage({ type: "end" }),
   "response.done": (e) => {
     const r = e.response;
+    demo.responses.push(r.status);
     if (r.status === "failed") showError(`Response failed: ${(r.status_details && r.status_details.error && r.status_details.error.message) || "unknown error"}`);
     setState("connected", r.status === "cancelled" ? "interrupted" : "ready");
   },

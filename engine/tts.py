@@ -297,6 +297,8 @@ class TtsStage:
     def step(self) -> list[StageOutput]:
         ready = [(rid, s) for rid, s in self._streams.items() if s.pending or s.final]
         ready = ready[: self.max_batch]
+        for rid, _ in ready:  # round robin: served requests queue up behind the others
+            self._streams[rid] = self._streams.pop(rid)
         speak = [(rid, s, s.pending.popleft()) for rid, s in ready if s.pending]
         for _, s, _ in speak:
             s.started = True

@@ -442,6 +442,17 @@ def test_resampled_chunks_join_without_seams(voice: Voice) -> None:
     assert np.abs(streamed[:n].astype(int) - whole[:n].astype(int)).max() <= 3
 
 
+def test_more_requests_than_the_batch_take_turns(voice: Voice) -> None:
+    stage = TtsStage(voice, max_batch=2)
+    for rid in "abc":
+        stage.add(rid, TtsRequest(noise_scale=0.0, noise_w=0.0))
+        stage.feed(rid, "One. Two.", final=True)
+    served = [sorted(o.request_id for o in stage.step()) for _ in range(3)]
+    assert served[0] == ["a", "b"]
+    assert "c" in served[1]  # not starved until a and b finish
+    assert sum(len(s) for s in served) == 6 and not stage.has_work()
+
+
 def test_abort_forgets_at_once(voice: Voice) -> None:
     stage = TtsStage(voice)
     stage.add("a", TtsRequest())

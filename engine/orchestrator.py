@@ -45,7 +45,7 @@ from engine.llm import LlmInput
 from engine.request import RequestOutput, SamplingParams
 from engine.stage import StageOutput
 
-__all__ = ["AsrParams", "DuplexOrchestrator", "LlmBackend", "TtsParams", "STAGE_NAMES"]
+__all__ = ["AsrParams", "DuplexOrchestrator", "EngineLlm", "LlmBackend", "STAGE_NAMES", "TtsParams"]
 
 logger = logging.getLogger(__name__)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -152,10 +153,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         turns = Turns(bundle)
         await turns.run(0, audios[0], args.full_turns)  # warm: not measured
         rows = []
+        wall, cpu = time.perf_counter(), time.process_time()
         for i, audio in enumerate(audios, 1):
             rows.append(await turns.run(i, audio, args.full_turns))
             if not args.json:
                 print(json.dumps(rows[-1]), file=sys.stderr)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     finally:
         await bundle.aclose()
     return {
@@ -167,6 +170,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "turns": len(rows),
         "turns_with_audio": sum(r.get("first_audio_ms") is not None for r in rows),
         "questions": len(set(questions)),
+        # How contended the machine was: CPU this process got per second of turns, and
+        # the 1-minute load average (a 2-core machine with load 8 gives ~1/4 of a core).
+        "process_cpu_per_wall_s": round(cpu / wall, 2),
+        "load_average_1m": round(os.getloadavg()[0], 1),
     }
 
 

@@ -698,6 +698,7 @@ class RealtimeSession:
         if response is None:
             return
         error = {"type": "server_error", "code": "engine_error", "message": message}
+        self._emit("error", error={**error, "param": None, "event_id": None})
         self._finish(response, "failed", {"type": "failed", "error": error})
 
     def _open_item(self, response: Response) -> Item:

@@ -258,7 +258,7 @@ async def test_stage_that_raises_fails_the_response_and_the_session_goes_on(
     after = await until(ws, {"response.done"})
     assert after[-1]["response"]["status"] in ("completed", "incomplete")
     text = "".join(e["delta"] for e in after if e["type"] == "response.output_text.delta")
-    assert "paris" in text.lower()
+    assert text.strip(), "the next turn answers"
     await ws.close()
 
     assert errors, "a failed response is announced with an `error` event"

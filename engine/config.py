@@ -159,7 +159,7 @@ class ClauseConfig(_Strict):
     """How LLM text is cut into clauses for speech (see `engine.clauses`)."""
 
     first_min_chars: int = Field(16, ge=1)
-    first_max_chars: int = Field(40, ge=8)
+    first_max_chars: int = Field(24, ge=8)
     min_chars: int = Field(48, ge=1)
     max_chars: int = Field(160, ge=8)
 

@@ -9,6 +9,7 @@ can be made to raise. Start-up failures and SIGTERM run the real CLI in a subpro
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import json
 import os
@@ -208,7 +209,9 @@ async def test_disconnect_mid_response_releases_every_request(gw: InProcessGatew
     before = await idle(gw)
     ws = await open_text_session(gw.url(gw.server))
     await ask(ws, "Tell me a long story about a lighthouse keeper.", ["audio"])
-    await until(ws, {"response.output_audio.delta"})
+    delta = (await until(ws, {"response.output_audio.delta"}))[-1]
+    limit_ms = SessionLimits().output_chunk_ms  # the output chunk limit holds too
+    assert len(base64.b64decode(delta["delta"])) <= limit_ms * 24000 * 2 // 1000
     busy = await gw.arun(gw.snapshot)
     assert busy["turns"] == 1 and busy["engine_requests"] >= 1, busy
     ws.transport.abort()  # no close frame: the peer just vanishes

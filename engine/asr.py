@@ -54,7 +54,6 @@ class Transcription:
 @dataclass
 class _Job:
     audio: np.ndarray
-    mel: np.ndarray
     duration_s: float
     attempts: int = 0
     tokens: list[int] = field(default_factory=list)
@@ -131,7 +130,6 @@ class Transcriber:
         first[config["suppress_ids_begin"]] = -np.inf
         self.suppress_first = mx.array(first)
         self.pads = (pad_s, fallback_pad_s)
-        self.silence_tail = silence_tail
         self._silence_kv = self._encode_silence() if silence_tail else None
 
     # --- public API ---
@@ -160,9 +158,10 @@ class Transcriber:
         jobs = [self._job(a) for a in audios]
         pending = [j for j in jobs if j.duration_s >= MIN_SECONDS]
         for window in self._ladder():
-            if not pending:
-                break
-            self._attempt(pending, window)
+            # A rung that would not widen a job's window cannot fix it: skip to the next.
+            wider = [j for j in pending if window(j) > j.frames]
+            if wider:
+                self._attempt(wider, window)
             pending = [j for j in pending if j.broken is not None]
         return [self._result(j) for j in jobs]
 
@@ -174,9 +173,7 @@ class Transcriber:
         return [sized(self.pads[0]), sized(self.pads[1]), lambda job: whisper.N_FRAMES]
 
     def _job(self, audio: np.ndarray) -> _Job:
-        duration = len(audio) / SAMPLE_RATE
-        mel = whisper.log_mel_spectrogram(audio) if duration >= MIN_SECONDS else None
-        return _Job(audio=audio, mel=mel, duration_s=duration)
+        return _Job(audio=audio, duration_s=len(audio) / SAMPLE_RATE)
 
     def _attempt(self, jobs: list[_Job], window: Callable[[_Job], int]) -> None:
         frames = [window(j) for j in jobs]
@@ -210,7 +207,7 @@ class Transcriber:
     # --- encoder ---
 
     def _encode_silence(self) -> list[tuple[mx.array, mx.array]]:
-        mel = whisper.log_mel_spectrogram(np.zeros(0, np.float32))[: whisper.N_FRAMES]
+        mel = whisper.log_mel_spectrogram(np.zeros(0, np.float32), n_frames=whisper.N_FRAMES)
         features = self.model.encoder(mx.array(mel[None]))
         kv = self.model.decoder.cross_kv(features)
         mx.eval(kv)
@@ -221,7 +218,8 @@ class Transcriber:
         per_job: list = [None] * len(jobs)
         for n in sorted(set(frames)):
             idx = [i for i, f in enumerate(frames) if f == n]
-            mel = mx.array(np.stack([jobs[i].mel[:n] for i in idx]))
+            mel = np.stack([whisper.log_mel_spectrogram(jobs[i].audio, n_frames=n) for i in idx])
+            mel = mx.array(mel)
             kv = self.model.decoder.cross_kv(self.model.encoder(mel))
             if self._silence_kv is not None and n < whisper.N_FRAMES:
                 kv = self._with_silence(kv)
@@ -237,11 +235,9 @@ class Transcriber:
         # Continue each layer's keys/values with the silent window's from the same frame on.
         out = []
         for (k, v), (sk, sv) in zip(kv, self._silence_kv, strict=True):
-            B, n = k.shape[0], k.shape[2]
-            tail_k = mx.broadcast_to(
-                sk[:, :, n:], (B, *sk.shape[1:2], sk.shape[2] - n, sk.shape[3])
-            )
-            tail_v = mx.broadcast_to(sv[:, :, n:], tail_k.shape)
+            B, H, n, D = k.shape
+            tail_k = mx.broadcast_to(sk[:, :, n:], (B, H, sk.shape[2] - n, D))
+            tail_v = mx.broadcast_to(sv[:, :, n:], (B, H, sv.shape[2] - n, D))
             out.append((mx.concatenate([k, tail_k], 2), mx.concatenate([v, tail_v], 2)))
         return out
 

@@ -82,19 +82,28 @@ def _hann(n: int) -> np.ndarray:
     return (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(n) / n)).astype(np.float32)
 
 
-def log_mel_spectrogram(audio: np.ndarray, n_mels: int = 80) -> np.ndarray:
+def log_mel_spectrogram(
+    audio: np.ndarray, n_mels: int = 80, n_frames: int | None = None
+) -> np.ndarray:
     """Whisper's log-mel features of 16 kHz audio, shape (frames, n_mels).
 
-    The audio is followed by a full window of silence, as Whisper was trained, so the
-    features of the first frames are the same whatever window the encoder later sees.
+    Whisper follows the audio with a full window of silence; the features here are those
+    of that padded signal, of which only the first `n_frames` rows (default: all) are
+    computed. Silence never raises the maximum the log range is clamped against, so a
+    row's value does not depend on how many rows are computed.
     """
-    x = np.concatenate([np.asarray(audio, np.float32), np.zeros(N_SAMPLES, np.float32)])
+    audio = np.asarray(audio, np.float32)
+    total = (len(audio) + N_SAMPLES) // HOP_LENGTH
+    n_frames = total if n_frames is None else min(n_frames, total)
+    # Enough zeros that every computed frame, reflection padding included, sees silence
+    # where Whisper's padded signal has it.
+    n_zeros = max(0, n_frames * HOP_LENGTH - len(audio)) + N_FFT
+    x = np.concatenate([audio, np.zeros(n_zeros, np.float32)])
     x = np.pad(x, N_FFT // 2, mode="reflect")
-    n = 1 + (len(x) - N_FFT) // HOP_LENGTH
     frames = np.lib.stride_tricks.as_strided(
-        x, shape=(n, N_FFT), strides=(x.strides[0] * HOP_LENGTH, x.strides[0])
+        x, shape=(n_frames, N_FFT), strides=(x.strides[0] * HOP_LENGTH, x.strides[0])
     )
-    power = np.abs(np.fft.rfft(frames * _hann(N_FFT), axis=-1)[:-1]) ** 2
+    power = np.abs(np.fft.rfft(frames * _hann(N_FFT), axis=-1)) ** 2
     mel = power @ mel_filters(n_mels).T
     log_spec = np.log10(np.maximum(mel, 1e-10))
     log_spec = np.maximum(log_spec, log_spec.max() - 8.0)

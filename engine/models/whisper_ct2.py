@@ -21,7 +21,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["read_ct2", "to_mlx_weights", "convert"]
+__all__ = ["CONVERTER_VERSION", "convert", "read_ct2", "to_mlx_weights"]
+
+# Bump when the output changes, so cached conversions are redone.
+CONVERTER_VERSION = "1"
 
 _DTYPES = {
     0: np.float32,

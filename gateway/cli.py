@@ -101,6 +101,7 @@ async def _serve(args: argparse.Namespace) -> int:
     await stop.wait()
     logger.info("shutting down")
     await server.shutdown("server shutting down")
+    logger.info("stopped")
     return 0
 
 

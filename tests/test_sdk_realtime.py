@@ -14,6 +14,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,16 +61,20 @@ def gateway() -> Iterator[str]:
     else:
         proc.kill()
         raise RuntimeError("gateway did not start:\n" + "".join(lines[-40:]))
+    # Keep reading its log so a full pipe can never stall the server.
+    drain = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    drain.start()
     try:
         yield f"ws://127.0.0.1:{port}/v1"
     finally:
         proc.terminate()
         try:
-            rc = proc.wait(30)
+            rc = proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
             rc = proc.wait()
-        assert rc == 0, "graceful shutdown on SIGTERM exits 0"
+        drain.join(5)
+        assert rc == 0, "SIGTERM must shut down cleanly:\n" + "".join(lines[-30:])
 
 
 def client(base: str) -> AsyncOpenAI:
@@ -98,14 +103,25 @@ async def append(conn: Any, pcm: bytes, chunk_ms: int = 100) -> None:
         await conn.input_audio_buffer.append(audio=b64(pcm[i : i + step]))
 
 
-async def until(conn: Any, kind: str, timeout: float = 120) -> list[Any]:
+async def until(conn: Any, *kinds: str, timeout: float = 120) -> list[Any]:
+    """Events up to and including the first of one of `kinds`."""
     events = []
     async with asyncio.timeout(timeout):
         while True:
             event = await conn.recv()
             events.append(event)
-            if event.type == kind:
+            if event.type in kinds:
                 return events
+
+
+async def settle(conn: Any, quiet_s: float = 1.0) -> list[Any]:
+    """Events until none has come for `quiet_s` seconds."""
+    events = []
+    while True:
+        try:
+            events.append(await asyncio.wait_for(conn.recv(), quiet_s))
+        except TimeoutError:
+            return events
 
 
 def words(text: str) -> list[str]:
@@ -256,7 +272,9 @@ async def start_spoken_answer(conn: Any, question: str) -> list[Any]:
         }
     )
     await conn.response.create()
-    return await until(conn, "response.output_audio.delta")
+    events = await until(conn, "response.output_audio.delta", "response.done")
+    assert events[-1].type != "response.done", events[-1].response.status_details
+    return events
 
 
 async def barge_session(conn: Any, create_response: bool = False) -> None:
@@ -315,28 +333,38 @@ async def test_barge_in_mid_response_and_truncate(gateway: str) -> None:
         await until(conn, "input_audio_buffer.cleared")
 
 
+@pytest.mark.timeout(2400)  # 50 spoken answers on a small CPU take several minutes
 async def test_fifty_barge_ins_leave_no_stale_audio(gateway: str) -> None:
-    stale = 0
+    """Speech over 50 answers. An answer that finished before the speech was detected is
+    the documented race (nothing to cancel) and does not count towards the 50."""
+    stale = barge_ins = attempts = 0
+    cancelled: set[str] = set()
+
+    def count_stale(events: list[Any]) -> int:
+        return sum(
+            e.type == "response.output_audio.delta" and e.response_id in cancelled for e in events
+        )
+
     async with client(gateway).realtime.connect(model=MODEL) as conn:
         await barge_session(conn)
-        cancelled: set[str] = set()
-        for i in range(50):
-            events = await start_spoken_answer(conn, f"Count slowly from {i} to {i + 20}.")
-            stale += sum(
-                e.type == "response.output_audio.delta" and e.response_id in cancelled
-                for e in events
-            )
+        while barge_ins < 50:
+            attempts += 1
+            assert attempts <= 100, f"only {barge_ins} barge-ins in 100 attempts"
+            events = await start_spoken_answer(conn, f"Tell me about the number {attempts}.")
+            stale += count_stale(events)
             await append(conn, recording_pcm()[: RATE * 2 * 6 // 10])
             events = await until(conn, "response.done")
-            assert events[-1].response.status == "cancelled", i
-            cancelled.add(events[-1].response.id)
-            await append(conn, silence(500))
+            stale += count_stale(events)
+            if events[-1].response.status == "cancelled":
+                assert events[-1].response.status_details.reason == "turn_detected"
+                cancelled.add(events[-1].response.id)
+                barge_ins += 1
+            # Let the VAD hear the speech end (a recording may hold several utterances),
+            # so no late speech_started interrupts the next answer.
+            await append(conn, silence(1000))
+            stale += count_stale(await settle(conn, 0.6))
             await conn.input_audio_buffer.clear()
-            events = await until(conn, "input_audio_buffer.cleared")
-            stale += sum(
-                e.type == "response.output_audio.delta" and e.response_id in cancelled
-                for e in events
-            )
+            stale += count_stale(await until(conn, "input_audio_buffer.cleared"))
     assert stale == 0
 
 

@@ -1,0 +1,145 @@
+"""Barge-in stop time at the client: from `input_audio_buffer.speech_started` to the
+cancelled `response.done`, and the audio deltas of cancelled responses that still arrive
+after their `response.done` (must be 0).
+
+    .venv/bin/python bench/barge_in.py [--url ws://HOST:PORT/v1] [--trials 20] [--json]
+
+Each trial asks a question answered aloud and, at its first audio delta, talks over it
+with a real recording (ALSA's "Front Center").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+import soxr
+from websockets.asyncio.client import connect
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from realtime import RATE, gateway_process, percentile  # noqa: E402
+
+RECORDING = Path("/usr/share/sounds/alsa/Front_Center.wav")
+
+
+def recording_pcm(ms: int = 600) -> bytes:
+    data, rate = sf.read(RECORDING, dtype="float32")
+    pcm = soxr.resample(data, rate, RATE)[: RATE * ms // 1000]
+    return (np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+async def send_audio(ws: object, pcm: bytes) -> None:
+    step = RATE * 2 // 10
+    for i in range(0, len(pcm), step):
+        chunk = base64.b64encode(pcm[i : i + step]).decode()
+        await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+
+
+class Trials:
+    def __init__(self) -> None:
+        self.cancel_ms: list[float] = []
+        self.cancelled: set[str] = set()
+        self.stale = 0
+        self.finished_first = 0
+
+    def see(self, event: dict) -> None:
+        if event["type"] == "response.output_audio.delta":
+            self.stale += event["response_id"] in self.cancelled
+
+
+async def next_event(ws: object, trials: Trials, timeout: float = 120) -> dict:
+    event = json.loads(await asyncio.wait_for(ws.recv(), timeout))
+    trials.see(event)
+    return event
+
+
+async def quiet(ws: object, trials: Trials, seconds: float = 1.0) -> None:
+    while True:
+        try:
+            await next_event(ws, trials, seconds)
+        except TimeoutError:
+            return
+
+
+async def one_trial(ws: object, trials: Trials, n: int, speech: bytes) -> None:
+    item = {
+        "type": "message",
+        "role": "user",
+        "content": [{"type": "input_text", "text": f"Tell me something about the number {n}."}],
+    }
+    await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
+    await ws.send(json.dumps({"type": "response.create"}))
+    while (await next_event(ws, trials))["type"] != "response.output_audio.delta":
+        pass
+    await send_audio(ws, speech)
+    started = None
+    while True:
+        event = await next_event(ws, trials)
+        if event["type"] == "input_audio_buffer.speech_started" and started is None:
+            started = time.monotonic()
+        elif event["type"] == "response.done":
+            response = event["response"]
+            if response["status"] == "cancelled" and started is not None:
+                trials.cancel_ms.append((time.monotonic() - started) * 1000)
+                trials.cancelled.add(response["id"])
+            else:
+                trials.finished_first += 1
+            break
+    await send_audio(ws, bytes(RATE * 2))  # let the VAD hear the end of the speech
+    await quiet(ws, trials)
+    await ws.send(json.dumps({"type": "input_audio_buffer.clear"}))
+    await quiet(ws, trials, 0.3)
+
+
+async def run(url: str, count: int) -> dict[str, float]:
+    trials = Trials()
+    speech = recording_pcm()
+    async with connect(f"{url}/realtime?model=duplex-smollm2", max_size=None) as ws:
+        await ws.recv()
+        detection = {"type": "server_vad", "silence_duration_ms": 300, "create_response": False}
+        session = {
+            "type": "realtime",
+            "output_modalities": ["audio"],
+            "audio": {"input": {"turn_detection": detection}},
+        }
+        await ws.send(json.dumps({"type": "session.update", "session": session}))
+        for n in range(count):
+            await one_trial(ws, trials, n, speech)
+    return {
+        "trials": count,
+        "barge_ins": len(trials.cancel_ms),
+        "finished_before_speech": trials.finished_first,
+        "cancel_ms_p50": round(percentile(trials.cancel_ms, 50), 1),
+        "cancel_ms_p95": round(percentile(trials.cancel_ms, 95), 1),
+        "stale_audio_deltas": trials.stale,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", help="gateway ws base URL (default: start one)")
+    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    if args.url:
+        result = asyncio.run(run(args.url, args.trials))
+    else:
+        with gateway_process() as url:
+            result = asyncio.run(run(url, args.trials))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>24}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -23,7 +23,7 @@ from engine.orchestrator import DuplexOrchestrator
 from engine.remote_llm import RemoteLlm
 from engine.stage import Stage, StageOutput
 
-__all__ = ["EngineBundle", "build_engine", "load_stages", "prepare_model"]
+__all__ = ["EngineBundle", "build_engine", "cache_system_prompt", "load_stages", "prepare_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ def _load_and_warm(config: EngineConfig, progress: bool) -> dict[str, Stage]:
         stages = load_stages(config, progress=progress)
         if config.engine.warmup:
             warm_up(stages)
+        cache_system_prompt(stages, config.system_prompt)
         return stages
     finally:
         # MLX work still in flight when a worker thread goes idle can abort the process
@@ -163,6 +164,13 @@ def warm_up(stages: dict[str, Stage]) -> None:
         stages["tts"].add(WARMUP_ID, TtsRequest())
         stages["tts"].feed(WARMUP_ID, "Hello there.", True)  # type: ignore[attr-defined]
         _drain(stages["tts"])
+
+
+def cache_system_prompt(stages: dict[str, Stage], system_prompt: str) -> None:
+    """Prefill the configured system prompt once, so no new session pays for it."""
+    if "llm" in stages:
+        tokens = stages["llm"].cache_shared_prefix(system_prompt)  # type: ignore[attr-defined]
+        logger.info("system prompt prefix cached: %d tokens", tokens)
 
 
 def _drain(stage: Stage) -> None:

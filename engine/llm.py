@@ -24,12 +24,16 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from engine.detokenizer import StreamingDetokenizer
-from engine.prompt_cache import PromptCache
+from engine.prompt_cache import PromptCache, common_prefix_length
 from engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from engine.sampling import RowSampler, new_key, sample_batch
 from engine.stage import StageOutput
 
-__all__ = ["LlmInput", "LlmStage"]
+__all__ = ["LlmInput", "LlmStage", "SHARED_PREFIX_KEY"]
+
+# The prompt-cache key of the system-prompt prefix every new session copies; the NUL
+# keeps it apart from any session key.
+SHARED_PREFIX_KEY = "\x00shared-prefix"
 
 
 @dataclass
@@ -165,6 +169,24 @@ class LlmStage:
         seq = self._seqs.get(request_id)
         return seq.req if seq else None
 
+    def cache_shared_prefix(self, system_prompt: str) -> int:
+        """Prefill the tokens every conversation under `system_prompt` starts with and
+        keep their KV in the prompt cache, so a new session's first turn only prefills
+        its own message. Returns the prefix length in tokens."""
+        probes = [
+            self._prompt_ids(LlmInput(messages=[{"role": "system", "content": system_prompt}, m]))
+            for m in ({"role": "user", "content": "a"}, {"role": "user", "content": "b"})
+        ]
+        # Where two different user messages part is where the shared template ends.
+        tokens = probes[0][: common_prefix_length(*probes)]
+        if not tokens:
+            return 0
+        layers = make_prompt_cache(self.model)
+        for start in range(0, len(tokens), self.prefill_chunk_tokens):
+            self._forward_layers(layers, tokens[start : start + self.prefill_chunk_tokens])
+        self.prompt_cache.put(SHARED_PREFIX_KEY, tokens, layers)
+        return len(tokens)
+
     # --- admission -----------------------------------------------------------------
 
     def _prompt_ids(self, inputs: LlmInput) -> list[int]:
@@ -249,11 +271,14 @@ class LlmStage:
             self._join_batch(seq)
 
     def _forward_prefill(self, seq: _Seq, chunk: list[int]) -> None:
-        body = getattr(self.model, "model", self.model)  # skip the LM head: no logits needed
-        hidden = body(mx.array([chunk]), cache=seq.layers)
-        mx.eval(hidden, [c.state for c in seq.layers])
+        self._forward_layers(seq.layers, chunk)
         seq.req.num_computed_tokens += len(chunk)
         seq.req.remaining_tokens = seq.tokens[seq.kv_tokens : len(seq.tokens) - 1]
+
+    def _forward_layers(self, layers: list[Any], chunk: list[int]) -> None:
+        body = getattr(self.model, "model", self.model)  # skip the LM head: no logits needed
+        hidden = body(mx.array([chunk]), cache=layers)
+        mx.eval(hidden, [c.state for c in layers])
 
     def _join_batch(self, seq: _Seq) -> None:
         rows = [BatchKVCache.merge([layer]) for layer in seq.layers]

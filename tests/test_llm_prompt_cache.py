@@ -77,3 +77,42 @@ def test_entry_larger_than_budget_is_not_stored() -> None:
     cache = PromptCache(16)
     cache.put("s", [1, 2, 3, 4], _layers(4))
     assert len(cache) == 0 and cache.nbytes == 0
+
+
+def test_new_key_copies_the_longest_shared_prefix_of_another_entry() -> None:
+    cache = PromptCache(10**9)
+    cache.put("short", [1, 2, 9], _layers(3))
+    cache.put("system", [1, 2, 3, 4], _layers(4))
+    hit = cache.take("new", [1, 2, 3, 4, 7, 8])
+    assert hit is not None and hit.shared_from == "system"
+    assert hit.num_tokens == 4 and hit.hit_type == "prefix"
+    assert all(layer.offset == 4 for layer in hit.layers)
+    assert "system" in cache and "short" in cache  # the source stays for others
+
+
+def test_shared_copy_never_changes_the_source_entry() -> None:
+    cache = PromptCache(10**9)
+    cache.put("system", [1, 2, 3, 4], _layers(4))
+    hit = cache.take("new", [1, 2, 3, 5, 6])
+    assert hit is not None and hit.num_tokens == 3 and hit.hit_type == "lcp"
+    ones = mx.ones((1, 1, 2, 1))
+    for layer in hit.layers:
+        keys, _ = layer.update_and_fetch(ones * 100, ones * 100)
+        assert keys.reshape(-1).tolist() == [0.0, 1.0, 2.0, 100.0, 100.0]
+    again = cache.take("other", [1, 2, 3, 4, 5])
+    assert again is not None and again.num_tokens == 4
+    keys, _ = again.layers[0].keys_and_values()
+    assert keys.reshape(-1).tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_own_entry_wins_unless_another_shares_more() -> None:
+    cache = PromptCache(10**9)
+    cache.put("system", [1, 2], _layers(2))
+    cache.put("s", [1, 2, 3, 4], _layers(4))
+    hit = cache.take("s", [1, 2, 3, 4, 5])
+    assert hit is not None and hit.shared_from is None and hit.num_tokens == 4
+    assert "s" not in cache
+    cache.put("s", [1, 9], _layers(2))  # e.g. the session changed its instructions
+    hit = cache.take("s", [1, 2, 3])
+    assert hit is not None and hit.shared_from == "system" and hit.num_tokens == 2
+    assert "s" not in cache  # the stale entry is dropped; the turn puts a fresh one

@@ -86,6 +86,28 @@ def test_prompt_cache_second_turn_matches_cold_run(smollm: tuple[Any, Any]) -> N
     assert cold.cached_tokens == 0
 
 
+def test_new_session_prefills_only_after_the_shared_system_prompt(
+    smollm: tuple[Any, Any],
+) -> None:
+    system = "You are a friendly voice assistant. Answer in one short sentence."
+    stage = make_stage(smollm)
+    shared = stage.cache_shared_prefix(system)
+    for i, question in enumerate(QUESTIONS[:2]):
+        history = [{"role": "system", "content": system}, *chat(question)]
+        stage.add(
+            f"new{i}", LlmInput(messages=history, sampling_params=greedy(16), cache_key=f"s{i}")
+        )
+        req = stage.request(f"new{i}")
+        warm = run(stage)[f"new{i}"]
+        assert req.cached_tokens == shared > 20 and req.cache_hit_type == "prefix"
+        assert req.num_prompt_tokens - shared < 20  # only the user's message was prefilled
+        cold_stage = make_stage(smollm)
+        cold_stage.add("cold", LlmInput(messages=history, sampling_params=greedy(16)))
+        cold = run(cold_stage)["cold"]
+        assert cold.cached_tokens == 0
+        assert warm.output_token_ids == cold.output_token_ids
+
+
 def test_stop_string_on_real_text(smollm: tuple[Any, Any]) -> None:
     stage = make_stage(smollm)
     stage.add("free", LlmInput(messages=chat(QUESTIONS[2]), sampling_params=greedy(30)))

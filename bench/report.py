@@ -243,7 +243,7 @@ def plots(runs: list[dict[str, Any]]) -> list[Path]:
         (r"_ms(_p50|_p95|_p99)?$", "latencies and times (ms)", "milliseconds"),
     ]
     for pattern, title, xlabel in charts:
-        items = _numbers(runs, pattern)
+        items = [(k, v) for k, v in _numbers(runs, pattern) if v > 0]  # log axes need > 0
         if items:
             name = "summary_" + re.sub(r"[^a-z]+", "_", xlabel.split(" ")[0]) + ".png"
             made.append(_bar_plot(items, title, xlabel, PLOTS / name))

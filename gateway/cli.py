@@ -115,7 +115,14 @@ async def _start_engine(profile: dict[str, Any], config: Any, source: str) -> tu
     engine_config = parse_config(profile, source=source)
     bundle = await build_engine(engine_config)
     manager = DuplexSessionManager(bundle.orchestrator, max_sessions=config.max_sessions * 4)
-    backend = EngineBackend(manager, bundle.engine, on_close=bundle.aclose)
+
+    async def stop_engine() -> None:
+        await bundle.aclose()
+        # A step already running (a long prefill on a busy CPU) may outlast the bundle's
+        # join; the process must not exit while the engine thread is inside MLX.
+        await asyncio.to_thread(bundle.core.shutdown, 120.0)
+
+    backend = EngineBackend(manager, bundle.engine, on_close=stop_engine)
     return backend, engine_config.stages.tts.voice
 
 

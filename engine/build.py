@@ -29,6 +29,11 @@ logger = logging.getLogger(__name__)
 
 WARMUP_ID = "warmup"
 WARMUP_MAX_STEPS = 64
+# TTS steps first: a clause that reached it during an LLM step is spoken before the LLM
+# takes its next one (LLM first would cost one more LLM step before every clause). A
+# TTS thread of its own measured slower on the CPU backend: it competes with the LLM
+# for the same cores, so the first chunk takes longer.
+MAIN_LANE_ORDER = ("tts", "asr", "llm")
 
 
 @dataclass
@@ -56,7 +61,8 @@ async def build_engine(config: EngineConfig, *, progress: bool = True) -> Engine
     """Load every stage off the event loop, start the engine thread, wire the port."""
     stages = await asyncio.to_thread(_load_and_warm, config, progress)
     # VAD gets a thread of its own so speech start is never stuck behind a TTS/LLM step.
-    heavy = {name: stage for name, stage in stages.items() if name != "vad"}
+    # The engine thread steps the others in MAIN_LANE_ORDER.
+    heavy = {name: stages[name] for name in MAIN_LANE_ORDER if name in stages}
     core = EngineLanes({"main": heavy, "vad": {"vad": stages["vad"]}})
     core.start()
     engine = AsyncEngine(core)

@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
+
 from engine.stage import Stage, StageOutput
 
 __all__ = ["EngineCore", "AsyncEngine", "DEFAULT_MAX_QUEUED_OUTPUTS"]
@@ -114,6 +116,14 @@ class EngineCore:
     # --- engine thread -------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            # MLX work still in flight when this thread ends can abort the process at
+            # interpreter exit ("terminate called without an active exception").
+            mx.synchronize()
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while self._running and not self._aborts and not self._ops and not self._busy():

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,6 +213,18 @@ async def open_clients(url: str, n: int) -> list[Client]:
     return clients
 
 
+async def drained(url: str, timeout: float = 120) -> None:
+    """Wait until the gateway has released every session (its /healthz count is 0)."""
+    health = url.replace("ws://", "http://").replace("/v1/realtime", "/healthz")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(health, timeout=30).read())
+        if json.loads(body)["sessions"] == 0:
+            return
+        await asyncio.sleep(0.5)
+    raise RuntimeError(f"the gateway still holds sessions after {timeout:g} s")
+
+
 async def run_turns(
     clients: list[Client], speakers: int, utterances: list[list[str]]
 ) -> list[Turn]:
@@ -299,6 +312,7 @@ async def measure_level(
         errors = sum(len(c.errors) for c in clients)
     finally:
         await asyncio.gather(*(c.close() for c in clients))
+    await drained(url)
     return {
         "sessions": n,
         "speaking": speakers,
@@ -323,6 +337,7 @@ async def find_knee(url: str, utterances: list[list[str]], max_speaking: int) ->
             turns = await run_turns(clients, speaking, utterances)
         finally:
             await asyncio.gather(*(c.close() for c in clients))
+        await drained(url)
         steps.append({"speaking": speaking, **summarize_turns(turns)})
         if not steps[-1]["speaking_realtime"]:
             break
@@ -342,7 +357,7 @@ async def idle_baseline(url: str, pid: int) -> dict[str, float]:
 
 async def run(levels: list[int], max_speaking: int) -> dict[str, Any]:
     utterances = [utterance_frames(p) for p in RECORDINGS]
-    with gateway(max_sessions=max(levels + [KNEE_POOL, max_speaking]) + 2) as (url, pid):
+    with gateway(max_sessions=max(levels + [KNEE_POOL, max_speaking]) + 8) as (url, pid):
         idle = await idle_baseline(url, pid)
         results = [await measure_level(url, pid, n, utterances, idle) for n in levels]
         knee = await find_knee(url, utterances, max_speaking)

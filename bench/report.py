@@ -6,7 +6,8 @@ the machine they ran on, and PNG plots under bench/plots/.
 Each benchmark runs in its own process with the quick options below (so the whole report
 takes minutes, not hours); an option a script does not declare is not passed. A script
 that fails or times out is reported with the tail of its output and the run goes on; the
-exit status is then 1.
+exit status is then 1. The raw results are kept in bench/results.json; `--only` reruns
+just the named benchmarks and keeps the others' results from that file.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 PLOTS = BENCH / "plots"
 RESULTS = BENCH / "RESULTS.md"
+RAW = BENCH / "results.json"
 
 # Known benchmarks in the order they are reported, each with its quick options.
 QUICK: dict[str, list[str]] = {
@@ -136,15 +138,19 @@ def run_one(name: str, timeout_s: float) -> dict[str, Any]:
         text = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
         return _failure(name, cmd, started, f"timed out after {timeout_s:g} s\n{text}")
     result = _last_json(out.stdout)
-    if out.returncode != 0 or result is None:
-        detail = f"exit status {out.returncode}\n{(out.stdout + out.stderr)[-2000:]}"
+    detail = f"exit status {out.returncode}\n{(out.stdout + out.stderr)[-2000:]}"
+    if result is None:
         return _failure(name, cmd, started, detail)
-    return {
+    run = {
         "name": name,
         "command": _shown(cmd),
         "seconds": round(time.monotonic() - started, 1),
         "result": result,
     }
+    if out.returncode != 0:
+        # The figures were printed, but the process then died: keep both.
+        run["error"] = detail.strip()
+    return run
 
 
 def _failure(name: str, cmd: list[str], started: float, detail: str) -> dict[str, Any]:
@@ -285,6 +291,7 @@ def markdown(info: dict[str, Any], runs: list[dict[str, Any]], images: list[Path
         lines += [f"## {run['name']}", "", f"`{run['command']}` ({run['seconds']} s)", ""]
         if "error" in run:
             lines += ["**failed**:", "", "```", run["error"], "```", ""]
+        if "result" not in run:
             continue
         lines += ["| figure | value |", "|---|---|"]
         lines += [f"| {key} | {_cell(value)} |" for key, value in flatten(run["result"]).items()]
@@ -300,12 +307,18 @@ def main() -> None:
     args = parser.parse_args()
     names = benchmarks(args.only)
     info = machine()
-    runs = []
+    fresh = {}
     for name in names:
         print(f"running {name} ...", flush=True)
-        runs.append(run_one(name, args.timeout_s))
-        status = "failed" if "error" in runs[-1] else "ok"
-        print(f"  {status} in {runs[-1]['seconds']} s", flush=True)
+        fresh[name] = run_one(name, args.timeout_s)
+        status = "failed" if "error" in fresh[name] else "ok"
+        print(f"  {status} in {fresh[name]['seconds']} s", flush=True)
+    kept = {}
+    if args.only and RAW.exists():
+        kept = {run["name"]: run for run in json.loads(RAW.read_text())["runs"]}
+    merged = {**kept, **fresh}
+    runs = [merged[name] for name in benchmarks(None) if name in merged]
+    RAW.write_text(json.dumps({"machine": info, "runs": runs}, indent=1) + "\n")
     images = plots(runs)
     images += sorted(p for p in PLOTS.glob("load_*.png") if any(r["name"] == "load" for r in runs))
     RESULTS.write_text(markdown(info, runs, images))

@@ -261,6 +261,7 @@ def test_espeak_sentences_word_error_rate(trimmed: list[Transcription]) -> None:
     assert errors / words <= 0.10, list(zip(SENTENCES, texts, strict=True))
 
 
+@pytest.mark.timeout(1800)  # ten 30 s encoder windows: minutes on a busy 2-core CPU
 def test_trimmed_encoder_matches_full_window(
     full_window: Transcriber, espeak_clips: list[np.ndarray], trimmed: list[Transcription]
 ) -> None:

@@ -129,9 +129,10 @@ class MultiHeadAttention(nn.Module):
     def __call__(
         self,
         x: mx.array,
-        kv: tuple[mx.array, mx.array] | None = None,
+        kv: tuple[mx.array, mx.array],
         mask: str | mx.array | None = None,
     ) -> mx.array:
+        # Keys/values come in already projected: cached (cross) or freshly grown (self).
         B, L, D = x.shape
         q = self.split_heads(self.query(x))
         k, v = kv
@@ -188,7 +189,7 @@ class AudioEncoder(nn.Module):
         self.ln_post = nn.LayerNorm(n)
 
     def __call__(self, mel: mx.array) -> mx.array:
-        """mel: (B, frames, n_mels) with any even frame count up to 3000."""
+        """mel: (B, frames, n_mels), any frame count up to the full window's 3000."""
         x = nn.gelu(self.conv1(mel))
         x = nn.gelu(self.conv2(x))
         x = x + self.positional_embedding[: x.shape[1]]

@@ -4,9 +4,11 @@ Rules of this file:
 1. A request is in exactly one of `_waiting` (a heap ordered by `Request.__lt__`),
    `_prefilling` (its own per-layer KV cache, filled a chunk at a time) or `_running`
    (a row of the shared batched KV cache). `_seqs` holds every live request.
-2. A sequence's KV always covers `tokens[:-1]`; its last token is the next decode
-   input. New, cached and preempted requests all enter the batch the same way, which
-   is why a resumed request continues exactly where it stopped.
+2. A running sequence's KV always covers `tokens[:-1]`; its last token is the next
+   decode input. Prefill's last chunk ends with the last token and samples the next
+   one from its logits, so a request's first token costs no forward of its own. New,
+   cached and preempted requests all enter the batch the same way, which is why a
+   resumed request continues exactly where it stopped.
 3. Abort, finish and preemption free the KV at once; a session-keyed request hands its
    KV to the prompt cache instead, so the next turn of the conversation reuses it.
 """
@@ -148,11 +150,11 @@ class LlmStage:
 
     def step(self) -> list[StageOutput]:
         self._admit()
-        self._prefill(self.max_tokens_per_step - len(self._running))
+        outputs = self._prefill(self.max_tokens_per_step - len(self._running))
         if not self._running:
-            return []
+            return outputs
         self._make_room()
-        return self._decode()
+        return outputs + self._decode()
 
     def stats(self) -> dict[str, int]:
         return {
@@ -252,28 +254,54 @@ class LlmStage:
 
     # --- prefill -------------------------------------------------------------------
 
-    def _prefill(self, budget: int) -> None:
+    def _prefill(self, budget: int) -> list[StageOutput]:
         # At most one chunk per step in total, so running decodes never stall longer.
         budget = min(budget, self.prefill_chunk_tokens)
+        outputs: list[StageOutput] = []
         done: list[_Seq] = []
         for seq in self._prefilling:
             if budget <= 0:
                 break
-            todo = seq.tokens[seq.kv_tokens : len(seq.tokens) - 1]
+            todo = seq.tokens[seq.kv_tokens :]
             chunk = todo[:budget]
-            if chunk:
-                self._forward_prefill(seq, chunk)
-                budget -= len(chunk)
-            if seq.kv_tokens == len(seq.tokens) - 1:
-                done.append(seq)
+            budget -= len(chunk)
+            if len(chunk) < len(todo):
+                self._forward_layers(seq.layers, chunk)
+                self._computed(seq, len(chunk))
+                continue
+            outputs.append(self._prefill_last(seq, chunk))
+            done.append(seq)
         for seq in done:
             self._prefilling.remove(seq)
-            self._join_batch(seq)
+            if seq.req.is_finished():
+                self._release(seq, seq.layers)
+                del self._seqs[seq.req.request_id]
+            else:
+                self._join_batch(seq)
+        return outputs
 
-    def _forward_prefill(self, seq: _Seq, chunk: list[int]) -> None:
-        self._forward_layers(seq.layers, chunk)
-        seq.req.num_computed_tokens += len(chunk)
+    def _computed(self, seq: _Seq, n: int) -> None:
+        seq.req.num_computed_tokens += n
         seq.req.remaining_tokens = seq.tokens[seq.kv_tokens : len(seq.tokens) - 1]
+
+    def _prefill_last(self, seq: _Seq, chunk: list[int]) -> StageOutput:
+        """Prefill the last chunk and sample the next token from its last position."""
+        logits = self._last_logits(seq.layers, chunk)
+        tokens = sample_batch(logits, [seq.sampler])
+        mx.eval(tokens, seq.sampler.key, [c.state for c in seq.layers])
+        self._computed(seq, len(chunk))
+        return self._output(seq, int(tokens.item()), time.time())
+
+    def _last_logits(self, layers: list[Any], chunk: list[int]) -> mx.array:
+        body = getattr(self.model, "model", None)
+        args = getattr(self.model, "args", None)
+        if body is None or args is None:
+            return self.model(mx.array([chunk]), cache=layers)[:, -1, :]
+        # The LM head only on the last position: the others' logits are never used.
+        hidden = body(mx.array([chunk]), cache=layers)[:, -1:, :]
+        if getattr(args, "tie_word_embeddings", False):
+            return body.embed_tokens.as_linear(hidden)[:, -1, :]
+        return self.model.lm_head(hidden)[:, -1, :]
 
     def _forward_layers(self, layers: list[Any], chunk: list[int]) -> None:
         body = getattr(self.model, "model", self.model)  # skip the LM head: no logits needed
@@ -320,17 +348,19 @@ class LlmStage:
         now = time.time()
         outputs, done = [], []
         for row, (seq, token) in enumerate(zip(self._running, tokens.tolist(), strict=True)):
-            if seq.sampler.error is not None:
-                outputs.append(self._fail(seq, seq.sampler.error))
-            else:
-                out = self._advance(seq, token, now)
-                metrics = self._metrics(seq.req, now) if out.finished else {}
-                outputs.append(StageOutput(seq.req.request_id, out, out.finished, metrics=metrics))
+            outputs.append(self._output(seq, token, now))
             if seq.req.is_finished():
                 done.append(row)
         if done:
             self._drop_rows(done)
         return outputs
+
+    def _output(self, seq: _Seq, token: int, now: float) -> StageOutput:
+        if seq.sampler.error is not None:
+            return self._fail(seq, seq.sampler.error)
+        out = self._advance(seq, token, now)
+        metrics = self._metrics(seq.req, now) if out.finished else {}
+        return StageOutput(seq.req.request_id, out, out.finished, metrics=metrics)
 
     def _fail(self, seq: _Seq, exc: Exception) -> StageOutput:
         # Only this request failed (its logits processor raised); the batch goes on.

@@ -122,6 +122,21 @@ def test_outputs_stream_deltas_and_usage(model: llama.Model) -> None:
     assert not any(o.finished for o in outs[:-1])
 
 
+def test_first_token_comes_from_the_prefill_forward(model: llama.Model) -> None:
+    stage = make_stage(model)
+    stage.add("r", LlmInput(prompt_token_ids=prompt(6), sampling_params=greedy(5)))
+    first = stage.step()
+    # The prefill's last position gives one token; the batch's decode the next.
+    assert [len(o.payload.new_token_ids) for o in first] == [1, 1]
+    one = LlmInput(prompt_token_ids=prompt(7, 1), sampling_params=greedy(1), cache_key="s")
+    stage.add("one", one)
+    outs = [o for o in stage.step() if o.request_id == "one"]
+    assert len(outs) == 1 and outs[0].finished and outs[0].payload.completion_tokens == 1
+    assert stage.stats()["running"] == 1  # "one" finished without joining the batch
+    hit = stage.prompt_cache.take("s", prompt(7, 1) + [0])
+    assert hit is not None and hit.num_tokens == 7  # its whole prompt's KV was kept
+
+
 def test_max_tokens_caps_length(model: llama.Model) -> None:
     assert len(generate(make_stage(model), prompt(4), greedy(3))) == 3
 

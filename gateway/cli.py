@@ -90,7 +90,13 @@ async def _serve(args: argparse.Namespace) -> int:
     profile, config = load_profile(args.config)
     config = GatewayConfig.model_validate({**config.model_dump(), **_overrides(args)})
     backend, voice = await _start_engine(profile, config, str(args.config))
-    config = GatewayConfig.model_validate({**config.model_dump(), "voices": (voice,)})
+    config = GatewayConfig.model_validate(
+        {
+            **config.model_dump(),
+            "voices": (voice,),
+            "default_instructions": profile.get("system_prompt", ""),
+        }
+    )
     server = GatewayServer(config, backend)
     await server.start()
     print(f"duplex-gateway listening on ws://{config.host}:{server.port}/v1/realtime", flush=True)

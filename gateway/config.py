@@ -48,6 +48,8 @@ class GatewayConfig(BaseModel):
     max_sessions: int = Field(16, ge=1)
     model_name: str = "duplex-smollm2"
     voices: tuple[str, ...] = ("joe",)
+    # A new session's `instructions`; the CLI fills it from the profile's system prompt.
+    default_instructions: str = ""
     transcription_languages: tuple[str, ...] = ("en",)
     web_root: Path | None = None
     limits: SessionLimits = SessionLimits()

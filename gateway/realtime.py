@@ -123,7 +123,12 @@ class RealtimeSession:
         self.config = config
         self.limits = config.limits
         self.beta = beta
-        self.settings = SessionSettings(id=new_id("sess"), model=model, voice=config.voices[0])
+        self.settings = SessionSettings(
+            id=new_id("sess"),
+            model=model,
+            voice=config.voices[0],
+            instructions=config.default_instructions,
+        )
         self.conversation = Conversation(max_items=self.limits.max_items)
         self.responses: dict[str, Response] = {}
         self.active_id: str | None = None  # the one response on the default conversation

@@ -157,7 +157,8 @@ async def engine_measurements(model: Any, tok: Any, max_tokens: int) -> dict[str
             {"role": "assistant", "content": "We talked about many things."},
             {"role": "user", "content": "Which topic was first?"},
         ]
-        cold = await first_token_ms(engine_, "cold", LlmInput(messages=turn2, cache_key="other"))
+        # No cache key: a key would borrow another session's shared prefix and not be cold.
+        cold = await first_token_ms(engine_, "cold", LlmInput(messages=turn2, cache_key=None))
         cached = await first_token_ms(engine_, "warm", LlmInput(messages=turn2, cache_key="conv"))
     finally:
         core.shutdown()

@@ -13,6 +13,7 @@ import json
 import logging
 import mimetypes
 from http import HTTPStatus
+from http.cookies import CookieError, SimpleCookie
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -30,6 +31,7 @@ __all__ = ["GatewayServer", "KEY_PROTOCOL_PREFIX", "BETA_PROTOCOL"]
 logger = logging.getLogger(__name__)
 
 KEY_PROTOCOL_PREFIX = "openai-insecure-api-key."
+KEY_COOKIE = "duplex_gateway_key"
 BETA_PROTOCOL = "openai-beta.realtime-v1"
 REALTIME_PROTOCOL = "realtime"
 DEFAULT_WEB_ROOT = Path(__file__).resolve().parent.parent / "web"
@@ -53,6 +55,20 @@ def _api_key(request: Request) -> str | None:
         if proto.startswith(KEY_PROTOCOL_PREFIX):
             return proto[len(KEY_PROTOCOL_PREFIX) :]
     return None
+
+
+def _query_key(request: Request) -> str | None:
+    return (parse_qs(urlsplit(request.path).query).get("api_key") or [None])[0]
+
+
+def _cookie_key(request: Request) -> str | None:
+    cookies = SimpleCookie()
+    try:
+        cookies.load(request.headers.get("Cookie", ""))
+    except CookieError:
+        return None
+    morsel = cookies.get(KEY_COOKIE)
+    return morsel.value if morsel is not None else None
 
 
 class GatewayServer:
@@ -111,15 +127,37 @@ class GatewayServer:
         path = urlsplit(request.path).path
         if path == "/healthz":
             return self._json(HTTPStatus.OK, self._health())
+        if path == "/metrics" or path == "/web" or path.startswith("/web/"):
+            refused = self._check_http_key(request)
+            if refused is not None:
+                return refused
         if path == "/metrics":
             return _response(HTTPStatus.OK, self.metrics.render(), "text/plain; version=0.0.4")
         if path == "/web" or path.startswith("/web/"):
-            return self._static(path[len("/web") :])
+            response = self._static(path[len("/web") :])
+            if self.config.api_key is not None and response.status_code == HTTPStatus.OK:
+                # The page's own scripts and its WebSocket come back with this cookie.
+                response.headers["Set-Cookie"] = (
+                    f"{KEY_COOKIE}={self.config.api_key}; Path=/; HttpOnly; SameSite=Strict"
+                )
+            return response
         if path == "/":
             return _redirect("/web/")
         if path != "/v1/realtime":
             return self._json(HTTPStatus.NOT_FOUND, {"error": f"no route {path}"})
         return self._check_realtime(request)
+
+    def _check_http_key(self, request: Request) -> Response | None:
+        """/metrics and /web take the key as a Bearer header, `?api_key=` or the cookie."""
+        expected = self.config.api_key
+        if expected is None:
+            return None
+        given = _api_key(request) or _query_key(request) or _cookie_key(request)
+        if given is None or not hmac.compare_digest(given.encode(), expected.encode()):
+            return self._refuse(
+                HTTPStatus.UNAUTHORIZED, "invalid_api_key", "missing or invalid API key"
+            )
+        return None
 
     def _check_realtime(self, request: Request) -> Response | None:
         origin = request.headers.get("Origin")

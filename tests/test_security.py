@@ -171,6 +171,17 @@ def test_metrics_and_web_refuse_a_missing_or_wrong_key(gateway: Gateway, path: s
     assert get(gateway.http + path, AUTH)[0] == 200
 
 
+def test_browser_opens_the_page_with_the_key_in_its_address(gateway: Gateway) -> None:
+    """`/web/?api_key=KEY` sets an HttpOnly cookie that lets the page's scripts load."""
+    assert get(gateway.http + "/web/?api_key=sk-wrong")[0] == 401
+    request = urllib.request.Request(gateway.http + f"/web/?api_key={KEY}")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        cookie = response.headers["Set-Cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
+    assert get(gateway.http + "/web/app.js", {"Cookie": cookie.split(";")[0]})[0] == 200
+    assert get(gateway.http + "/web/app.js", {"Cookie": "duplex_gateway_key=nope"})[0] == 401
+
+
 def test_healthz_stays_open(gateway: Gateway) -> None:
     status, body = get(gateway.http + "/healthz")
     assert status == 200

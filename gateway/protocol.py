@@ -186,7 +186,7 @@ class AppendIn(_Event):
 
 
 class EmptyIn(_Event):
-    pass
+    """A client event that carries nothing but its type (and optional event_id)."""
 
 
 class ItemCreateIn(_Event):

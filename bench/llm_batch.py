@@ -23,7 +23,7 @@ import engine  # noqa: F401 - first, so MLX picks up the optimised BLAS
 from mlx_lm import batch_generate, load
 
 from engine import registry
-from engine.core import AsyncEngine, EngineCore
+from engine.core import AsyncEngine, EngineCore, exit_process
 from engine.llm import LlmInput, LlmStage
 from engine.request import SamplingParams
 
@@ -205,3 +205,4 @@ def _round(v: Any) -> Any:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)

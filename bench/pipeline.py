@@ -39,6 +39,7 @@ from duplex.contracts import (  # noqa: E402
 from duplex.outputs import DuplexStageOutput  # noqa: E402
 from engine.build import EngineBundle, build_engine  # noqa: E402
 from engine.config import load_config  # noqa: E402
+from engine.core import exit_process  # noqa: E402
 from engine.tts import TtsRequest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -205,3 +206,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)

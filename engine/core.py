@@ -12,17 +12,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
+import sys
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import mlx.core as mx
 
 from engine.stage import Stage, StageOutput
 
-__all__ = ["EngineCore", "AsyncEngine", "DEFAULT_MAX_QUEUED_OUTPUTS"]
+__all__ = ["EngineCore", "AsyncEngine", "DEFAULT_MAX_QUEUED_OUTPUTS", "exit_process"]
 
 logger = logging.getLogger(__name__)
 
@@ -371,3 +373,17 @@ class AsyncEngine:
         stream.items.clear()
         error = f"output queue overflow: consumer fell {self._limit} outputs behind"
         stream.put(StageOutput(key[1], None, finished=True, error=error))
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a process whose engine threads have been shut down, skipping C++ teardown.
+
+    MLX's static destructors at interpreter exit can abort ("terminate called without an
+    active exception") once MLX has run on a thread other than the main one. By the time
+    this is called every engine thread has been joined and every stream closed, so
+    nothing is lost by leaving without them: flush what Python buffered and exit.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

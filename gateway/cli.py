@@ -132,5 +132,12 @@ async def _start_engine(profile: dict[str, Any], config: Any, source: str) -> tu
     return backend, engine_config.stages.tts.voice
 
 
+def run() -> None:
+    """The `duplex-gateway` console script: `main`, then a clean hard exit."""
+    from engine.core import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()

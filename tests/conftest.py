@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,17 +22,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass
+class GatewayProcess:
+    """A `duplex-gateway` started through its CLI: its port, process and log lines."""
+
+    port: int
+    proc: subprocess.Popen
+    lines: list[str]
+
+
 @contextlib.contextmanager
-def running_gateway(
-    *args: str, env: dict[str, str] | None = None
-) -> Iterator[tuple[int, list[str]]]:
-    """Start `duplex-gateway --port P *args`; yield (port, its log lines); stop it after."""
+def running_gateway(*args: str, env: dict[str, str] | None = None) -> Iterator[GatewayProcess]:
+    """Start `duplex-gateway --port P *args` and stop it afterwards.
+
+    `DUPLEX_GATEWAY_API_KEY` from the outer environment is dropped so a test only gets
+    the key it asks for.
+    """
     port = free_port()
     cmd = [sys.executable, "-m", "gateway.cli", "--port", str(port), "--log-level", "WARNING"]
+    outer = {k: v for k, v in os.environ.items() if k != "DUPLEX_GATEWAY_API_KEY"}
     proc = subprocess.Popen(
         [*cmd, *args],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        env={**outer, "PYTHONPATH": str(ROOT), **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -52,7 +65,7 @@ def running_gateway(
     # Keep reading its log so a full pipe can never stall the server.
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     try:
-        yield port, lines
+        yield GatewayProcess(port, proc, lines)
     finally:
         proc.terminate()
         try:

@@ -10,23 +10,18 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import running_gateway
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.asyncio.client import ClientConnection, connect
 
-ROOT = Path(__file__).resolve().parent.parent
 SYNC = json.dumps({"type": "input_audio_buffer.clear"})
 
 
@@ -39,36 +34,12 @@ class Sent:
     event_id: str | None = None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def gateway() -> Iterator[int]:
     """`duplex-gateway` in a subprocess; yields its port."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "gateway.cli", "--port", str(port), "--log-level", "WARNING"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("DUPLEX_GATEWAY_API_KEY", None)
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    assert proc.stdout is not None
-    lines: list[str] = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "listening on" in line:
-            break
-    else:
-        raise RuntimeError("gateway exited:\n" + "".join(lines[-40:]))
-    try:
-        yield port
-        assert proc.poll() is None, "the gateway is still running after every example"
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with running_gateway() as gw:
+        yield gw.port
+        assert gw.proc.poll() is None, "the gateway is still running after every example"
 
 
 # -- strategies ------------------------------------------------------------------------

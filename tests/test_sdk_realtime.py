@@ -9,13 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,57 +18,30 @@ import numpy as np
 import pytest
 import soundfile as sf
 import soxr
+import yaml
+from conftest import ROOT, running_gateway
 from openai import AsyncOpenAI
 from websockets.asyncio.client import connect
 
-ROOT = Path(__file__).resolve().parent.parent
 RECORDING = Path("/usr/share/sounds/alsa/Front_Center.wav")
 MODEL = "duplex-smollm2"
 RATE = 24000
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def gateway() -> Iterator[str]:
-    """`duplex-gateway` in a subprocess; yields its ws base URL (…/v1)."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "gateway.cli", "--port", str(port), "--log-level", "WARNING"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    lines: list[str] = []
-    deadline = time.monotonic() + 900  # first run converts the models
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            raise RuntimeError("gateway exited:\n" + "".join(lines[-40:]))
-        lines.append(line)
-        if "listening on" in line:
-            break
-    else:
-        proc.kill()
-        raise RuntimeError("gateway did not start:\n" + "".join(lines[-40:]))
-    # Keep reading its log so a full pipe can never stall the server.
-    drain = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    drain.start()
-    try:
-        yield f"ws://127.0.0.1:{port}/v1"
-    finally:
-        proc.terminate()
-        try:
-            rc = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
-        drain.join(5)
-        assert rc == 0, "SIGTERM must shut down cleanly:\n" + "".join(lines[-30:])
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`duplex-gateway` in a subprocess; yields its ws base URL (…/v1).
+
+    The default profile with greedy decoding, so the facts the answers are checked for
+    do not depend on a sampling draw.
+    """
+    profile = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    profile["stages"]["llm"]["sampling"]["temperature"] = 0.0
+    path = tmp_path_factory.mktemp("profile") / "greedy.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    with running_gateway("--config", str(path)) as gw:
+        yield f"ws://127.0.0.1:{gw.port}/v1"
+    assert gw.proc.returncode == 0, "SIGTERM must shut down cleanly:\n" + "".join(gw.lines[-30:])
 
 
 def client(base: str) -> AsyncOpenAI:

@@ -8,27 +8,23 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 import yaml
+from conftest import ROOT, running_gateway
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from gateway.config import GatewayConfig
 
-ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-test-7f3a91"
 GOOD_ORIGIN = "https://app.example"
 MAX_SESSIONS = 3
@@ -57,12 +53,6 @@ class Gateway:
         return f"ws://127.0.0.1:{self.port}/v1/realtime"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """The CLI with a key, one allowed origin, tight limits and no --host."""
@@ -70,28 +60,9 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     profile["gateway"] = {"limits": LIMITS}
     path = tmp_path_factory.mktemp("profile") / "secure.yaml"
     path.write_text(yaml.safe_dump(profile))
-    port = _free_port()
-    cmd = [sys.executable, "-m", "gateway.cli", "--port", str(port), "--config", str(path)]
-    cmd += ["--api-key", KEY, "--allowed-origin", GOOD_ORIGIN]
-    cmd += ["--max-sessions", str(MAX_SESSIONS), "--log-level", "WARNING"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("DUPLEX_GATEWAY_API_KEY", None)
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    assert proc.stdout is not None
-    lines: list[str] = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "listening on" in line:
-            break
-    else:
-        raise RuntimeError("gateway exited:\n" + "".join(lines[-40:]))
-    try:
-        yield Gateway(port, proc.pid, lines)
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    args = ["--config", str(path), "--api-key", KEY, "--allowed-origin", GOOD_ORIGIN]
+    with running_gateway(*args, "--max-sessions", str(MAX_SESSIONS)) as gw:
+        yield Gateway(gw.port, gw.proc.pid, gw.lines)
 
 
 def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:

@@ -59,8 +59,8 @@ def microphone_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def web_url() -> Iterator[str]:
-    with running_gateway() as (port, _log):
-        yield f"http://127.0.0.1:{port}/web/"
+    with running_gateway() as gateway:
+        yield f"http://127.0.0.1:{gateway.port}/web/"
 
 
 def _demo(page: Page) -> dict:

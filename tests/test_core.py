@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from typing import Any
@@ -148,8 +149,12 @@ async def test_abort_of_queued_add_never_reaches_stage() -> None:
 
 async def test_leaving_a_stream_early_aborts_it(core: EngineCore) -> None:
     engine = AsyncEngine(core)
-    async for _ in engine.stream("count", "early", 10_000):
-        break
+    # `aclosing` runs the stream's cleanup at the break; a bare `break` leaves it to the
+    # garbage collector's finalizer task, a tick later.
+    stream = engine.stream("count", "early", 10_000)
+    async with contextlib.aclosing(stream):
+        async for _ in stream:
+            break
     await engine.call("count", "echo", "sync")
     assert core.pending()["count"] == 0
 

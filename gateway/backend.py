@@ -80,5 +80,8 @@ class Backend(Protocol):
     def open_speech(self, session_id: str) -> SpeechSource:
         """Server VAD for one connection."""
 
+    def pending(self) -> dict[str, int]:
+        """Engine requests in flight per stage (for /metrics)."""
+
     async def close(self) -> None:
         """Stop the engine: every open session's work is aborted."""

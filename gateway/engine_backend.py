@@ -211,6 +211,10 @@ class EngineBackend:
     def open_speech(self, session_id: str) -> EngineSpeechSource:
         return EngineSpeechSource(self.vad_engine, session_id)
 
+    def pending(self) -> dict[str, int]:
+        # The VAD port is the whole engine (`AsyncEngine`), so it counts every stage.
+        return self.vad_engine.pending()
+
     async def close(self) -> None:
         await self.manager.close_all()
         if self._on_close is not None:

@@ -3,11 +3,39 @@ so several servers in one process, as in tests, do not collide)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import asyncio
+from collections.abc import Callable, Iterator, Mapping
 
-__all__ = ["GatewayMetrics"]
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+__all__ = ["GatewayMetrics", "LOOP_LAG_INTERVAL_S"]
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+# One 20 ms audio frame late is already audible, so the fine buckets sit below that.
+_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+LOOP_LAG_INTERVAL_S = 0.1
+
+PendingSource = Callable[[], Mapping[str, int]]
+
+
+class _EnginePending:
+    """Engine requests per stage, read from the engine at each scrape (never stale)."""
+
+    name = "duplex_gateway_engine_pending_requests"
+    documentation = "Engine requests accepted by a stage and not yet finished, per stage"
+
+    def __init__(self, source: PendingSource) -> None:
+        self._source = source
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(self.name, self.documentation, labels=["stage"])
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self.name, self.documentation, labels=["stage"])
+        for stage, count in sorted(self._source().items()):
+            family.add_metric([stage], count)
+        yield family
 
 
 class GatewayMetrics:
@@ -53,6 +81,29 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+
+        # A histogram rather than the latest sample: a stall between two scrapes still
+        # counts, and histogram_quantile() aggregates it across gateways.
+        self.loop_lag = Histogram(
+            "duplex_gateway_event_loop_lag_seconds",
+            f"How late the event loop ran a timer due every {LOOP_LAG_INTERVAL_S:g} s; "
+            "every session's audio waits that long",
+            buckets=_LAG_BUCKETS,
+            registry=r,
+        )
+
+    def watch_engine(self, pending: PendingSource) -> None:
+        """Export `pending()` (requests per stage) as a gauge read at each scrape."""
+        self.registry.register(_EnginePending(pending))
+
+    async def sample_loop_lag(self, interval: float = LOOP_LAG_INTERVAL_S) -> None:
+        """Observe the running loop's lag every `interval` seconds until cancelled."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + interval
+            await asyncio.sleep(interval)
+            # The loop may run a timer up to its clock resolution early.
+            self.loop_lag.observe(max(0.0, loop.time() - due))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -78,9 +78,11 @@ class GatewayServer:
         self.config = config
         self.backend = backend
         self.metrics = metrics or GatewayMetrics()
+        self.metrics.watch_engine(backend.pending)
         self.web_root = (config.web_root or DEFAULT_WEB_ROOT).resolve()
         self.connections: set[RealtimeConnection] = set()
         self._server: Server | None = None
+        self._loop_lag: asyncio.Task[None] | None = None
 
     @property
     def port(self) -> int:
@@ -99,6 +101,7 @@ class GatewayServer:
             compression=None,
             server_header="duplex-gateway",
         )
+        self._loop_lag = asyncio.create_task(self.metrics.sample_loop_lag(), name="loop-lag")
         logger.info("listening on ws://%s:%d/v1/realtime", self.config.host, self.port)
 
     async def serve_forever(self) -> None:
@@ -109,6 +112,9 @@ class GatewayServer:
         """Stop accepting, close every session with 1001 and `reason`, stop the engine."""
         if self._server is None:
             return
+        if self._loop_lag is not None:
+            self._loop_lag.cancel()
+            await asyncio.gather(self._loop_lag, return_exceptions=True)
         self._server.close(close_connections=False)
         await asyncio.gather(
             *(conn.shutdown(reason) for conn in list(self.connections)), return_exceptions=True

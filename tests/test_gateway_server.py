@@ -134,6 +134,9 @@ class FakeBackend:
     def open_speech(self, session_id: str) -> EnergySpeech:
         return EnergySpeech()
 
+    def pending(self) -> dict[str, int]:
+        return {}
+
     async def close(self) -> None:
         self.closed = True
 

@@ -141,6 +141,23 @@ class DuplexSessionHandle:
         await self._carry_out(steps)
         return turn_id
 
+    def prepare_turn(
+        self, plan: DuplexAppendPlan, *, entry_stage_id: int, final_stage_id: int
+    ) -> None:
+        """Let the port work ahead on the turn `start_turn` with these arguments would
+        start; the outputs appear only if that turn is then started.
+
+        Raises: as `start_turn` (ValueError, DuplexStateError), without changing anything.
+        """
+        turn = self._session.prepare_turn(
+            plan, entry_stage_id=entry_stage_id, final_stage_id=final_stage_id
+        )
+        self._manager.port.prepare_turn(turn)
+
+    def discard_prepared(self) -> None:
+        """Stop work the port did ahead for this session, if any."""
+        self._manager.port.discard_prepared(self.session_id)
+
     async def barge_in(self) -> bool:
         """Cancel the active turn because the user spoke; False if none was active."""
         steps = self._session.barge_in()
@@ -273,6 +290,7 @@ class DuplexSessionHandle:
         return collections.deque([*rest, *self._deliver(steps)])
 
     async def _close(self) -> None:
+        self.discard_prepared()
         await self._carry_out(self._session.close())
         # Port calls already under way (e.g. a submit) finish before the slot is freed.
         while self._tasks:

@@ -12,6 +12,13 @@ to one sink, on the asyncio loop thread, as a `DuplexStageOutput`:
 
 `finished=True` marks the last output of a stage request (any kind may carry it).
 `metadata` holds usage, `finish_reason`, the error message and metrics; it is frozen.
+
+A port may also work ahead: `prepare_turn` hands it the turn a session expects to start
+next (say, while the user's silence is not yet long enough to end their turn). The port
+may start that work with its outputs held back. The next submission of the session whose
+turn equals the prepared one may take the work over; any other submission, or
+`discard_prepared`, drops it. Nothing of a prepared turn reaches the sink unless a
+submission took it over, and then only under that submission's request ids.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from duplex.contracts import (
 
 __all__ = [
     "OUTPUT_KINDS",
+    "DuplexPreparedTurn",
     "DuplexStageOutput",
     "DuplexStreamingStagePort",
     "fence_from_request_id",
@@ -73,8 +81,27 @@ class DuplexStageOutput:
         return len(self.audio) / 2 / self.sample_rate * 1000.0
 
 
+@dataclass(frozen=True)
+class DuplexPreparedTurn:
+    """A turn a session expects to start next, as `start_turn` would submit it."""
+
+    session_id: str
+    config_generation: int
+    sampling_params: tuple[object, ...]
+    prompt: Mapping[str, object]
+    entry_stage_id: int
+    final_stage_id: int
+
+
 class DuplexStreamingStagePort(DuplexStagePort):
     """A stage port that pushes session-owned outputs to one sink."""
+
+    def prepare_turn(self, turn: DuplexPreparedTurn) -> None:  # noqa: B027 - optional
+        """Work ahead on `turn` (see the module docstring); a port may decline by doing
+        nothing, as this default does, and every turn then runs from its submission."""
+
+    def discard_prepared(self, session_id: str) -> None:  # noqa: B027 - optional
+        """Drop the session's prepared turn, if the port holds one."""
 
     @abstractmethod
     def attach_output_sink(self, sink: Callable[[DuplexStageOutput], None]) -> None:

@@ -44,7 +44,7 @@ from duplex.contracts import (
     duplex_same_turn_request_ids,
 )
 from duplex.events import SessionClosed, SessionOpened, TurnDone, TurnOutput, TurnStatus
-from duplex.outputs import DuplexStageOutput, fence_from_request_id
+from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput, fence_from_request_id
 from duplex.playback import PlaybackLedger
 from duplex.state import SessionState, TurnEvent, transition
 
@@ -203,6 +203,32 @@ class DuplexSession:
             context=contexts[0], prompt=plan.prompt, already_submitted=False, resumable=False
         )
         return [*(EnsureRequest(ctx) for ctx in contexts), SubmitRequest(submission)]
+
+    def prepare_turn(
+        self, plan: DuplexAppendPlan, *, entry_stage_id: int, final_stage_id: int
+    ) -> DuplexPreparedTurn:
+        """The turn `start_turn(plan, ...)` would submit now, for the port to work ahead on.
+
+        Changes nothing here: the turn exists only once `start_turn` is called.
+
+        Raises: as `start_turn`.
+        """
+        if not isinstance(plan, DuplexAppendPlan):
+            raise ValueError(f"prepare_turn needs a DuplexAppendPlan, got {type(plan).__name__}")
+        if not 0 <= entry_stage_id <= final_stage_id < self._stage_count:
+            raise ValueError(
+                f"stages must satisfy 0 <= entry ({entry_stage_id}) <= final "
+                f"({final_stage_id}) < stage_count ({self._stage_count})"
+            )
+        transition(self._state, TurnEvent.START_TURN)  # raises unless a turn could start
+        return DuplexPreparedTurn(
+            session_id=self.session_id,
+            config_generation=self._config_generation,
+            sampling_params=self._sampling_defaults,
+            prompt=plan.prompt,
+            entry_stage_id=entry_stage_id,
+            final_stage_id=final_stage_id,
+        )
 
     def barge_in(self) -> list[SessionStep]:
         """The user started speaking: cancel the active turn (no-op when none)."""

@@ -15,12 +15,18 @@ Rules of this module:
    nothing of an aborted request reaches the sink once `abort_requests` returns.
 3. A failing stage ends its turn with one `error` output on that stage's id; the turn's
    later stages emit nothing.
+4. A prepared turn (`prepare_turn`, one per session) runs like any other under engine
+   request ids of its own, but its outputs are held. A submission with an equal turn
+   adopts it: the held outputs go out first, under the submission's ids, and the rest
+   follows as it comes. Any other submission of the session, or `discard_prepared`,
+   stops it and drops what it held.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -37,7 +43,7 @@ from duplex.contracts import (
     duplex_ephemeral_stage_request_id,
     duplex_turn_id_from_request_id,
 )
-from duplex.outputs import DuplexStageOutput, DuplexStreamingStagePort
+from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput, DuplexStreamingStagePort
 from engine.clauses import ClauseSplitter
 from engine.config import EngineConfig
 from engine.core import AsyncEngine
@@ -114,11 +120,15 @@ class _Plan:
 
 @dataclass
 class _Turn:
-    ids: dict[int, str]  # stage id -> request id, entry stage .. final stage
+    ids: dict[int, str]  # stage id -> engine request id, entry stage .. final stage
+    out_ids: dict[int, str]  # stage id -> the request id its outputs carry
     plan: _Plan
     params: tuple[Any, ...]
     task: asyncio.Task[None] | None = None
     marks: dict[str, float] = field(default_factory=dict)
+    # A prepared turn's outputs wait here until a submission adopts it (rule 4).
+    held: list[tuple[int, str, dict[str, Any]]] | None = None
+    held_finished: set[int] = field(default_factory=set)
 
     def since(self, mark: str) -> float:
         return (time.perf_counter() - self.marks[mark]) * 1000.0
@@ -128,6 +138,12 @@ class _Turn:
 class _SessionParams:
     generation: int
     params: tuple[Any, ...]
+
+
+@dataclass
+class _Prepared:
+    spec: DuplexPreparedTurn
+    turn: _Turn
 
 
 class DuplexOrchestrator(DuplexStreamingStagePort):
@@ -144,6 +160,9 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         self._sessions: dict[str, _SessionParams] = {}
         self._turns: dict[str, _Turn] = {}  # every id of a running turn -> the turn
         self._open: set[str] = set()
+        self._prepared: dict[str, _Prepared] = {}  # session id -> its prepared turn
+        self._serial = itertools.count()
+        self.prepare_stats = {"adopted": 0, "discarded": 0}
 
     # --- DuplexStagePort -------------------------------------------------------------
 
@@ -197,18 +216,41 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             raise ValueError(f"request {rid!r} was already submitted; a turn takes one prompt")
         if duplex_turn_id_from_request_id(rid) is None:
             raise ValueError(f"request {rid!r} is not a per-turn (stage{{N}}-turn{{T}}) id")
-        if context.stage_id not in (ASR, LLM):
-            raise ValueError(
-                f"a turn enters at stage 0 (audio) or 1 (text), not {context.stage_id}"
-            )
-        if context.final_stage_id not in (LLM, TTS) or context.final_stage_id < context.stage_id:
-            raise ValueError("a turn ends at stage 1 (text reply) or 2 (spoken reply)")
-        plan = _parse_prompt(submission.prompt, context)
         params = self._sessions[context.session_id].params
-        self._check_audio_length(plan, params[ASR])
-        self._check_voice(plan, params[TTS])
-        self._start_turn(context, plan, params)
+        plan = self._check_turn(submission.prompt, context.stage_id, context.final_stage_id, params)
+        prepared = self._take_prepared(context, plan, params)
+        if prepared is not None:
+            self._adopt(prepared, context)
+        else:
+            self._start_turn(context, plan, params)
         return DuplexStageSubmissionResult(request_id=rid, stage_id=context.stage_id, replica_id=0)
+
+    def prepare_turn(self, turn: DuplexPreparedTurn) -> None:
+        """Start `turn` with its outputs held (rule 4); it replaces the session's
+        previous prepared turn. A turn `submit` would refuse is not prepared."""
+        self.discard_prepared(turn.session_id)
+        try:
+            _check_params(turn.sampling_params)
+            plan = self._check_turn(
+                turn.prompt, turn.entry_stage_id, turn.final_stage_id, turn.sampling_params
+            )
+        except ValueError as exc:
+            logger.debug("turn of %s not prepared: %s", turn.session_id, exc)
+            return
+        serial = next(self._serial)
+        ids = {
+            stage: f"{turn.session_id}.prepared{serial}.stage{stage}"
+            for stage in range(turn.entry_stage_id, turn.final_stage_id + 1)
+        }
+        work = _Turn(ids=ids, out_ids={}, plan=plan, params=turn.sampling_params, held=[])
+        self._prepared[turn.session_id] = _Prepared(turn, work)
+        self._launch(work)
+
+    def discard_prepared(self, session_id: str) -> None:
+        prepared = self._prepared.pop(session_id, None)
+        if prepared is not None:
+            self.prepare_stats["discarded"] += 1
+            self._stop(prepared.turn)
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         turns = self._close(request_ids)
@@ -226,7 +268,9 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
                 self._sessions.pop(context.session_id, None)
 
     async def shutdown(self) -> None:
-        """Stop every running turn; nothing more reaches the sink."""
+        """Stop every running and prepared turn; nothing more reaches the sink."""
+        for session_id in list(self._prepared):
+            self.discard_prepared(session_id)
         await self.abort_requests(list(self._turns))
 
     # --- introspection ---------------------------------------------------------------
@@ -237,28 +281,84 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
     def reserved_requests(self) -> int:
         return len(self._reserved)
 
+    def prepared_turns(self) -> int:
+        return len(self._prepared)
+
     # --- turn lifecycle --------------------------------------------------------------
+
+    def _check_turn(
+        self, prompt: Mapping[str, Any], entry: int, final: int, params: tuple[Any, ...]
+    ) -> _Plan:
+        if entry not in (ASR, LLM):
+            raise ValueError(f"a turn enters at stage 0 (audio) or 1 (text), not {entry}")
+        if final not in (LLM, TTS) or final < entry:
+            raise ValueError("a turn ends at stage 1 (text reply) or 2 (spoken reply)")
+        plan = _parse_prompt(prompt, entry, final)
+        self._check_audio_length(plan, params[ASR])
+        self._check_voice(plan, params[TTS])
+        return plan
 
     def _start_turn(
         self, context: DuplexStageRequestContext, plan: _Plan, params: tuple[Any, ...]
     ) -> _Turn:
         fence: DuplexFence = context.fence
-        entry = ASR if plan.audio is not None else LLM
         ids = {
             stage: duplex_ephemeral_stage_request_id(fence, stage_id=stage)
             for stage in range(context.stage_id, context.final_stage_id + 1)
         }
-        turn = _Turn(ids=ids, plan=plan, params=params)
-        turn.marks["submit"] = time.perf_counter()
-        for rid in ids.values():
+        turn = _Turn(ids=ids, out_ids=dict(ids), plan=plan, params=params)
+        self._register(turn)
+        self._launch(turn)
+        return turn
+
+    def _register(self, turn: _Turn) -> None:
+        for rid in turn.out_ids.values():
             self._turns[rid] = turn
             self._open.add(rid)
-        if entry == LLM and ASR in ids:
+
+    def _launch(self, turn: _Turn) -> None:
+        turn.marks["submit"] = time.perf_counter()
+        if turn.plan.audio is None and ASR in turn.ids:
             # A text prompt on the audio entry: stage 0 has nothing to do.
             self._emit(turn, ASR, "done", finished=True, metadata={"skipped": True})
-        turn.task = asyncio.create_task(self._run(turn), name=f"turn {ids[context.stage_id]}")
+        turn.task = asyncio.create_task(self._run(turn), name=f"turn {turn.ids[min(turn.ids)]}")
         turn.task.add_done_callback(lambda _: self._forget(turn))
+
+    def _take_prepared(
+        self, context: DuplexStageRequestContext, plan: _Plan, params: tuple[Any, ...]
+    ) -> _Turn | None:
+        """The session's prepared turn if it equals this submission; else it is stopped."""
+        prepared = self._prepared.pop(context.session_id, None)
+        if prepared is None:
+            return None
+        spec, turn = prepared.spec, prepared.turn
+        same = (
+            spec.config_generation == context.config_generation
+            and spec.entry_stage_id == context.stage_id
+            and spec.final_stage_id == context.final_stage_id
+            and turn.params == params
+            and _same_plan(turn.plan, plan)
+        )
+        if not same:
+            self.prepare_stats["discarded"] += 1
+            self._stop(turn)
+            return None
+        self.prepare_stats["adopted"] += 1
         return turn
+
+    def _adopt(self, turn: _Turn, context: DuplexStageRequestContext) -> None:
+        """Rule 4: the submission's ids take over the prepared turn's outputs."""
+        turn.out_ids = {
+            stage: duplex_ephemeral_stage_request_id(context.fence, stage_id=stage)
+            for stage in turn.ids
+        }
+        self._register(turn)
+        turn.marks["adopted"] = time.perf_counter()
+        held, turn.held = turn.held or [], None
+        for stage, kind, fields in held:
+            self._emit(turn, stage, kind, **fields)
+        if turn.task is not None and turn.task.done():
+            self._forget(turn)  # it finished while held: its done callback found no ids
 
     def _close(self, request_ids: list[str]) -> list[_Turn]:
         """Close the ids and return their running turns (each once)."""
@@ -272,7 +372,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
 
     def _stop(self, turn: _Turn) -> None:
         """Stop a turn at once: no id of it outputs again, every stage drops its request."""
-        for rid in turn.ids.values():
+        for rid in turn.out_ids.values():
             self._open.discard(rid)
         if turn.task is not None and turn.task is not asyncio.current_task():
             turn.task.cancel()
@@ -289,7 +389,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             await asyncio.wait(tasks)
 
     def _forget(self, turn: _Turn) -> None:
-        for rid in turn.ids.values():
+        for rid in turn.out_ids.values():
             self._open.discard(rid)
             if self._turns.get(rid) is turn:
                 del self._turns[rid]
@@ -313,7 +413,13 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
     # --- output ----------------------------------------------------------------------
 
     def _emit(self, turn: _Turn, stage: int, kind: str, **fields: Any) -> None:
-        rid = turn.ids.get(stage)
+        if turn.held is not None:
+            if stage in turn.ids and stage not in turn.held_finished:
+                if fields.get("finished"):
+                    turn.held_finished.add(stage)
+                turn.held.append((stage, kind, fields))
+            return
+        rid = turn.out_ids.get(stage)
         if rid is None or rid not in self._open:
             return  # aborted, cleaned up or already finished: dropped by rule 2
         if fields.get("finished"):
@@ -341,9 +447,14 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             raise
         except Exception as exc:  # a bug or a dead engine must fail the turn, not hang it
             logger.exception("turn %s failed", turn.ids[min(turn.ids)])
-            still_open = [s for s, rid in sorted(turn.ids.items()) if rid in self._open]
+            still_open = self._open_stages(turn)
             if still_open:
                 self._fail(turn, still_open[0], f"{type(exc).__name__}: {exc}")
+
+    def _open_stages(self, turn: _Turn) -> list[int]:
+        if turn.held is not None:
+            return [s for s in sorted(turn.ids) if s not in turn.held_finished]
+        return [s for s, rid in sorted(turn.out_ids.items()) if rid in self._open]
 
     async def _transcribe(self, turn: _Turn) -> str | None:
         rid = turn.ids[ASR]
@@ -522,7 +633,7 @@ def _check_params(params: tuple[Any, ...]) -> None:
             )
 
 
-def _parse_prompt(prompt: Mapping[str, Any], context: DuplexStageRequestContext) -> _Plan:
+def _parse_prompt(prompt: Mapping[str, Any], entry: int, final: int) -> _Plan:
     """Validate a `DuplexAppendPlan.prompt`; raise ValueError naming the bad field."""
     unknown = set(prompt) - PROMPT_KEYS
     if unknown:
@@ -532,11 +643,11 @@ def _parse_prompt(prompt: Mapping[str, Any], context: DuplexStageRequestContext)
         raise ValueError("a turn prompt takes at most one of 'audio' or 'text'")
     if audio is not None:
         audio = _check_audio(audio)
-        if context.stage_id != ASR:
+        if entry != ASR:
             raise ValueError("an audio turn enters at stage 0 (ASR)")
     if text is not None and not isinstance(text, str):
         raise ValueError("'text' must be a string")
-    speak = context.final_stage_id == TTS
+    speak = final == TTS
     modalities = tuple(prompt.get("output_modalities") or (("audio",) if speak else ("text",)))
     if not set(modalities) <= {"text", "audio"}:
         raise ValueError("'output_modalities' must be ['text'] or ['audio']")
@@ -583,3 +694,12 @@ def _check_messages(messages: Any) -> tuple[Mapping[str, str], ...]:
             raise ValueError(f"messages[{i}]: role must be one of {sorted(ROLES)}, content a str")
         checked.append({"role": message["role"], "content": message["content"]})
     return tuple(checked)
+
+
+def _same_plan(a: _Plan, b: _Plan) -> bool:
+    """Equal turns: the same audio samples and every other field equal."""
+    if (a.audio is None) != (b.audio is None):
+        return False
+    if a.audio is not None and not np.array_equal(a.audio, b.audio):
+        return False
+    return dataclasses.replace(a, audio=None) == dataclasses.replace(b, audio=None)

@@ -14,6 +14,10 @@ Rules (Silero's own streaming iterator, plus the OpenAI server-VAD fields):
 - Speech stops once the open silence has lasted `silence_duration_ms`. `audio_end_ms` is
   where the silence began (the end of the last speech chunk); `detected_ms` is where the
   decision was taken, i.e. `audio_end_ms` plus at least `silence_duration_ms`.
+- With `pause_after_ms` set (below `silence_duration_ms`), an open silence that lasts that
+  long first reports a pause with the `audio_end_ms` the stop would have, so work on the
+  turn can start while the silence runs on; speech coming back before the stop reports
+  that the pause is over.
 """
 
 from __future__ import annotations
@@ -23,7 +27,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["SpeechDetector", "SpeechEvent", "SpeechStarted", "SpeechStopped"]
+__all__ = [
+    "SpeechDetector",
+    "SpeechEvent",
+    "SpeechPaused",
+    "SpeechResumed",
+    "SpeechStarted",
+    "SpeechStopped",
+]
 
 HYSTERESIS = 0.15
 MIN_NEG_THRESHOLD = 0.01
@@ -41,7 +52,18 @@ class SpeechStopped:
     detected_ms: int
 
 
-SpeechEvent = SpeechStarted | SpeechStopped
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpeechPaused:
+    audio_end_ms: int
+    detected_ms: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpeechResumed:
+    detected_ms: int
+
+
+SpeechEvent = SpeechStarted | SpeechStopped | SpeechPaused | SpeechResumed
 
 
 class SpeechDetector:
@@ -52,6 +74,7 @@ class SpeechDetector:
         silence_duration_ms: int = 500,
         sample_rate: int = 16000,
         chunk: int = 512,
+        pause_after_ms: int | None = None,
     ) -> None:
         real = isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
         if not real or not 0 <= threshold <= 1:
@@ -62,9 +85,15 @@ class SpeechDetector:
         self.silence_duration_ms = _whole("silence_duration_ms", silence_duration_ms, minimum=0)
         self.sample_rate = _whole("sample_rate", sample_rate, minimum=1)
         self.chunk = _whole("chunk", chunk, minimum=1)
+        if pause_after_ms is not None:
+            pause_after_ms = _whole("pause_after_ms", pause_after_ms, minimum=0)
+        # A pause as long as the stop's silence would only ever come with the stop.
+        useful = pause_after_ms is not None and pause_after_ms < self.silence_duration_ms
+        self.pause_after_ms = pause_after_ms if useful else None
         self._chunks = 0  # chunks seen: the stream clock
         self._speaking = False
         self._silence_start: int | None = None  # chunk index where the open silence began
+        self._paused = False  # a pause was reported for the open silence
 
     @property
     def speaking(self) -> bool:
@@ -104,17 +133,25 @@ class SpeechDetector:
             return SpeechStarted(audio_start_ms=start, detected_ms=self.position_ms)
         if p >= self.threshold:
             self._silence_start = None
+            if self._paused:
+                self._paused = False
+                return SpeechResumed(detected_ms=self.position_ms)
         elif p < self.neg_threshold and self._silence_start is None:
             self._silence_start = index
         if self._silence_start is None:
             return None
-        silence_ms = self.position_ms - self._ms(self._silence_start)
-        if silence_ms < self.silence_duration_ms:
-            return None
-        self._speaking = False
         end = self._ms(self._silence_start)
-        self._silence_start = None
-        return SpeechStopped(audio_end_ms=end, detected_ms=self.position_ms)
+        silence_ms = self.position_ms - end
+        if silence_ms >= self.silence_duration_ms:
+            self._speaking = False
+            self._paused = False
+            self._silence_start = None
+            return SpeechStopped(audio_end_ms=end, detected_ms=self.position_ms)
+        pause = self.pause_after_ms
+        if pause is not None and silence_ms >= pause and not self._paused:
+            self._paused = True
+            return SpeechPaused(audio_end_ms=end, detected_ms=self.position_ms)
+        return None
 
     def __repr__(self) -> str:
         return (

@@ -14,7 +14,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from gateway.realtime import StartResponse
+from gateway.realtime import PrepareResponse, StartResponse
 
 __all__ = ["Backend", "BackendSession", "SpeechEvent", "SpeechSource", "TurnOutput"]
 
@@ -36,9 +36,10 @@ class TurnOutput:
 
 @dataclass(frozen=True)
 class SpeechEvent:
-    """Server VAD: speech `started` or `stopped` at session time `ms`."""
+    """Server VAD: speech `started` or `stopped` at session time `ms`; `paused` (the
+    silence that began at `ms` may become a stop) and `resumed` (it did not)."""
 
-    kind: Literal["started", "stopped"]
+    kind: Literal["started", "stopped", "paused", "resumed"]
     ms: float
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -46,6 +47,13 @@ class SpeechEvent:
 class BackendSession(Protocol):
     def start(self, action: StartResponse) -> None:
         """Begin generating a response; its outputs arrive through `outputs()`."""
+
+    def prepare(self, action: PrepareResponse) -> None:
+        """Start the work of a response that may be started next, its outputs held
+        back; a `start` with an equal prompt takes it over."""
+
+    def discard_prepared(self) -> None:
+        """Stop the prepared work, if any."""
 
     def cancel(self, response_id: str, barge_in: bool) -> None:
         """Stop a response at once; no output of it is needed any more."""
@@ -58,8 +66,9 @@ class BackendSession(Protocol):
 
 
 class SpeechSource(Protocol):
-    def configure(self, settings: Any, start_ms: float) -> None:
-        """Restart detection with new server-VAD settings (None stops it)."""
+    def configure(self, settings: Any, start_ms: float, pause_after_ms: int | None = None) -> None:
+        """Restart detection with new server-VAD settings (None stops it); with
+        `pause_after_ms`, silences that long are reported as pauses."""
 
     def feed(self, samples: np.ndarray) -> None:
         """Float32 16 kHz audio, in order, as the client appends it."""

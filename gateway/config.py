@@ -51,6 +51,11 @@ class GatewayConfig(BaseModel):
     # A new session's `instructions`; the CLI fills it from the profile's system prompt.
     default_instructions: str = ""
     transcription_languages: tuple[str, ...] = ("en",)
+    # Server VAD: once a silence in speech lasts this long, the response its stop would
+    # create starts in the engine with its outputs held back, so the silence the turn
+    # detector waits out overlaps the model work. Speech going on discards it; None
+    # turns it off. Below the session's silence_duration_ms to have any effect.
+    prepare_after_silence_ms: int | None = Field(150, ge=0)
     web_root: Path | None = None
     limits: SessionLimits = SessionLimits()
 

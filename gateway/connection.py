@@ -28,7 +28,9 @@ from gateway.realtime import (
     CancelResponse,
     CloseSession,
     ConfigureVad,
+    DiscardPrepared,
     FeedVad,
+    PrepareResponse,
     RealtimeSession,
     StartResponse,
 )
@@ -160,6 +162,10 @@ class RealtimeConnection:
             self.core.speech_started(event.ms)
             if active is not None and self.core.active_id is None:
                 self.metrics.barge_ins.inc()
+        elif event.kind == "paused":
+            self.core.speech_paused(event.ms)
+        elif event.kind == "resumed":
+            self.core.speech_resumed()
         else:
             self._speech_stopped_at = time.monotonic()
             self.core.speech_stopped(event.ms)
@@ -193,8 +199,12 @@ class RealtimeConnection:
                 self.session.cancel(action.response_id, action.reason == "turn_detected")
             elif isinstance(action, FeedVad):
                 self.speech.feed(action.samples)
+            elif isinstance(action, PrepareResponse):
+                self.session.prepare(action)
+            elif isinstance(action, DiscardPrepared):
+                self.session.discard_prepared()
             elif isinstance(action, ConfigureVad):
-                self.speech.configure(action.settings, action.start_ms)
+                self.speech.configure(action.settings, action.start_ms, action.pause_after_ms)
             elif isinstance(action, CloseSession):
                 self._finish(action)
 

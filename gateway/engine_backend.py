@@ -22,7 +22,7 @@ from duplex.events import TurnDone
 from duplex.events import TurnOutput as DuplexTurnOutput
 from duplex.manager import DuplexSessionHandle, DuplexSessionManager
 from gateway.backend import TurnOutput
-from gateway.realtime import StartResponse
+from gateway.realtime import PrepareResponse, StartResponse
 from gateway.turn_detection import EngineSpeechSource, VadEngine
 
 __all__ = ["EngineBackend", "realtime_usage"]
@@ -67,6 +67,12 @@ class _Lane:
     def start(self, action: StartResponse) -> None:
         self._commands.put_nowait(lambda: self._start(action))
 
+    def prepare(self, action: PrepareResponse) -> None:
+        self._commands.put_nowait(lambda: self._prepare(action))
+
+    def discard_prepared(self) -> None:
+        self._commands.put_nowait(self._discard_prepared)
+
     def cancel(self, barge_in: bool) -> None:
         self._commands.put_nowait(self.handle.barge_in if barge_in else self.handle.cancel)
 
@@ -84,6 +90,20 @@ class _Lane:
                 await command()
             except Exception:  # a failed command must not stop the ones after it
                 logger.exception("duplex command failed on %s", self.handle.session_id)
+
+    async def _prepare(self, action: PrepareResponse) -> None:
+        try:
+            self.handle.prepare_turn(
+                DuplexAppendPlan(prompt=action.prompt),
+                entry_stage_id=action.entry_stage_id,
+                final_stage_id=action.final_stage_id,
+            )
+        except (DuplexError, ValueError) as exc:
+            # Only an optimisation: the turn itself reports what is wrong when it starts.
+            logger.debug("turn not prepared on %s: %s", self.handle.session_id, exc)
+
+    async def _discard_prepared(self) -> None:
+        self.handle.discard_prepared()
 
     async def _start(self, action: StartResponse) -> None:
         self._starting = action.response_id
@@ -168,6 +188,12 @@ class EngineBackendSession:
             lane = self._out_of_band.pop(response_id, None)
             if lane is not None:
                 asyncio.create_task(lane.close())
+
+    def prepare(self, action: PrepareResponse) -> None:
+        self._default.prepare(action)
+
+    def discard_prepared(self) -> None:
+        self._default.discard_prepared()
 
     def cancel(self, response_id: str, barge_in: bool) -> None:
         lane = self._out_of_band.pop(response_id, None)

@@ -38,7 +38,9 @@ __all__ = [
     "ClientError",
     "CloseSession",
     "ConfigureVad",
+    "DiscardPrepared",
     "FeedVad",
+    "PrepareResponse",
     "RealtimeSession",
     "StartResponse",
 ]
@@ -64,6 +66,24 @@ class StartResponse:
 
 
 @dataclass(frozen=True)
+class PrepareResponse:
+    """Start work on the response a pause in speech would get if it became a stop.
+
+    The engine holds its outputs back; the `StartResponse` of the same turn (an equal
+    prompt) takes the work over, and anything else discards it.
+    """
+
+    prompt: dict[str, Any]
+    entry_stage_id: int
+    final_stage_id: int
+
+
+@dataclass(frozen=True)
+class DiscardPrepared:
+    """The prepared response will not be asked for: stop its work."""
+
+
+@dataclass(frozen=True)
 class CancelResponse:
     """Stop a response's engine work; `reason` "turn_detected" is a barge-in."""
 
@@ -82,6 +102,7 @@ class ConfigureVad:
 
     settings: Any
     start_ms: float
+    pause_after_ms: int | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +159,7 @@ class RealtimeSession:
         self._buffer_start_ms = 0.0
         self._speech_item_id: str | None = None
         self._speech_start_ms = 0.0
+        self._prepared = False  # the engine holds a prepared response for this speech
         self._idle_since_ms = 0.0
         self._vad_resampler: StreamResampler | None = None
         self._events: list[dict[str, Any]] = []
@@ -278,7 +300,9 @@ class RealtimeSession:
         self._idle_since_ms = self.audio_ms
         fmt = self.settings.input_format
         self._vad_resampler = None if detection is None else StreamResampler(fmt.rate, ENGINE_RATE)
-        self._actions.append(ConfigureVad(detection, self.audio_ms))
+        self._discard_prepared()
+        pause = self.config.prepare_after_silence_ms if detection is not None else None
+        self._actions.append(ConfigureVad(detection, self.audio_ms, pause))
 
     # -- input audio -------------------------------------------------------------------
 
@@ -341,9 +365,11 @@ class RealtimeSession:
         if self._speech_item_id is not None:
             # A manual commit in the middle of detected speech ends that speech turn.
             self._speech_item_id = None
+            self._discard_prepared()
         self._commit(new_id("item"), self._buffer_start_ms, self.audio_ms)
 
     def _on_input_audio_buffer_clear(self, event: Any) -> None:
+        self._discard_prepared()
         self._buffer.clear()
         self._buffer_start_ms = self.audio_ms
         self._speech_item_id = None
@@ -357,15 +383,20 @@ class RealtimeSession:
             "type",
         )
 
-    def _take_buffer(self, start_ms: float, end_ms: float) -> bytes:
-        """Remove and return buffered audio in [start_ms, end_ms); later audio stays."""
+    def _buffer_span(self, start_ms: float, end_ms: float) -> tuple[int, int]:
+        """Byte offsets of [start_ms, end_ms) in the buffer, on whole samples."""
         fmt = self.settings.input_format
         step = fmt.sample_bytes
         lo = max(0, int((start_ms - self._buffer_start_ms) * fmt.bytes_per_ms) // step * step)
         hi = max(lo, int((end_ms - self._buffer_start_ms) * fmt.bytes_per_ms) // step * step)
+        return lo, hi
+
+    def _take_buffer(self, start_ms: float, end_ms: float) -> bytes:
+        """Remove and return buffered audio in [start_ms, end_ms); later audio stays."""
+        lo, hi = self._buffer_span(start_ms, end_ms)
         data = bytes(self._buffer[lo:hi])
         del self._buffer[:hi]
-        self._buffer_start_ms += fmt.duration_ms(hi)
+        self._buffer_start_ms += self.settings.input_format.duration_ms(hi)
         return data
 
     def _commit(self, item_id: str, start_ms: float, end_ms: float) -> Item:
@@ -404,11 +435,47 @@ class RealtimeSession:
         if detection.interrupt_response and self.active_id is not None:
             self._cancel(self.responses[self.active_id], "turn_detected")
 
+    def speech_paused(self, audio_end_ms: float) -> None:
+        """VAD heard a silence begin at `audio_end_ms` that may become the stop: prepare
+        the response the stop would create, so its work runs while the silence does."""
+        detection = self.settings.turn_detection
+        item_id = self._speech_item_id
+        if detection is None or item_id is None or self.config.prepare_after_silence_ms is None:
+            return
+        if not detection.create_response or self.active_id is not None:
+            return  # the stop would not create a response
+        lo, hi = self._buffer_span(self._speech_start_ms, audio_end_ms)
+        fmt = self.settings.input_format
+        if fmt.duration_ms(hi - lo) < MIN_COMMIT_MS:
+            return
+        data = bytes(self._buffer[lo:hi])
+        # The same bytes and resampling the commit will use, so the prompts match.
+        item = Item.user_audio(
+            item_id, data, fmt, resample(fmt.decode(data), fmt.rate, ENGINE_RATE)
+        )
+        options = ResponseOptions.from_session(self.settings)
+        prompt, entry, final = self._turn_prompt(
+            options, [*self.conversation.items(), item], out_of_band=False
+        )
+        self._discard_prepared()
+        self._prepared = True
+        self._actions.append(PrepareResponse(prompt, entry, final))
+
+    def speech_resumed(self) -> None:
+        """The paused speech went on: the prepared response is not wanted."""
+        self._discard_prepared()
+
+    def _discard_prepared(self) -> None:
+        if self._prepared:
+            self._prepared = False
+            self._actions.append(DiscardPrepared())
+
     def speech_stopped(self, audio_end_ms: float) -> None:
         """VAD heard speech end at session time `audio_end_ms`: commit and maybe respond."""
         detection = self.settings.turn_detection
         item_id, self._speech_item_id = self._speech_item_id, None
         if detection is None or item_id is None:
+            self._discard_prepared()
             return
         self._idle_since_ms = self.audio_ms
         self._emit(
@@ -417,10 +484,14 @@ class RealtimeSession:
         try:
             self._commit(item_id, self._speech_start_ms, audio_end_ms)
         except ClientError as exc:
+            self._discard_prepared()
             self._error(exc, None)
             return
         if detection.create_response and self.active_id is None:
+            # An equal prompt takes over the prepared work; anything else discards it.
+            self._prepared = False
             self._create_default_response(ResponseOptions.from_session(self.settings), None)
+        self._discard_prepared()
 
     # -- conversation items ------------------------------------------------------------
 
@@ -532,6 +603,22 @@ class RealtimeSession:
     def _start_response(
         self, options: ResponseOptions, context: list[Item], *, out_of_band: bool
     ) -> Response:
+        prompt, entry, final = self._turn_prompt(options, context, out_of_band=out_of_band)
+        turn = context[-1] if context and context[-1].role == "user" else None
+        response = Response(
+            id=new_id("resp"),
+            options=options,
+            input_item_id=turn.id if turn is not None and entry == 0 else None,
+        )
+        self.responses[response.id] = response
+        self._emit("response.created", response=self._response_object(response))
+        self._actions.append(StartResponse(response.id, prompt, entry, final, out_of_band))
+        return response
+
+    def _turn_prompt(
+        self, options: ResponseOptions, context: list[Item], *, out_of_band: bool
+    ) -> tuple[dict[str, Any], int, int]:
+        """The engine prompt, entry stage and final stage of a response to `context`."""
         turn = context[-1] if context and context[-1].role == "user" else None
         history = context[:-1] if turn is not None else context
         prompt: dict[str, Any] = {
@@ -549,15 +636,7 @@ class RealtimeSession:
         elif turn is not None:
             prompt["text"] = turn.text()
         final = 2 if "audio" in options.output_modalities else 1
-        response = Response(
-            id=new_id("resp"),
-            options=options,
-            input_item_id=turn.id if turn is not None and entry == 0 else None,
-        )
-        self.responses[response.id] = response
-        self._emit("response.created", response=self._response_object(response))
-        self._actions.append(StartResponse(response.id, prompt, entry, final, out_of_band))
-        return response
+        return prompt, entry, final
 
     def _messages(self, instructions: str, history: list[Item]) -> list[dict[str, str]]:
         messages = [m for m in (item.message() for item in history) if m is not None]

@@ -1,5 +1,6 @@
 """Server VAD glue: the engine's VAD stage gives speech probabilities per 32 ms chunk, a
-`SpeechDetector` turns them into start/stop decisions on the session clock.
+`SpeechDetector` turns them into start/stop decisions (and, with `pause_after_ms`, the
+pauses that may become a stop) on the session clock.
 
 Each (re)configuration opens a fresh VAD stream and detector, so new settings apply from
 the next appended audio and never to a half-detected utterance.
@@ -16,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from engine.speech_detector import SpeechDetector, SpeechStarted
+from engine.speech_detector import SpeechDetector, SpeechPaused, SpeechResumed, SpeechStarted
 from gateway.backend import SpeechEvent
 from gateway.session_config import TurnDetection
 
@@ -47,7 +48,9 @@ class EngineSpeechSource:
         self._feeder = asyncio.create_task(self._feed_loop(), name="vad-feed")
         self._closed = False
 
-    def configure(self, settings: TurnDetection | None, start_ms: float) -> None:
+    def configure(
+        self, settings: TurnDetection | None, start_ms: float, pause_after_ms: int | None = None
+    ) -> None:
         self._stop_stream()
         if settings is None or self._closed:
             return
@@ -55,6 +58,7 @@ class EngineSpeechSource:
             threshold=settings.threshold,
             prefix_padding_ms=settings.prefix_padding_ms,
             silence_duration_ms=settings.silence_duration_ms,
+            pause_after_ms=pause_after_ms,
         )
         stream_id = f"{self._session_id}.vad{next(self._serial)}"
         self._stream_id = stream_id
@@ -108,6 +112,10 @@ class EngineSpeechSource:
             for decision in detector.push(np.asarray(output.payload, dtype=np.float32)):
                 if isinstance(decision, SpeechStarted):
                     event = SpeechEvent("started", start_ms + decision.audio_start_ms)
+                elif isinstance(decision, SpeechPaused):
+                    event = SpeechEvent("paused", start_ms + decision.audio_end_ms)
+                elif isinstance(decision, SpeechResumed):
+                    event = SpeechEvent("resumed", start_ms + decision.detected_ms)
                 else:
                     event = SpeechEvent("stopped", start_ms + decision.audio_end_ms)
                 self._events.put_nowait(event)

@@ -38,6 +38,7 @@ class FakeSession:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.prompts: list[dict[str, Any]] = []
         self.cancelled: list[tuple[str, bool]] = []
+        self.prepared: list[dict[str, Any]] = []
 
     def start(self, action: StartResponse) -> None:
         self.prompts.append(action.prompt)
@@ -57,6 +58,12 @@ class FakeSession:
                 )
         usage = {"total_tokens": 9, "input_tokens": 5, "output_tokens": 4}
         self.queue.put_nowait(TurnOutput(rid, "done", usage=usage))
+
+    def prepare(self, action: Any) -> None:
+        self.prepared.append(action.prompt)
+
+    def discard_prepared(self) -> None:
+        self.prepared.clear()
 
     def cancel(self, response_id: str, barge_in: bool) -> None:
         self.cancelled.append((response_id, barge_in))
@@ -83,7 +90,7 @@ class EnergySpeech:
         self.start_ms = 0.0
         self.pending = np.zeros(0, np.float32)
 
-    def configure(self, settings: Any, start_ms: float) -> None:
+    def configure(self, settings: Any, start_ms: float, pause_after_ms: int | None = None) -> None:
         self.pending = np.zeros(0, np.float32)
         self.start_ms = start_ms
         self.detector = (

@@ -1,0 +1,379 @@
+"""Prepared turns: the orchestrator works ahead on a turn and a matching submission
+adopts it (engine/orchestrator.py rule 4), with the fake stages of test_orchestrator."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from duplex.contracts import DuplexAppendPlan
+from duplex.errors import DuplexStateError
+from duplex.manager import DuplexSessionManager
+from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput, DuplexStreamingStagePort
+from engine.config import parse_config
+from engine.speech_detector import SpeechDetector
+from gateway.config import GatewayConfig
+from gateway.realtime import (
+    ConfigureVad,
+    DiscardPrepared,
+    PrepareResponse,
+    RealtimeSession,
+    StartResponse,
+)
+from tests.test_gateway_realtime import tone_b64
+from tests.test_orchestrator import Harness, _audio
+
+
+@pytest.fixture
+async def h() -> AsyncIterator[Harness]:
+    harness = Harness(parse_config({}))
+    yield harness
+    harness.core.shutdown()
+
+
+def _prompt(n: int = 1, **extra: Any) -> dict[str, Any]:
+    return {"audio": _audio(n), "messages": [], "output_modalities": ["audio"], **extra}
+
+
+def _prepare(h: Harness, prompt: dict[str, Any], session: str = "s1", **kw: Any) -> None:
+    h.orch.prepare_turn(
+        DuplexPreparedTurn(
+            session_id=session,
+            config_generation=kw.get("generation", 0),
+            sampling_params=h.orch.sampling_defaults(),
+            prompt=prompt,
+            entry_stage_id=0,
+            final_stage_id=2,
+        )
+    )
+
+
+async def _prepared_turn_ended(h: Harness, session: str = "s1") -> None:
+    task = h.orch._prepared[session].turn.task
+    assert task is not None
+    await asyncio.wait_for(task, 10)
+
+
+def _shape(outputs: list[DuplexStageOutput]) -> dict[int, list[tuple[str, str, bool]]]:
+    """Each stage's outputs in order (how stages interleave depends on timing)."""
+    return {
+        stage: [(o.kind, o.text, o.finished) for o in outputs if o.stage_id == stage]
+        for stage in range(3)
+    }
+
+
+async def test_an_adopted_turn_outputs_what_a_fresh_turn_would(h: Harness) -> None:
+    fresh = await h.voice_turn(n=3, turn=0)
+    await h.until(lambda: h.finished(fresh[2]))
+    await h.idle()
+    expected = _shape(h.outputs)
+    h.outputs.clear()
+
+    _prepare(h, _prompt(3))
+    # The prepared work runs in the engine but nothing reaches the sink.
+    await h.until(lambda: "s1" not in str(h.asr.waiting) and h.llm.done)
+    await asyncio.sleep(0.05)
+    assert h.outputs == []
+    assert h.orch.prepared_turns() == 1
+
+    contexts = h.reserve(turn=1)
+    await h.submit(contexts, **_prompt(3))
+    ids = [c.request_id for c in contexts]
+    await h.until(lambda: h.finished(ids[2]))
+    await h.idle()
+    assert _shape(h.outputs) == expected
+    assert all(o.request_id == ids[o.stage_id] for o in h.outputs)
+    assert h.orch.prepared_turns() == 0
+    assert h.orch.prepare_stats == {"adopted": 1, "discarded": 0}
+
+
+async def test_a_turn_that_finished_while_prepared_is_delivered_whole(h: Harness) -> None:
+    params = h.orch.sampling_defaults()
+    short = (params[0], params[1].__class__(max_tokens=4), params[2])
+    h.orch.prepare_turn(
+        DuplexPreparedTurn("s1", 0, short, _prompt(2), entry_stage_id=0, final_stage_id=2)
+    )
+    await _prepared_turn_ended(h)  # the whole turn ran while held
+    assert h.outputs == []
+    contexts = h.reserve(params=short)
+    await h.submit(contexts, **_prompt(2))
+    ids = [c.request_id for c in contexts]
+    assert h.finished(ids[2])  # delivered at submit, all of it
+    assert h.of(ids[0])[0].text == "question 2"
+    assert "".join(o.text for o in h.of(ids[1])) == "Reply to question 2."
+    assert h.orch.running_turns() == 0
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"audio": _audio(4)},
+        {"messages": [{"role": "user", "content": "earlier"}]},
+        {"max_output_tokens": 5},
+        {"cache_key": "other"},
+    ],
+)
+async def test_a_different_submission_discards_the_prepared_turn(
+    h: Harness, change: dict[str, Any]
+) -> None:
+    h.llm.step_s = 0.01
+    _prepare(h, _prompt(3))
+    await h.until(lambda: bool(h.llm.live))
+    contexts = h.reserve()
+    await h.submit(contexts, **{**_prompt(3), **change})
+    ids = [c.request_id for c in contexts]
+    await h.until(lambda: h.finished(ids[2]))
+    await h.idle()
+    # Only the submission's own turn ran to the end and spoke.
+    assert h.orch.prepare_stats == {"adopted": 0, "discarded": 1}
+    asr_text = h.of(ids[0])[0].text
+    assert asr_text == ("question 4" if "audio" in change else "question 3")
+    assert all(o.request_id in ids for o in h.outputs)
+
+
+async def test_a_new_config_generation_is_not_adopted(h: Harness) -> None:
+    _prepare(h, _prompt(3), generation=0)
+    contexts = h.reserve(generation=1)
+    await h.submit(contexts, **_prompt(3))
+    await h.until(lambda: h.finished(contexts[2].request_id))
+    await h.idle()
+    assert h.orch.prepare_stats["discarded"] == 1
+
+
+async def test_discard_stops_the_work_and_emits_nothing(h: Harness) -> None:
+    h.llm.step_s = 0.01
+    _prepare(h, _prompt(3))
+    await h.until(lambda: bool(h.llm.live))
+    h.orch.discard_prepared("s1")
+    await h.idle()
+    assert h.engine.pending() == {"asr": 0, "llm": 0, "tts": 0}
+    assert h.outputs == []
+    assert h.orch.prepared_turns() == 0
+    # A later, equal submission runs afresh.
+    ids = await h.voice_turn(n=3)
+    await h.until(lambda: h.finished(ids[2]))
+    assert h.of(ids[0])[0].text == "question 3"
+
+
+async def test_a_new_preparation_replaces_the_old_one(h: Harness) -> None:
+    h.llm.step_s = 0.01
+    _prepare(h, _prompt(3))
+    _prepare(h, _prompt(5))
+    assert h.orch.prepared_turns() == 1
+    contexts = h.reserve()
+    await h.submit(contexts, **_prompt(5))
+    await h.until(lambda: h.finished(contexts[2].request_id))
+    await h.idle()
+    assert h.of(contexts[0].request_id)[0].text == "question 5"
+    assert h.orch.prepare_stats == {"adopted": 1, "discarded": 1}
+
+
+async def test_barge_in_after_adoption_stops_the_adopted_work(h: Harness) -> None:
+    h.llm.step_s = 0.01
+    _prepare(h, _prompt(3))
+    contexts = h.reserve()
+    await h.submit(contexts, **_prompt(3))
+    ids = [c.request_id for c in contexts]
+    await h.until(lambda: sum(o.kind == "text" for o in h.of(ids[1])) >= 3)
+    await h.orch.abort_requests(ids)
+    count = len(h.outputs)
+    await h.idle()
+    await asyncio.sleep(0.05)
+    assert len(h.outputs) == count
+    assert h.engine.pending() == {"asr": 0, "llm": 0, "tts": 0}
+
+
+async def test_a_prepared_failure_is_reported_by_the_adopting_turn(h: Harness) -> None:
+    h.asr.fail = True
+    _prepare(h, _prompt(3))
+    await _prepared_turn_ended(h)
+    assert h.outputs == []
+    contexts = h.reserve()
+    await h.submit(contexts, **_prompt(3))
+    errors = [o for o in h.outputs if o.kind == "error"]
+    assert [(o.request_id, o.metadata["error"]) for o in errors] == [
+        (contexts[0].request_id, "asr exploded")
+    ]
+
+
+async def test_a_turn_submit_would_refuse_is_not_prepared(h: Harness) -> None:
+    _prepare(h, {"audio": np.zeros(0, np.float32), "output_modalities": ["audio"]})
+    _prepare(h, _prompt(3, voice="someone-else"))
+    assert h.orch.prepared_turns() == 0
+    assert h.engine.pending() == {"asr": 0, "llm": 0, "tts": 0}
+
+
+async def test_shutdown_discards_prepared_turns(h: Harness) -> None:
+    h.llm.step_s = 0.01
+    _prepare(h, _prompt(3), session="a")
+    _prepare(h, _prompt(4), session="b")
+    await h.orch.shutdown()
+    await h.idle()
+    assert h.orch.prepared_turns() == 0 and h.outputs == []
+
+
+# ---- through the duplex session manager ----------------------------------------------
+
+
+class RecordingPort(DuplexStreamingStagePort):
+    """Records what the session manager asks of the port; runs no turn."""
+
+    def __init__(self) -> None:
+        self.prepared: list[DuplexPreparedTurn] = []
+        self.discarded: list[str] = []
+
+    @property
+    def stage_count(self) -> int:
+        return 3
+
+    def sampling_defaults(self) -> tuple[object, ...]:
+        return ("asr", "llm", "tts")
+
+    def ensure_request(self, context: Any) -> None:
+        return None
+
+    async def submit(self, submission: Any) -> Any:
+        raise AssertionError("no turn is started here")
+
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        return None
+
+    async def cleanup(self, request_ids: list[str], *, abort: bool = False) -> None:
+        return None
+
+    def attach_output_sink(self, sink: Any) -> None:
+        return None
+
+    def prepare_turn(self, turn: DuplexPreparedTurn) -> None:
+        self.prepared.append(turn)
+
+    def discard_prepared(self, session_id: str) -> None:
+        self.discarded.append(session_id)
+
+
+async def test_the_session_handle_prepares_what_start_turn_would_submit() -> None:
+    port = RecordingPort()
+    manager = DuplexSessionManager(port, max_sessions=2)
+    handle = manager.open("s1")
+    handle.update_config({"voice": "joe"})
+    handle.prepare_turn(DuplexAppendPlan({"text": "hi"}), entry_stage_id=1, final_stage_id=2)
+    [turn] = port.prepared
+    assert (turn.session_id, turn.config_generation) == ("s1", 1)
+    assert turn.sampling_params == ("asr", "llm", "tts")
+    assert dict(turn.prompt) == {"text": "hi"}
+    assert (turn.entry_stage_id, turn.final_stage_id) == (1, 2)
+    with pytest.raises(ValueError):
+        handle.prepare_turn(DuplexAppendPlan({}), entry_stage_id=2, final_stage_id=1)
+    handle.discard_prepared()
+    await handle.close()
+    assert port.discarded == ["s1", "s1"]  # closing drops it too
+    with pytest.raises(DuplexStateError):
+        handle.prepare_turn(DuplexAppendPlan({}), entry_stage_id=1, final_stage_id=2)
+
+
+# ---- the realtime session decides when to prepare ----------------------------------
+
+
+def _speaking_session(**config: Any) -> RealtimeSession:
+    session = RealtimeSession(config=GatewayConfig(**config), model="m", beta=False)
+    for _ in range(10):
+        session.receive_text(
+            json.dumps({"type": "input_audio_buffer.append", "audio": tone_b64(100)})
+        )
+    session.speech_started(200)
+    session.events_to_send()
+    return session
+
+
+def _actions(session: RealtimeSession, kind: type) -> list[Any]:
+    return [a for a in session.actions() if isinstance(a, kind)]
+
+
+def _same_prompt(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if set(a) != set(b) or not np.array_equal(a.get("audio"), b.get("audio")):
+        return False
+    return all(a[k] == b[k] for k in a if k != "audio")
+
+
+def test_a_pause_prepares_exactly_the_response_the_stop_starts() -> None:
+    session = _speaking_session()
+    configure = [
+        a
+        for a in RealtimeSession(config=GatewayConfig(), model="m", beta=False).actions()
+        if isinstance(a, ConfigureVad)
+    ]
+    assert configure[0].pause_after_ms == GatewayConfig().prepare_after_silence_ms
+    session.speech_paused(900)
+    assert session.events_to_send() == []  # nothing the client sees
+    (prepare,) = _actions(session, PrepareResponse)
+    assert (prepare.entry_stage_id, prepare.final_stage_id) == (0, 2)
+    session.speech_stopped(900)
+    actions = session.actions()
+    (start,) = [a for a in actions if isinstance(a, StartResponse)]
+    assert not any(isinstance(a, DiscardPrepared) for a in actions)
+    assert _same_prompt(prepare.prompt, start.prompt)
+    assert abs(len(start.prompt["audio"]) - 0.7 * 16000) < 100
+
+
+def test_speech_going_on_discards_the_prepared_response() -> None:
+    session = _speaking_session()
+    session.speech_paused(600)
+    assert _actions(session, PrepareResponse)
+    session.speech_resumed()
+    assert _actions(session, DiscardPrepared) == [DiscardPrepared()]
+    session.speech_paused(900)
+    (prepare,) = _actions(session, PrepareResponse)
+    session.speech_stopped(900)
+    (start,) = _actions(session, StartResponse)
+    assert _same_prompt(prepare.prompt, start.prompt)
+
+
+def test_a_stop_that_creates_no_response_discards_it() -> None:
+    session = _speaking_session()
+    update = {
+        "type": "realtime",
+        "audio": {"input": {"turn_detection": {"type": "server_vad", "create_response": False}}},
+    }
+    session.receive_text(json.dumps({"type": "session.update", "session": update}))
+    session.actions()
+    session.speech_started(1000)  # detection restarted: a new speech
+    session.speech_paused(1100)
+    assert _actions(session, PrepareResponse) == []  # the stop would not respond
+
+
+def test_clearing_the_buffer_discards_it() -> None:
+    session = _speaking_session()
+    session.speech_paused(900)
+    session.actions()
+    session.receive_text(json.dumps({"type": "input_audio_buffer.clear"}))
+    assert _actions(session, DiscardPrepared) == [DiscardPrepared()]
+
+
+def test_preparation_can_be_turned_off() -> None:
+    session = _speaking_session(prepare_after_silence_ms=None)
+    session.speech_paused(900)
+    assert _actions(session, PrepareResponse) == []
+
+
+def test_the_detector_reports_pauses_before_the_stop() -> None:
+    # 32 ms chunks: speech, 5 silent chunks (160 ms: a pause), speech, then a stop.
+    detector = SpeechDetector(prefix_padding_ms=0, silence_duration_ms=320, pause_after_ms=150)
+    events = detector.push([0.9] * 5 + [0.0] * 5 + [0.9] * 3 + [0.0] * 11)
+    assert [type(e).__name__ for e in events] == [
+        "SpeechStarted",
+        "SpeechPaused",
+        "SpeechResumed",
+        "SpeechPaused",
+        "SpeechStopped",
+    ]
+    assert events[1].audio_end_ms == 160 and events[3].audio_end_ms == events[4].audio_end_ms
+    # A pause as long as the stop's silence never comes before it.
+    late = SpeechDetector(silence_duration_ms=320, pause_after_ms=320)
+    assert late.pause_after_ms is None
+    with pytest.raises(ValueError, match="pause_after_ms"):
+        SpeechDetector(pause_after_ms=-1)

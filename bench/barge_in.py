@@ -2,17 +2,18 @@
 cancelled `response.done`, and the audio deltas of cancelled responses that still arrive
 after their `response.done` (must be 0).
 
-    .venv/bin/python bench/barge_in.py [--url ws://HOST:PORT/v1] [--trials 20] [--json]
+    .venv/bin/python bench/barge_in.py [--url ws://HOST:PORT/v1 | --config PROFILE.yaml]
+                                       [--trials 20] [--json]
 
+Without `--url` the gateway is started through its CLI (real models, `--config` passed on).
 Each trial asks a question answered aloud and, at its first audio delta, talks over it
-with a real recording (ALSA's "Front Center").
+in real time with a real recording (ALSA's "Front Center").
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
 import sys
 import time
@@ -24,7 +25,7 @@ import soxr
 from websockets.asyncio.client import connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from realtime import RATE, gateway_process, percentile  # noqa: E402
+from _gateway import RATE, gateway_process, stream_audio  # noqa: E402
 
 RECORDING = Path("/usr/share/sounds/alsa/Front_Center.wav")
 
@@ -35,11 +36,8 @@ def recording_pcm(ms: int = 600) -> bytes:
     return (np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes()
 
 
-async def send_audio(ws: object, pcm: bytes) -> None:
-    step = RATE * 2 // 10
-    for i in range(0, len(pcm), step):
-        chunk = base64.b64encode(pcm[i : i + step]).decode()
-        await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
 class Trials:
@@ -68,17 +66,7 @@ async def quiet(ws: object, trials: Trials, seconds: float = 1.0) -> None:
             return
 
 
-async def one_trial(ws: object, trials: Trials, n: int, speech: bytes) -> None:
-    item = {
-        "type": "message",
-        "role": "user",
-        "content": [{"type": "input_text", "text": f"Tell me something about the number {n}."}],
-    }
-    await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
-    await ws.send(json.dumps({"type": "response.create"}))
-    while (await next_event(ws, trials))["type"] != "response.output_audio.delta":
-        pass
-    await send_audio(ws, speech)
+async def until_response_done(ws: object, trials: Trials) -> None:
     started = None
     while True:
         event = await next_event(ws, trials)
@@ -91,8 +79,26 @@ async def one_trial(ws: object, trials: Trials, n: int, speech: bytes) -> None:
                 trials.cancelled.add(response["id"])
             else:
                 trials.finished_first += 1
-            break
-    await send_audio(ws, bytes(RATE * 2))  # let the VAD hear the end of the speech
+            return
+
+
+async def one_trial(ws: object, trials: Trials, n: int, speech: bytes) -> None:
+    item = {
+        "type": "message",
+        "role": "user",
+        "content": [{"type": "input_text", "text": f"Tell me something about the number {n}."}],
+    }
+    await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
+    await ws.send(json.dumps({"type": "response.create"}))
+    while (await next_event(ws, trials))["type"] != "response.output_audio.delta":
+        pass
+    # Events are read while the speech streams, so each is timed as it arrives; the
+    # second of silence after it lets the VAD hear the end of the speech.
+    sender = asyncio.create_task(stream_audio(ws, speech + bytes(RATE * 2)))
+    try:
+        await until_response_done(ws, trials)
+    finally:
+        await sender
     await quiet(ws, trials)
     await ws.send(json.dumps({"type": "input_audio_buffer.clear"}))
     await quiet(ws, trials, 0.3)
@@ -125,14 +131,18 @@ async def run(url: str, count: int) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="gateway ws base URL (default: start one)")
+    parser.add_argument("--config", type=Path, help="gateway profile YAML (when started here)")
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
+    if args.url and args.config:
+        parser.error("--config applies to a gateway started here, not to --url")
     if args.url:
         result = asyncio.run(run(args.url, args.trials))
     else:
-        with gateway_process() as url:
-            result = asyncio.run(run(url, args.trials))
+        extra = ("--config", str(args.config)) if args.config else ()
+        with gateway_process(*extra) as gateway:
+            result = asyncio.run(run(gateway.url, args.trials))
     if args.json:
         print(json.dumps(result))
     else:

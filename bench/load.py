@@ -2,10 +2,12 @@
 (one 20 ms `input_audio_buffer.append` per 20 ms), most silent and some speaking.
 
     python bench/load.py [--json] [--levels 10,50,100] [--max-speaking 16] [--plot-dir DIR]
+                         [--config PROFILE.yaml]
 
-The gateway runs as `duplex-gateway` in a child process with the real embedded models and
-server VAD on (the session default), so every silent stream still costs decode, resampling
-and a VAD pass. Speaking sessions send an alsa-utils recording of real speech.
+The gateway runs as `duplex-gateway` in a child process with the real embedded models (of
+`--config`, if given) and server VAD on (the session default), so every silent stream
+still costs decode, resampling and a VAD pass. Speaking sessions send an alsa-utils
+recording of real speech.
 
 Per level (N sessions, N/10 of them speaking one utterance at once):
 - `event_loop_lag_ms_p50/p99`: a separate probe process pings the gateway over its own
@@ -31,7 +33,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,9 +49,11 @@ import soundfile as sf
 import soxr
 from websockets.asyncio.client import ClientConnection, connect
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _gateway import RATE, append_event, gateway_process, send_paced  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 RECORDINGS = sorted(Path("/usr/share/sounds/alsa").glob("[FRS]*_*.wav"))
-RATE = 24000
 FRAME_MS = 20
 FRAME_BYTES = RATE * 2 * FRAME_MS // 1000
 # A client plays from the first delta; this much buffered audio absorbs network jitter.
@@ -60,13 +63,7 @@ TURN_TIMEOUT_S = 120.0
 KNEE_POOL = 10
 KNEE_STEPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
-
-def _append(pcm: bytes) -> str:
-    audio = base64.b64encode(pcm).decode()
-    return json.dumps({"type": "input_audio_buffer.append", "audio": audio})
-
-
-SILENT_FRAME = _append(bytes(FRAME_BYTES))
+SILENT_FRAME = append_event(bytes(FRAME_BYTES))
 
 
 def utterance_frames(path: Path) -> list[str]:
@@ -75,45 +72,7 @@ def utterance_frames(path: Path) -> list[str]:
     pcm = soxr.resample(data.mean(axis=1), rate, RATE)
     raw = (np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes()
     raw += bytes(-len(raw) % FRAME_BYTES)
-    return [_append(raw[i : i + FRAME_BYTES]) for i in range(0, len(raw), FRAME_BYTES)]
-
-
-# -- the gateway under test ------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def gateway(max_sessions: int) -> Iterator[tuple[str, int]]:
-    """`duplex-gateway` in a child process; yields (ws URL, pid)."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "gateway.cli", "--port", str(port), "--log-level", "WARNING"]
-    cmd += ["--max-sessions", str(max_sessions)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    assert proc.stdout is not None
-    lines: list[str] = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "listening on" in line:
-            break
-    else:
-        raise RuntimeError("the gateway exited at start:\n" + "".join(lines[-30:]))
-    try:
-        yield f"ws://127.0.0.1:{port}/v1/realtime", proc.pid
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    return [append_event(raw[i : i + FRAME_BYTES]) for i in range(0, len(raw), FRAME_BYTES)]
 
 
 # -- clients ---------------------------------------------------------------------------
@@ -167,15 +126,13 @@ class Client:
         self.done.clear()
         self.turn = Turn(spoke_at=time.monotonic() + len(frames) * FRAME_MS / 1000)
 
-    async def _stream(self) -> None:
-        start, sent = time.monotonic(), 0
+    def _frames(self) -> Iterator[str]:
+        """The microphone: the utterance being spoken, else silence, without end."""
         while True:
-            # An absolute schedule: a late wake-up sends the frames it owes at once.
-            due = int((time.monotonic() - start) * 1000 / FRAME_MS) + 1
-            while sent < due:
-                await self.ws.send(self.pending.pop() if self.pending else SILENT_FRAME)
-                sent += 1
-            await asyncio.sleep(start + sent * FRAME_MS / 1000 - time.monotonic())
+            yield self.pending.pop() if self.pending else SILENT_FRAME
+
+    async def _stream(self) -> None:
+        await send_paced(self.ws, self._frames(), FRAME_MS)
 
     async def _read(self) -> None:
         async for message in self.ws:
@@ -355,9 +312,12 @@ async def idle_baseline(url: str, pid: int) -> dict[str, float]:
     }
 
 
-async def run(levels: list[int], max_speaking: int) -> dict[str, Any]:
+async def run(levels: list[int], max_speaking: int, config: Path | None) -> dict[str, Any]:
     utterances = [utterance_frames(p) for p in RECORDINGS]
-    with gateway(max_sessions=max(levels + [KNEE_POOL, max_speaking]) + 8) as (url, pid):
+    extra = ["--max-sessions", str(max(levels + [KNEE_POOL, max_speaking]) + 8)]
+    extra += ["--config", str(config)] if config is not None else []
+    with gateway_process(*extra) as gateway:
+        url, pid = gateway.realtime_url, gateway.pid
         idle = await idle_baseline(url, pid)
         results = [await measure_level(url, pid, n, utterances, idle) for n in levels]
         knee = await find_knee(url, utterances, max_speaking)
@@ -432,6 +392,7 @@ def main() -> None:
     parser.add_argument("--levels", default="10,50,100", help="comma-separated session counts")
     parser.add_argument("--max-speaking", type=int, default=16, help="last knee step to try")
     parser.add_argument("--plot-dir", type=Path, help="write PNG plots here")
+    parser.add_argument("--config", type=Path, help="gateway profile YAML")
     parser.add_argument("--probe", help=argparse.SUPPRESS)
     parser.add_argument("--probe-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -443,7 +404,7 @@ def main() -> None:
     levels = [int(x) for x in args.levels.split(",")]
     if not levels or min(levels) < 1 or args.max_speaking < 1:
         parser.error("--levels and --max-speaking must be positive")
-    result = asyncio.run(run(levels, args.max_speaking))
+    result = asyncio.run(run(levels, args.max_speaking, args.config))
     if args.plot_dir is not None:
         result["plots"] = [os.path.relpath(p, ROOT) for p in plot(result, args.plot_dir)]
     if args.json:

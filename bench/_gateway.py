@@ -98,8 +98,9 @@ def _wait_listening(gateway: Gateway) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         line = stdout.readline()
-        if not line and gateway.proc.poll() is not None:
-            raise RuntimeError("the gateway exited at start:\n" + "".join(gateway.log))
+        if not line:  # its output closed: the process is exiting
+            code = gateway.proc.wait(STOP_TIMEOUT_S)
+            raise RuntimeError(f"the gateway exited with {code} at start:\n" + "".join(gateway.log))
         gateway.log.append(line)
         if "listening on" in line:
             return

@@ -5,6 +5,13 @@ clauses). `Synthesizer` is the plain API: text in, PCM16 chunks at any rate out,
 clause. `TtsStage` is the engine stage: requests are opened with `add`, text arrives
 with `feed` as the LLM produces it, and each `step` speaks the next clause of every busy
 request in one batch.
+
+The stage renders a request's first audio in a short chunk: the clause's latents are
+computed whole (the text encoder and duration predictor need every phoneme), but the
+flows and the vocoder, both convolutional, run over windows of latent frames with enough
+context on each side that the window's middle equals the whole clause's audio. Each
+later chunk of a request is at most twice the audio already rendered for it, so the
+next chunk is ready well before playback reaches it; later clauses are rendered whole.
 """
 
 from __future__ import annotations
@@ -28,11 +35,14 @@ from engine.stage import StageOutput
 __all__ = [
     "AudioChunk",
     "DEFAULT_VOICE",
+    "FIRST_CHUNK_FRAMES",
+    "MIN_REST_FRAMES",
     "Synthesizer",
     "TtsRequest",
     "TtsStage",
     "Voice",
     "load_voice",
+    "spoken_text",
 ]
 
 DEFAULT_VOICE = "piper-en_US-joe-medium"
@@ -47,6 +57,11 @@ _SOFT_BREAKS = (", ", "; ", ": ")
 # degenerate text produces (e.g. "x1x1x1..." read out symbol by symbol), are cut at word
 # boundaries so that one step stays bounded.
 MAX_PIECE_PHONEMES = 400
+# A request's first chunk: 32 latent frames, about 0.37 s of speech at Piper's hop.
+FIRST_CHUNK_FRAMES = 32
+# A remainder shorter than this joins the chunk before it: rendering it apart would
+# cost more in window context than it saves.
+MIN_REST_FRAMES = 16
 
 
 @dataclass(frozen=True)
@@ -132,23 +147,47 @@ class Voice:
         ipa = self.phonemizer.phonemize(text)
         return [phoneme_ids(p, self.id_map) for p in split_phonemes(ipa, MAX_PIECE_PHONEMES)]
 
-    def synthesize_ids(
-        self, batch: Sequence[list[int]], scales: Sequence[Scales]
-    ) -> list[np.ndarray]:
-        """Float32 audio at the voice rate, one array per id sequence."""
+    def latents(self, batch: Sequence[list[int]], scales: Sequence[Scales]) -> list[mx.array]:
+        """Prior latents [1, frames, C] per id sequence, evaluated (noise drawn once)."""
         L = max(len(ids) for ids in batch)
         padded = np.zeros((len(batch), L), dtype=np.int32)
         for i, ids in enumerate(batch):
             padded[i, : len(ids)] = ids
-        audio, lengths = self.model(
+        z_p, frames = self.model.latents(
             mx.array(padded),
             mx.array([len(ids) for ids in batch]),
             mx.array([s.noise_scale for s in scales]),
             mx.array([s.length_scale for s in scales]),
             mx.array([s.noise_w for s in scales]),
         )
-        audio = np.array(audio)
-        return [audio[i, :n].copy() for i, n in enumerate(lengths)]
+        out = [z_p[i : i + 1, : int(n)] for i, n in enumerate(frames)]
+        mx.eval(out)
+        return out
+
+    def render(self, spans: Sequence[tuple[mx.array, int, int]]) -> list[np.ndarray]:
+        """Float32 audio of latent frames [start, stop) of each (latents, start, stop),
+        equal to that span of the whole sequence's audio, in one batched pass."""
+        context = self.model.context_frames()
+        windows = []
+        for z_p, start, stop in spans:
+            lo, hi = max(0, start - context), min(z_p.shape[1], stop + context)
+            windows.append((z_p[:, lo:hi], start - lo, stop - start))
+        T = max(w.shape[1] for w, _, _ in windows)
+        batch = mx.concatenate(
+            [mx.pad(w, [(0, 0), (0, T - w.shape[1]), (0, 0)]) for w, _, _ in windows]
+        )
+        audio = np.array(self.model.render(batch, np.array([w.shape[1] for w, _, _ in windows])))
+        hop = self.model.args.hop_length
+        return [
+            audio[i, off * hop : (off + n) * hop].copy() for i, (_, off, n) in enumerate(windows)
+        ]
+
+    def synthesize_ids(
+        self, batch: Sequence[list[int]], scales: Sequence[Scales]
+    ) -> list[np.ndarray]:
+        """Float32 audio at the voice rate, one array per id sequence."""
+        z_p = self.latents(batch, scales)
+        return self.render([(z, 0, z.shape[1]) for z in z_p])
 
     def synthesize(self, texts: Sequence[str], scales: Sequence[Scales]) -> list[np.ndarray]:
         """One batched forward over every piece of every text; audio per text."""
@@ -242,21 +281,70 @@ class Synthesizer:
         )
 
 
+def spoken_text(text: str, start: float, stop: float) -> str:
+    """The words of `text` spoken from fraction `start` to `stop` of its audio, at an even
+    pace; a word belongs to the chunk its end falls in, so chunks join to the whole."""
+    return _words_before(text, stop)[len(_words_before(text, start)) :].strip()
+
+
+def _words_before(text: str, fraction: float) -> str:
+    if fraction >= 1.0:
+        return text
+    n = int(len(text) * fraction)
+    head = text[:n]
+    if n < len(text) and not text[n].isspace():
+        head = head[: len(head) - len(head.split(" ")[-1])]
+    return head
+
+
+@dataclass
+class _Segment:
+    """One phoneme piece of a clause, between steps: its latents and how far it is rendered."""
+
+    text: str  # the whole clause
+    z_p: mx.array  # [1, frames, C]
+    offset: int  # frames of the clause's earlier pieces
+    clause_frames: int
+    rendered: int = 0
+
+    @property
+    def frames(self) -> int:
+        return self.z_p.shape[1]
+
+
 @dataclass
 class _Stream:
     request: TtsRequest
     scales: Scales
     resampler: _Resampler
     pending: deque[str] = field(default_factory=deque)
+    segments: deque[_Segment] = field(default_factory=deque)
     final: bool = False
     started: bool = False
+    frames_out: int = 0  # latent frames rendered so far
+
+    def busy(self) -> bool:
+        return bool(self.pending or self.segments or self.final)
+
+    def next_span(self) -> tuple[_Segment, int, int]:
+        """The segment to render from and the frames [start, stop) of this step's chunk."""
+        seg = self.segments[0]
+        start = seg.rendered
+        # Each chunk at most doubles the audio rendered before it, so it is ready before
+        # the audio ahead of it has played.
+        stop = min(seg.frames, start + max(FIRST_CHUNK_FRAMES, 2 * self.frames_out))
+        if seg.frames - stop < MIN_REST_FRAMES:
+            stop = seg.frames
+        return seg, start, stop
 
 
 class TtsStage:
-    """Engine stage: streaming requests, one clause per request per step, batched.
+    """Engine stage: streaming requests, one chunk per request per step, batched.
 
-    `feed` for an id the stage does not hold (e.g. aborted a moment ago) is ignored and
-    returns False, so late LLM text after a barge-in is harmless.
+    A step starts the next clause of each busy request that has none in progress, then
+    renders the next chunk of every busy request. `feed` for an id the stage does not
+    hold (e.g. aborted a moment ago) is ignored and returns False, so late LLM text after
+    a barge-in is harmless.
     """
 
     name = "tts"
@@ -292,51 +380,70 @@ class TtsStage:
         self._streams.pop(request_id, None)
 
     def has_work(self) -> bool:
-        return any(s.pending or s.final for s in self._streams.values())
+        return any(s.busy() for s in self._streams.values())
 
     def step(self) -> list[StageOutput]:
-        ready = [(rid, s) for rid, s in self._streams.items() if s.pending or s.final]
+        ready = [(rid, s) for rid, s in self._streams.items() if s.busy()]
         ready = ready[: self.max_batch]
         for rid, _ in ready:  # round robin: served requests queue up behind the others
             self._streams[rid] = self._streams.pop(rid)
-        speak = [(rid, s, s.pending.popleft()) for rid, s in ready if s.pending]
-        for _, s, _ in speak:
-            s.started = True
+        speak = [(rid, s) for rid, s in ready if s.segments or s.pending]
         outputs: list[StageOutput] = []
         if speak:
             outputs += self._speak(speak)
+        spoken = {rid for rid, _ in speak}
         for rid, s in ready:
-            if (
-                not s.pending
-                and s.final
-                and rid in self._streams
-                and rid not in {r for r, _, _ in speak}
-            ):
+            if rid not in spoken and rid in self._streams:
                 outputs.append(self._emit(rid, s, np.zeros(0, np.float32), "", {}))
         return outputs
 
-    def _speak(self, speak: list[tuple[str, _Stream, str]]) -> list[StageOutput]:
+    def _speak(self, speak: list[tuple[str, _Stream]]) -> list[StageOutput]:
         start = time.perf_counter()
         try:
-            audio = self.voice.synthesize([c for _, _, c in speak], [s.scales for _, s, _ in speak])
+            self._start_clauses([s for _, s in speak if not s.segments])
+            spans = [s.next_span() for _, s in speak]
+            audio = self.voice.render([(seg.z_p, a, b) for seg, a, b in spans])
         except Exception as exc:  # a model failure fails these requests, not the engine
-            for rid, _, _ in speak:
+            for rid, _ in speak:
                 self._streams.pop(rid, None)
             return [
                 StageOutput(rid, None, finished=True, error=f"tts failed: {exc}")
-                for rid, _, _ in speak
+                for rid, _ in speak
             ]
         synth_ms = 1000 * (time.perf_counter() - start)
         metrics = {"synth_ms": synth_ms, "batch": float(len(speak))}
-        return [
-            self._emit(rid, s, a, clause, metrics)
-            for (rid, s, clause), a in zip(speak, audio, strict=True)
-        ]
+        outputs = []
+        for (rid, s), (seg, a, b), chunk in zip(speak, spans, audio, strict=True):
+            seg.rendered = b
+            s.frames_out += b - a
+            if seg.rendered == seg.frames:
+                s.segments.popleft()
+            total = seg.clause_frames
+            text = spoken_text(seg.text, (seg.offset + a) / total, (seg.offset + b) / total)
+            outputs.append(self._emit(rid, s, chunk, text, metrics))
+        return outputs
+
+    def _start_clauses(self, streams: list[_Stream]) -> None:
+        # One batched latents pass over every phoneme piece of each stream's next clause.
+        texts = [s.pending.popleft() for s in streams]
+        pieces = [self.voice.id_pieces(t) for t in texts]
+        flat = [ids for ps in pieces for ids in ps]
+        if not flat:
+            return
+        scales = [s.scales for s, ps in zip(streams, pieces, strict=True) for _ in ps]
+        latents = iter(self.voice.latents(flat, scales))
+        for s, text, ps in zip(streams, texts, pieces, strict=True):
+            s.started = True
+            z_ps = [next(latents) for _ in ps]
+            total, offset = sum(z.shape[1] for z in z_ps), 0
+            for z_p in z_ps:
+                s.segments.append(_Segment(text, z_p, offset, total))
+                offset += z_p.shape[1]
 
     def _emit(
         self, rid: str, s: _Stream, audio: np.ndarray, text: str, metrics: dict
     ) -> StageOutput:
-        finished = s.final and not s.pending
+        finished = s.final and not s.pending and not s.segments
         out = s.resampler(audio, last=finished)
         rate = s.request.sample_rate
         chunk = AudioChunk(to_pcm16(out), rate, text, 1000 * len(out) / rate)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -19,6 +20,8 @@ from mlx.utils import tree_map
 from engine.models import vits
 from engine.models.piper_onnx import convert, find_voice, read_voice
 from engine.tts import (
+    FIRST_CHUNK_FRAMES,
+    MIN_REST_FRAMES,
     AudioChunk,
     Synthesizer,
     TtsRequest,
@@ -27,6 +30,7 @@ from engine.tts import (
     first_piece,
     load_voice,
     split_phonemes,
+    spoken_text,
     to_pcm16,
 )
 
@@ -372,17 +376,97 @@ def test_stage_streams_clauses_in_order(voice: Voice) -> None:
     stage.add("a", TtsRequest())
     stage.feed("a", "Hello there, my friend. How are you?")
     first = stage.step()
-    # The first clause is cut at its comma so that playback can start sooner.
-    assert [o.payload.text for o in first] == ["Hello there,"]
-    assert not first[0].finished and first[0].payload.sample_rate == 24000
+    # The first clause is cut at its comma and its first chunk is short, so that
+    # playback can start sooner.
+    assert len(first) == 1 and not first[0].finished
+    assert first[0].payload.sample_rate == 24000 and first[0].payload.duration_ms < 500
     stage.feed("a", "Fine, thanks.", final=True)
     rest = drain(stage)
-    assert [o.payload.text for o in rest] == ["my friend.", "How are you?", "Fine, thanks."]
-    assert [o.finished for o in rest] == [False, False, True]
-    for o in first + rest:
+    outputs = first + rest
+    spoken = " ".join(o.payload.text for o in outputs if o.payload.text)
+    assert spoken == "Hello there, my friend. How are you? Fine, thanks."
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    for o in outputs:
         chunk: AudioChunk = o.payload
         assert len(chunk.pcm16) % 2 == 0 and chunk.duration_ms > 100
         assert chunk.duration_ms == pytest.approx(1000 * len(chunk.pcm16) / 2 / 24000)
+
+
+def test_first_chunk_arrives_before_the_clause_is_complete(voice: Voice) -> None:
+    clause = "The children played in the park until the sun went down"
+    stage = TtsStage(voice)
+    stage.add("a", QUIET)
+    stage.feed("a", clause, final=True)
+    first = stage.step()
+    outputs = first + drain(stage)
+    assert len(outputs) >= 3 and not first[0].finished
+    (whole,) = voice.synthesize([clause], [voice.scales(QUIET)])
+    hop = voice.model.args.hop_length
+    assert len(first[0].payload.pcm16) == 2 * FIRST_CHUNK_FRAMES * hop
+    # Each chunk at most doubles what came before it, so playback never runs dry.
+    sizes = [len(o.payload.pcm16) // 2 for o in outputs]
+    for i in range(1, len(sizes)):
+        assert sizes[i] <= 2 * sum(sizes[:i]) + MIN_REST_FRAMES * hop
+    streamed = np.frombuffer(b"".join(o.payload.pcm16 for o in outputs), "<i2")
+    expected = np.frombuffer(to_pcm16(whole), "<i2")
+    assert streamed.shape == expected.shape
+    assert np.abs(streamed.astype(int) - expected.astype(int)).max() <= 1
+    assert " ".join(o.payload.text for o in outputs if o.payload.text) == clause
+
+
+def test_abort_between_chunks_of_a_clause(voice: Voice) -> None:
+    stage = TtsStage(voice)
+    stage.add("a", TtsRequest())
+    stage.feed("a", "The children played in the park until the sun went down.", final=True)
+    (first,) = stage.step()
+    assert not first.finished and stage.has_work()
+    stage.abort("a")
+    assert not stage.has_work() and stage.step() == []
+
+
+def test_rendered_spans_join_into_the_whole(voice: Voice) -> None:
+    texts = ["Good morning, how did you sleep last night?", "Fine."]
+    ids = [voice.ids(t) for t in texts]
+    scales = [voice.scales(QUIET)] * 2
+    whole = voice.synthesize_ids(ids, scales)
+    z_long, z_short = voice.latents(ids, scales)
+    F = z_long.shape[1]
+    cuts = [0, 5, 40, F // 2, F]
+    # Spans of one clause rendered in one batch, beside another clause's whole latents.
+    parts = voice.render(
+        [(z_long, a, b) for a, b in itertools.pairwise(cuts)] + [(z_short, 0, z_short.shape[1])]
+    )
+    np.testing.assert_allclose(np.concatenate(parts[:-1]), whole[0], atol=1e-5)
+    np.testing.assert_allclose(parts[-1], whole[1], atol=1e-5)
+
+
+@pytest.mark.parametrize("resblock", ["1", "2"])
+def test_context_frames_cover_the_receptive_field(resblock: str) -> None:
+    args = vits.ModelArgs(**{**TINY.__dict__, "resblock": resblock})
+    model = tiny_model(7, args)
+    ids = mx.array([[1, 0, 5, 0, 9, 0, 12, 0, 3, 0, 7, 0, 11, 0, 2] * 5])
+    z_p, frames = model.latents(ids, mx.array([ids.shape[1]]), 0.667, 3.0, 0.0)
+    n, c, hop = int(frames[0]), model.context_frames(), args.hop_length
+    assert n > 2 * c + 8
+    whole = np.array(model.render(z_p, frames))[0]
+    a, b = c + 2, c + 6
+    window = z_p[:, a - c : b + c]
+    part = np.array(model.render(window, np.array([window.shape[1]])))[0]
+    np.testing.assert_allclose(
+        part[c * hop : (c + b - a) * hop], whole[a * hop : b * hop], atol=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    "cuts",
+    [[0.0, 1.0], [0.0, 0.1, 0.5, 1.0], [0.0, 0.33, 0.34, 0.9, 1.0]],
+)
+def test_spoken_text_splits_a_clause_at_words(cuts: list[float]) -> None:
+    text = "Hello there, how are you doing today?"
+    parts = [spoken_text(text, a, b) for a, b in itertools.pairwise(cuts)]
+    assert " ".join(p for p in parts if p) == text
+    assert all(p == p.strip() and (not p or p.split()[0] in text.split()) for p in parts)
+    assert spoken_text(text, 0.0, 0.1) == ""  # "Hello" ends after a tenth of the clause
 
 
 @pytest.mark.parametrize(
@@ -405,12 +489,16 @@ def test_stage_batches_requests_and_honours_settings(voice: Voice) -> None:
     stage.add("fast", TtsRequest(sample_rate=16000, speed=2.0, noise_scale=0.0, noise_w=0.0))
     for rid in ("slow", "fast"):
         stage.feed(rid, "This sentence is spoken at two speeds.", final=True)
-    outputs = stage.step()
-    assert {o.request_id for o in outputs} == {"slow", "fast"}
-    assert all(o.finished and o.metrics["batch"] == 2 for o in outputs)
-    by_id = {o.request_id: o.payload for o in outputs}
-    assert by_id["fast"].duration_ms < 0.7 * by_id["slow"].duration_ms
-    assert not stage.has_work()
+    first = stage.step()
+    assert {o.request_id for o in first} == {"slow", "fast"}
+    assert all(o.metrics["batch"] == 2 for o in first)
+    outputs = first + drain(stage)
+    duration = {
+        rid: sum(o.payload.duration_ms for o in outputs if o.request_id == rid)
+        for rid in ("slow", "fast")
+    }
+    assert duration["fast"] < 0.7 * duration["slow"]
+    assert sorted(o.request_id for o in outputs if o.finished) == ["fast", "slow"]
 
 
 def test_noise_settings_take_effect(voice: Voice) -> None:
@@ -434,7 +522,8 @@ def test_resampled_chunks_join_without_seams(voice: Voice) -> None:
     stage.feed("a", "One, two, three. Four and five.", final=True)
     outputs = drain(stage)
     streamed = np.frombuffer(b"".join(o.payload.pcm16 for o in outputs), "<i2")
-    clauses = [o.payload.text for o in outputs if o.payload.text]
+    clauses = ["One,", "two, three.", "Four and five."]
+    assert " ".join(o.payload.text for o in outputs if o.payload.text) == " ".join(clauses)
     floats = voice.synthesize(clauses, [voice.scales(QUIET)] * len(clauses))
     whole = np.frombuffer(to_pcm16(soxr.resample(np.concatenate(floats), 22050, 24000)), "<i2")
     assert abs(len(streamed) - len(whole)) <= 2
@@ -526,10 +615,13 @@ def test_five_thousand_characters_stream_in_bounded_steps(voice: Voice) -> None:
     stage = TtsStage(voice)
     stage.add("a", TtsRequest())
     stage.feed("a", text, final=True)
-    for _ in range(2):
+    spoken = 0
+    for _ in range(4):
         (out,) = stage.step()
-        assert out.error is None and 0 < len(out.payload.text) <= 300
-        assert out.payload.duration_ms > 500 and not out.finished
+        assert out.error is None and len(out.payload.text) <= 300 and not out.finished
+        assert 0 < out.payload.duration_ms <= 12000
+        spoken += out.payload.duration_ms
+    assert spoken > 2000
     assert stage.has_work()
     stage.abort("a")
     assert not stage.has_work()

@@ -629,6 +629,18 @@ class Generator(nn.Module):
             outs.append(part)
         return mx.concatenate(outs, axis=1)
 
+    def context_frames(self) -> int:
+        # Receptive radius in input frames: conv_pre, then per upsampling stage its
+        # transposed conv (in its input's units) and its resblocks (in its output's).
+        radius = float(self.conv_pre.weight.shape[1] // 2)
+        scale = 1
+        for i, up in enumerate(self.ups):
+            radius += math.ceil(up.weight.shape[1] / up.stride) / scale
+            scale *= up.stride
+            post = self.conv_post.weight.shape[1] // 2 if i == len(self.ups) - 1 else 0
+            radius += (self.radius + post) / scale
+        return math.ceil(radius)
+
     def __call__(self, x: mx.array, mask: mx.array | None) -> mx.array:
         """`mask` [B, frames, 1], or None when every item fills the whole length."""
         x = self.conv_pre(_masked(x, mask))
@@ -673,15 +685,25 @@ class Model(nn.Module):
         w = mx.exp(logw) * x_mask * length_scale[:, None, None]
         return m_p, logs_p, mx.ceil(w)[..., 0]
 
-    def __call__(
+    def context_frames(self) -> int:
+        """Latent frames on each side that one output frame of `render` depends on.
+
+        Rendering a window of latents with this many extra frames on each side (or up to
+        the clause's own end) gives the window's middle exactly as the whole clause would.
+        """
+        a = self.args
+        flows = a.flow_n_flows * a.flow_n_layers * (a.flow_kernel_size // 2)
+        return flows + self.dec.context_frames()
+
+    def latents(
         self,
         ids: mx.array,
         lengths: mx.array,
         noise_scale: float | mx.array | None = None,
         length_scale: float | mx.array | None = None,
         noise_w: float | mx.array | None = None,
-    ) -> tuple[mx.array, list[int]]:
-        """Audio [B, samples] at the voice rate and each item's length in samples.
+    ) -> tuple[mx.array, np.ndarray]:
+        """Prior latents z_p [B, frames, C] and each item's frame count.
 
         The three scales are scalars or one value per item; None takes the voice's own.
         """
@@ -697,17 +719,35 @@ class Model(nn.Module):
         )
         m_p, logs_p, dur = self.durations(ids, lengths, noise_w, length_scale)
         frames, index = _expand_index(np.array(dur).astype(np.int64))
-        T = index.shape[1]
         idx = mx.array(index)[..., None]
         m = mx.take_along_axis(m_p, idx, axis=1)
         logs = mx.take_along_axis(logs_p, idx, axis=1)
-        y_mask = (mx.arange(T)[None, :] < mx.array(frames)[:, None]).astype(mx.float32)[..., None]
         z_p = m + mx.random.normal(m.shape) * mx.exp(logs) * noise_scale[:, None, None]
+        return z_p, frames
+
+    def render(self, z_p: mx.array, frames: np.ndarray) -> mx.array:
+        """Audio [B, samples] of latents; item b fills its first `frames[b]` frames."""
+        T = z_p.shape[1]
+        y_mask = (mx.arange(T)[None, :] < mx.array(frames)[:, None]).astype(mx.float32)[..., None]
         z = self.flow(z_p * y_mask, y_mask)
         full = bool((frames == T).all())
-        audio = self.dec(z * y_mask, None if full else y_mask)
+        return self.dec(z * y_mask, None if full else y_mask)
+
+    def __call__(
+        self,
+        ids: mx.array,
+        lengths: mx.array,
+        noise_scale: float | mx.array | None = None,
+        length_scale: float | mx.array | None = None,
+        noise_w: float | mx.array | None = None,
+    ) -> tuple[mx.array, list[int]]:
+        """Audio [B, samples] at the voice rate and each item's length in samples.
+
+        The three scales are scalars or one value per item; None takes the voice's own.
+        """
+        z_p, frames = self.latents(ids, lengths, noise_scale, length_scale, noise_w)
         hop = self.args.hop_length
-        return audio, [int(f) * hop for f in frames]
+        return self.render(z_p, frames), [int(f) * hop for f in frames]
 
 
 def _expand_index(dur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -4,13 +4,22 @@ Rules of this file:
 1. A request is in exactly one of `_waiting` (a heap ordered by `Request.__lt__`),
    `_prefilling` (its own per-layer KV cache, filled a chunk at a time) or `_running`
    (a row of the shared batched KV cache). `_seqs` holds every live request.
-2. A running sequence's KV always covers `tokens[:-1]`; its last token is the next
-   decode input. Prefill's last chunk ends with the last token and samples the next
-   one from its logits, so a request's first token costs no forward of its own. New,
-   cached and preempted requests all enter the batch the same way, which is why a
-   resumed request continues exactly where it stopped.
-3. Abort, finish and preemption free the KV at once; a session-keyed request hands its
-   KV to the prompt cache instead, so the next turn of the conversation reuses it.
+2. Every running row has one pending decode input in `_pending`. Either it is the row's
+   last recorded token (`unread` false: the row just joined, its KV covers
+   `tokens[:-1]`), or it was drawn by the decode step still in flight and the host has
+   not read it yet (`unread` true: the KV covers all of `tokens`). The next step feeds
+   `_pending` to the model and launches that forward before it reads the old tokens,
+   so the CPU computes while the host detokenizes, checks stops and hands outputs out.
+3. Prefill's last chunk ends with the last prompt token and samples the next one from
+   its logits, so a request's first token costs no forward of its own. Requests whose
+   last chunk falls in the same step share one right-padded forward. New, cached and
+   preempted requests all enter the batch the same way, which is why a resumed
+   request continues exactly where it stopped.
+4. Abort, finish and preemption free the KV at once and drop the row's pending token
+   unread, so nothing drawn past a finish or an abort is ever emitted; a preempted row
+   also gets its random key back, so its resumed draw repeats the dropped one. A
+   session-keyed request hands its KV to the prompt cache instead, recorded with
+   exactly the tokens that KV covers.
 """
 
 from __future__ import annotations
@@ -61,6 +70,8 @@ class _Seq:
     detok: StreamingDetokenizer
     cache_key: str | None
     layers: list[Any] = field(default_factory=list)  # per-layer KV while prefilling
+    unread: bool = False  # its `_pending` token was drawn but not yet recorded
+    rewind_key: mx.array | None = None  # its sampler key before that draw
 
     @property
     def kv_tokens(self) -> int:
@@ -101,6 +112,7 @@ class LlmStage:
         self._prefilling: list[_Seq] = []
         self._running: list[_Seq] = []
         self._batch: list[BatchKVCache] | None = None
+        self._pending: mx.array | None = None  # (running,) next decode inputs
         self.num_preemptions = 0
 
     @classmethod
@@ -154,6 +166,8 @@ class LlmStage:
         if not self._running:
             return outputs
         self._make_room()
+        if not self._running:
+            return outputs
         return outputs + self._decode()
 
     def stats(self) -> dict[str, int]:
@@ -257,8 +271,7 @@ class LlmStage:
     def _prefill(self, budget: int) -> list[StageOutput]:
         # At most one chunk per step in total, so running decodes never stall longer.
         budget = min(budget, self.prefill_chunk_tokens)
-        outputs: list[StageOutput] = []
-        done: list[_Seq] = []
+        last: list[_Seq] = []
         for seq in self._prefilling:
             if budget <= 0:
                 break
@@ -268,57 +281,112 @@ class LlmStage:
             if len(chunk) < len(todo):
                 self._forward_layers(seq.layers, chunk)
                 self._computed(seq, len(chunk))
-                continue
-            outputs.append(self._prefill_last(seq, chunk))
-            done.append(seq)
-        for seq in done:
-            self._prefilling.remove(seq)
-            if seq.req.is_finished():
-                self._release(seq, seq.layers)
-                del self._seqs[seq.req.request_id]
             else:
-                self._join_batch(seq)
+                last.append(seq)
+        outputs: list[StageOutput] = []
+        for group in self._padded_groups(last):
+            outputs += self._prefill_last(group)
         return outputs
+
+    def _padded_groups(self, seqs: list[_Seq]) -> list[list[_Seq]]:
+        """Split last chunks into groups whose padded size (rows x longest chunk) stays
+        within one chunk, so a long chunk never makes short ones pay for its length."""
+        groups: list[list[_Seq]] = []
+        width = 0
+        for seq in sorted(seqs, key=lambda s: s.kv_tokens - len(s.tokens)):
+            n = len(seq.tokens) - seq.kv_tokens
+            if groups and (len(groups[-1]) + 1) * width <= self.prefill_chunk_tokens:
+                groups[-1].append(seq)
+            else:
+                groups.append([seq])
+                width = n
+        return groups
 
     def _computed(self, seq: _Seq, n: int) -> None:
         seq.req.num_computed_tokens += n
         seq.req.remaining_tokens = seq.tokens[seq.kv_tokens : len(seq.tokens) - 1]
 
-    def _prefill_last(self, seq: _Seq, chunk: list[int]) -> StageOutput:
-        """Prefill the last chunk and sample the next token from its last position."""
-        logits = self._last_logits(seq.layers, chunk)
-        tokens = sample_batch(logits, [seq.sampler])
-        mx.eval(tokens, seq.sampler.key, [c.state for c in seq.layers])
-        self._computed(seq, len(chunk))
-        return self._output(seq, int(tokens.item()), time.time())
+    def _prefill_last(self, group: list[_Seq]) -> list[StageOutput]:
+        """Prefill the last chunks of `group` in one forward, sample each sequence's
+        next token from its last position, and move the survivors into the batch."""
+        chunks = [seq.tokens[seq.kv_tokens :] for seq in group]
+        per_layer = zip(*(seq.layers for seq in group), strict=True)
+        cache = [BatchKVCache.merge(list(layer)) for layer in per_layer]
+        logits = self._last_logits(cache, chunks)
+        samplers = [seq.sampler for seq in group]
+        tokens = sample_batch(logits, samplers)
+        mx.eval(tokens, [s.key for s in samplers], [c.state for c in cache])
+        now = time.time()
+        outputs = []
+        for seq, chunk, token in zip(group, chunks, tokens.tolist(), strict=True):
+            self._prefilling.remove(seq)
+            seq.layers = []
+            self._computed(seq, len(chunk))
+            outputs.append(self._output(seq, token, now, seq.sampler.error))
+        self._join_batch(group, cache)
+        return outputs
 
-    def _last_logits(self, layers: list[Any], chunk: list[int]) -> mx.array:
+    def _last_logits(self, cache: list[BatchKVCache], chunks: list[list[int]]) -> mx.array:
+        lengths = [len(c) for c in chunks]
+        width = max(lengths)
+        pads = [width - n for n in lengths]
+        if max(pads) > 0:
+            # Right padding keeps each row's tokens right after its own KV; finalize()
+            # then rolls the padding's KV to the left, where the mask hides it.
+            for c in cache:
+                c.prepare(right_padding=pads)
+        tokens = mx.array([c + [0] * p for c, p in zip(chunks, pads, strict=True)])
+        last = mx.array([n - 1 for n in lengths])[:, None, None]
         body = getattr(self.model, "model", None)
         args = getattr(self.model, "args", None)
         if body is None or args is None:
-            return self.model(mx.array([chunk]), cache=layers)[:, -1, :]
-        # The LM head only on the last position: the others' logits are never used.
-        hidden = body(mx.array([chunk]), cache=layers)[:, -1:, :]
-        if getattr(args, "tie_word_embeddings", False):
-            return body.embed_tokens.as_linear(hidden)[:, -1, :]
-        return self.model.lm_head(hidden)[:, -1, :]
+            logits = self.model(tokens, cache=cache)
+        else:
+            # The LM head only on each row's last position: no other logits are used.
+            hidden = mx.take_along_axis(body(tokens, cache=cache), last, axis=1)
+            if getattr(args, "tie_word_embeddings", False):
+                logits = body.embed_tokens.as_linear(hidden)
+            else:
+                logits = self.model.lm_head(hidden)
+            last = mx.zeros_like(last)
+        if max(pads) > 0:
+            for c in cache:
+                c.finalize()
+        return mx.take_along_axis(logits, last, axis=1)[:, 0, :]
 
     def _forward_layers(self, layers: list[Any], chunk: list[int]) -> None:
         body = getattr(self.model, "model", self.model)  # skip the LM head: no logits needed
         hidden = body(mx.array([chunk]), cache=layers)
         mx.eval(hidden, [c.state for c in layers])
 
-    def _join_batch(self, seq: _Seq) -> None:
-        rows = [BatchKVCache.merge([layer]) for layer in seq.layers]
-        if self._batch is None:
-            self._batch = rows
+    def _join_batch(self, group: list[_Seq], cache: list[BatchKVCache]) -> None:
+        """Move `group`'s rows of `cache` into the running batch; the rows of requests
+        that already finished hand their KV to the prompt cache instead."""
+        keep = []
+        for row, seq in enumerate(group):
+            if seq.req.is_finished():
+                self._release(seq, [c.extract(row) for c in cache])
+                del self._seqs[seq.req.request_id]
+            else:
+                keep.append(row)
+        if not keep:
+            return
+        if len(keep) < len(group):
+            for c in cache:
+                c.filter(keep)
+        joined = [group[row] for row in keep]
+        inputs = mx.array([seq.tokens[-1] for seq in joined], dtype=mx.uint32)
+        if self._batch is None or self._pending is None:
+            self._batch, self._pending = cache, inputs
         else:
-            for batch, row in zip(self._batch, rows, strict=True):
-                batch.extend(row)
-        seq.layers = []
-        seq.req.prompt_cache = None
-        seq.req.remaining_tokens = []
-        self._running.append(seq)
+            for batch, rows in zip(self._batch, cache, strict=True):
+                batch.extend(rows)
+            self._pending = mx.concatenate([self._pending, inputs])
+        for seq in joined:
+            seq.req.prompt_cache = None
+            seq.req.remaining_tokens = []
+            seq.unread = False
+            self._running.append(seq)
 
     # --- decode --------------------------------------------------------------------
 
@@ -331,6 +399,9 @@ class LlmStage:
     def _preempt(self, seq: _Seq) -> None:
         if seq in self._running:
             self._drop_rows([self._running.index(seq)], keep_kv=False)
+            if seq.unread:  # its draw is dropped; resuming draws it again, identically
+                seq.sampler.key = seq.rewind_key
+                seq.unread = False
         else:
             self._prefilling.remove(seq)
             seq.layers = []
@@ -341,23 +412,36 @@ class LlmStage:
         self.num_preemptions += 1
 
     def _decode(self) -> list[StageOutput]:
-        inputs = mx.array([[s.tokens[-1]] for s in self._running])
-        logits = self.model(inputs, cache=self._batch)[:, -1, :]
-        tokens = sample_batch(logits, [s.sampler for s in self._running])
-        mx.eval(tokens, [s.sampler.key for s in self._running])
+        """Launch the forward of the pending inputs, then record the inputs that were
+        drawn by the previous step (reading them waits for that step only)."""
+        assert self._pending is not None and self._batch is not None
+        running, inputs = list(self._running), self._pending
+        unread = [seq.unread for seq in running]
+        errors = [seq.sampler.error for seq in running]  # before this step's processors
+        for seq in running:
+            seq.rewind_key = seq.sampler.key
+        pending = [inputs[i : i + 1] if u else None for i, u in enumerate(unread)]
+        logits = self.model(inputs[:, None], cache=self._batch)[:, -1, :]
+        drawn = sample_batch(logits, [seq.sampler for seq in running], pending)
+        mx.async_eval(drawn, [seq.sampler.key for seq in running])
+        tokens = inputs.tolist() if any(unread) else []
+        self._pending = drawn
         now = time.time()
         outputs, done = [], []
-        for row, (seq, token) in enumerate(zip(self._running, tokens.tolist(), strict=True)):
-            outputs.append(self._output(seq, token, now))
+        for row, seq in enumerate(running):
+            seq.unread = True
+            if not unread[row]:
+                continue  # its input is the token prefill already emitted
+            outputs.append(self._output(seq, tokens[row], now, errors[row]))
             if seq.req.is_finished():
                 done.append(row)
         if done:
             self._drop_rows(done)
         return outputs
 
-    def _output(self, seq: _Seq, token: int, now: float) -> StageOutput:
-        if seq.sampler.error is not None:
-            return self._fail(seq, seq.sampler.error)
+    def _output(self, seq: _Seq, token: int, now: float, error: Exception | None) -> StageOutput:
+        if error is not None:
+            return self._fail(seq, error)
         out = self._advance(seq, token, now)
         metrics = self._metrics(seq.req, now) if out.finished else {}
         return StageOutput(seq.req.request_id, out, out.finished, metrics=metrics)
@@ -423,11 +507,13 @@ class LlmStage:
         keep = [i for i in range(len(self._running)) if i not in dropped]
         self._running = [self._running[i] for i in keep]
         if not keep:
-            self._batch = None
+            self._batch = self._pending = None
             mx.clear_cache()
             return
         for batch in self._batch:
             batch.filter(keep)
+        assert self._pending is not None
+        self._pending = self._pending[mx.array(keep)]  # drawn tokens of dropped rows: unread
 
     def _release(self, seq: _Seq, layers: list[Any]) -> None:
         if seq.cache_key is None or not layers:

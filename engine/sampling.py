@@ -5,6 +5,11 @@ logits processors and penalties row by row (only rows that use them), then tempe
 top-k, top-p and min-p as masked array ops over the whole batch, then a Gumbel-max draw
 whose noise comes from the request's own random key. A seeded request therefore draws
 the same tokens whichever other requests share its batch.
+
+A pipelined decode samples step N+1 before the host has read step N's tokens, so a row
+may come with a `pending` token: drawn, still lazy, and not yet in its `output_ids`.
+Penalties and logits processors count it as produced, which keeps their view of the
+history exactly what a synchronous loop would have shown them.
 """
 
 from __future__ import annotations
@@ -36,9 +41,20 @@ class RowSampler:
     error: Exception | None = None  # set when a logits processor of this row raised
 
 
-def sample_batch(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
-    """Sample one token per row of `logits` (B, V); advances each sampled row's key."""
-    logits = _process_rows(logits.astype(mx.float32), rows)
+Pending = Sequence[mx.array | None]
+
+
+def sample_batch(
+    logits: mx.array, rows: Sequence[RowSampler], pending: Pending | None = None
+) -> mx.array:
+    """Sample one token per row of `logits` (B, V); advances each sampled row's key.
+
+    `pending[i]`, when given and not None, is a (1,) token row i produced that its
+    `output_ids` does not hold yet.
+    """
+    if logits.dtype != mx.float32:
+        logits = logits.astype(mx.float32)
+    logits = _process_rows(logits, rows, pending or [None] * len(rows))
     greedy = mx.argmax(logits, axis=-1)
     if all(r.params.greedy for r in rows):
         return greedy
@@ -47,7 +63,7 @@ def sample_batch(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
     return mx.where(is_greedy, greedy, sampled)
 
 
-def _process_rows(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
+def _process_rows(logits: mx.array, rows: Sequence[RowSampler], pending: Pending) -> mx.array:
     if not any(_needs_row_processing(r.params) for r in rows):
         return logits
     out = []
@@ -55,7 +71,7 @@ def _process_rows(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
         x = logits[i : i + 1]
         if _needs_row_processing(row.params):
             try:
-                x = _process_row(x, row)
+                x = _process_row(x, row, pending[i])
             except Exception as exc:  # a user callable: fail its row, not the batch
                 row.error = exc
                 x = logits[i : i + 1]
@@ -67,26 +83,34 @@ def _needs_row_processing(p: SamplingParams) -> bool:
     return bool(p.logits_processors) or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
 
 
-def _process_row(x: mx.array, row: RowSampler) -> mx.array:
+def _process_row(x: mx.array, row: RowSampler, pending: mx.array | None) -> mx.array:
     p = row.params
     shape = x.shape
     for fn in p.logits_processors or []:
-        x = fn(mx.array(row.prompt_ids + row.output_ids), x)
+        x = fn(_with_pending(row.prompt_ids + row.output_ids, pending), x)
         if not isinstance(x, mx.array) or x.shape != shape:
             raise ValueError(f"logits processor {fn!r} must return an array of shape {shape}")
     if p.repetition_penalty != 1.0:
         # As in vLLM: every token seen in prompt or output is penalised.
-        seen = mx.array(sorted(set(row.prompt_ids) | set(row.output_ids)))
+        seen = _with_pending(sorted(set(row.prompt_ids) | set(row.output_ids)), pending)
         if seen.size:
+            # A pending token already seen appears twice; both writes carry one value.
             vals = x[:, seen]
             x[:, seen] = mx.where(
                 vals < 0, vals * p.repetition_penalty, vals / p.repetition_penalty
             )
-    if p.presence_penalty != 0.0 and row.output_ids:
+    if p.presence_penalty != 0.0 and (row.output_ids or pending is not None):
         # As in the OpenAI API: only tokens the model itself produced.
-        produced = mx.array(sorted(set(row.output_ids)))
+        produced = _with_pending(sorted(set(row.output_ids)), pending)
         x[:, produced] = x[:, produced] - p.presence_penalty
     return x
+
+
+def _with_pending(ids: list[int], pending: mx.array | None) -> mx.array:
+    known = mx.array(ids, dtype=mx.int32)
+    if pending is None:
+        return known
+    return mx.concatenate([known, pending.astype(mx.int32)])
 
 
 def _sample_filtered(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:

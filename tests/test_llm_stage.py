@@ -126,8 +126,8 @@ def test_first_token_comes_from_the_prefill_forward(model: llama.Model) -> None:
     stage = make_stage(model)
     stage.add("r", LlmInput(prompt_token_ids=prompt(6), sampling_params=greedy(5)))
     first = stage.step()
-    # The prefill's last position gives one token; the batch's decode the next.
-    assert [len(o.payload.new_token_ids) for o in first] == [1, 1]
+    # The prefill's last position gives the first token within the prefill's own step.
+    assert [(o.request_id, len(o.payload.new_token_ids)) for o in first] == [("r", 1)]
     one = LlmInput(prompt_token_ids=prompt(7, 1), sampling_params=greedy(1), cache_key="s")
     stage.add("one", one)
     outs = [o for o in stage.step() if o.request_id == "one"]
@@ -135,6 +135,11 @@ def test_first_token_comes_from_the_prefill_forward(model: llama.Model) -> None:
     assert stage.stats()["running"] == 1  # "one" finished without joining the batch
     hit = stage.prompt_cache.take("s", prompt(7, 1) + [0])
     assert hit is not None and hit.num_tokens == 7  # its whole prompt's KV was kept
+    # From then on every step hands out exactly one token: no step waits on the pipeline.
+    per_step = []
+    while stage.has_work():
+        per_step.append([len(o.payload.new_token_ids) for o in stage.step()])
+    assert per_step == [[1]] * 3
 
 
 def test_max_tokens_caps_length(model: llama.Model) -> None:
@@ -328,7 +333,8 @@ def test_prompt_cache_hit_gives_cold_tokens(model: llama.Model) -> None:
     stage.add("t2", LlmInput(prompt_token_ids=turn2, sampling_params=greedy(10), cache_key="conv"))
     req = stage.request("t2")
     warm = run(stage)["t2"]
-    assert req.cache_hit_type == "prefix" and req.cached_tokens == 40 + 10 - 1
+    # The whole first turn: the step in flight at its finish wrote its last token's KV.
+    assert req.cache_hit_type == "prefix" and req.cached_tokens == 40 + 10
     assert warm[-1].cached_tokens == req.cached_tokens
     cold = generate(make_stage(model), turn2, greedy(10))
     assert warm[-1].output_token_ids == cold

@@ -92,5 +92,8 @@ class Backend(Protocol):
     def pending(self) -> dict[str, int]:
         """Engine requests in flight per stage (for /metrics)."""
 
+    def prepared_turns(self) -> dict[str, int]:
+        """Prepared responses so far, by outcome: "adopted" or "discarded" (for /metrics)."""
+
     async def close(self) -> None:
         """Stop the engine: every open session's work is aborted."""

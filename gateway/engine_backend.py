@@ -241,6 +241,10 @@ class EngineBackend:
         # The VAD port is the whole engine (`AsyncEngine`), so it counts every stage.
         return self.vad_engine.pending()
 
+    def prepared_turns(self) -> dict[str, int]:
+        # A port that never works ahead has no such counts.
+        return dict(getattr(self.manager.port, "prepare_stats", {}))
+
     async def close(self) -> None:
         await self.manager.close_all()
         if self._on_close is not None:

@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 __all__ = ["GatewayMetrics", "LOOP_LAG_INTERVAL_S"]
 
@@ -35,6 +35,28 @@ class _EnginePending:
         family = GaugeMetricFamily(self.name, self.documentation, labels=["stage"])
         for stage, count in sorted(self._source().items()):
             family.add_metric([stage], count)
+        yield family
+
+
+class _PreparedTurns:
+    """Prepared responses by outcome, read from the engine's own counts at each scrape."""
+
+    name = "duplex_gateway_prepared_responses"
+    documentation = (
+        "Responses started during a pause in speech, by outcome: adopted (the pause "
+        "became the end of the turn) or discarded (speech went on)"
+    )
+
+    def __init__(self, source: PendingSource) -> None:
+        self._source = source
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.name, self.documentation, labels=["outcome"])
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=["outcome"])
+        for outcome, count in sorted(self._source().items()):
+            family.add_metric([outcome], count)
         yield family
 
 
@@ -95,6 +117,10 @@ class GatewayMetrics:
     def watch_engine(self, pending: PendingSource) -> None:
         """Export `pending()` (requests per stage) as a gauge read at each scrape."""
         self.registry.register(_EnginePending(pending))
+
+    def watch_prepared(self, counts: PendingSource) -> None:
+        """Export `counts()` (prepared responses by outcome) as a counter."""
+        self.registry.register(_PreparedTurns(counts))
 
     async def sample_loop_lag(self, interval: float = LOOP_LAG_INTERVAL_S) -> None:
         """Observe the running loop's lag every `interval` seconds until cancelled."""

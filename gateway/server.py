@@ -79,6 +79,7 @@ class GatewayServer:
         self.backend = backend
         self.metrics = metrics or GatewayMetrics()
         self.metrics.watch_engine(backend.pending)
+        self.metrics.watch_prepared(backend.prepared_turns)
         self.web_root = (config.web_root or DEFAULT_WEB_ROOT).resolve()
         self.connections: set[RealtimeConnection] = set()
         self._server: Server | None = None

@@ -144,6 +144,9 @@ class FakeBackend:
     def pending(self) -> dict[str, int]:
         return {}
 
+    def prepared_turns(self) -> dict[str, int]:
+        return {}
+
     async def close(self) -> None:
         self.closed = True
 

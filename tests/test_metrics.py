@@ -38,6 +38,9 @@ class CountingBackend:
     def pending(self) -> dict[str, int]:
         return dict(self.counts)
 
+    def prepared_turns(self) -> dict[str, int]:
+        return {"adopted": 3, "discarded": 1}
+
     def open_session(self, session_id: str) -> None:
         raise AssertionError("this test opens no session")
 
@@ -75,6 +78,9 @@ async def test_pending_is_read_at_scrape_and_a_blocked_loop_shows_as_lag() -> No
     try:
         samples = await asyncio.to_thread(scrape, server.port)
         assert pending(samples) == {"asr": 0, "llm": 2, "tts": 1, "vad": 3}
+        prepared = "duplex_gateway_prepared_responses_total"
+        assert samples[(prepared, (("outcome", "adopted"),))] == 3
+        assert samples[(prepared, (("outcome", "discarded"),))] == 1
         backend.counts.update(llm=0, vad=4)
         samples = await asyncio.to_thread(scrape, server.port)
         assert pending(samples) == {"asr": 0, "llm": 0, "tts": 1, "vad": 4}

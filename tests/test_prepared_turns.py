@@ -4,12 +4,20 @@ adopts it (engine/orchestrator.py rule 4), with the fake stages of test_orchestr
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import urllib.request
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import soundfile as sf
+import soxr
+from conftest import running_gateway
+from prometheus_client.parser import text_string_to_metric_families
+from websockets.asyncio.client import connect
 
 from duplex.contracts import DuplexAppendPlan
 from duplex.errors import DuplexStateError
@@ -377,3 +385,77 @@ def test_the_detector_reports_pauses_before_the_stop() -> None:
     assert late.pause_after_ms is None
     with pytest.raises(ValueError, match="pause_after_ms"):
         SpeechDetector(pause_after_ms=-1)
+
+
+# ---- for real: the gateway with its embedded models ----------------------------------
+
+RECORDING = Path("/usr/share/sounds/alsa/Front_Center.wav")
+
+
+def _recording_pcm24k() -> bytes:
+    data, rate = sf.read(RECORDING, dtype="float32")
+    pcm = soxr.resample(data, rate, 24000)
+    return (np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+async def _stream(ws: Any, pcm: bytes) -> None:
+    """Append `pcm` in 100 ms chunks at real-time pace, as a microphone would."""
+    step = 24000 * 2 // 10
+    for i in range(0, len(pcm), step):
+        chunk = base64.b64encode(pcm[i : i + step]).decode()
+        await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+        await asyncio.sleep(0.1)
+
+
+def _prepared_counts(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        s.labels["outcome"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "duplex_gateway_prepared_responses_total"
+    }
+
+
+async def test_a_spoken_turn_is_answered_from_its_prepared_response() -> None:
+    """The turn's work starts during the silence before speech_stopped; the answer the
+    client gets is the prepared one, taken over when the turn is committed."""
+    with running_gateway() as gw:
+        url = f"ws://127.0.0.1:{gw.port}/v1/realtime?model=duplex-smollm2"
+        async with connect(url, max_size=None) as ws:
+            await ws.recv()  # session.created
+            update = {
+                "type": "realtime",
+                "output_modalities": ["audio"],
+                "audio": {
+                    "input": {
+                        "transcription": {"model": "whisper-1"},
+                        "turn_detection": {"type": "server_vad", "silence_duration_ms": 800},
+                    }
+                },
+            }
+            await ws.send(json.dumps({"type": "session.update", "session": update}))
+            silence = bytes(24000 * 2 // 2)
+            sender = asyncio.create_task(_stream(ws, silence + _recording_pcm24k() + silence * 4))
+            seen: list[str] = []
+            transcript, audio_bytes = "", 0
+            async with asyncio.timeout(120):
+                while True:
+                    event = json.loads(await ws.recv())
+                    seen.append(event["type"])
+                    if event["type"].endswith("input_audio_transcription.completed"):
+                        transcript = event["transcript"]
+                    elif event["type"] == "response.output_audio.delta":
+                        audio_bytes += len(base64.b64decode(event["delta"]))
+                    elif event["type"] == "error":
+                        raise AssertionError(event)
+                    elif event["type"] == "response.done":
+                        assert event["response"]["status"] == "completed"
+                        break
+            await sender
+        counts = await asyncio.to_thread(_prepared_counts, gw.port)
+    assert "front" in transcript.lower() and "center" in transcript.lower()
+    assert audio_bytes > 24000  # over half a second of spoken answer
+    assert seen.index("input_audio_buffer.speech_stopped") < seen.index("response.created")
+    assert counts.get("adopted", 0) >= 1

@@ -116,3 +116,32 @@ def test_rows_with_different_params_share_one_batch() -> None:
 def test_output_shape(n: int) -> None:
     rows = _rows(n)
     assert sample_batch(mx.zeros((n, 10)), rows).shape == (n,)
+
+
+@pytest.mark.parametrize(
+    ("history", "second", "expected"),
+    [
+        ([2], 2.5, 1),  # pending 0 is new: penalised once (4 / 1.5 - 0.3 < 2.5)
+        ([0], 2.2, 0),  # pending 0 was produced before: still penalised once, not twice
+    ],
+)
+def test_pending_token_counts_as_produced(history: list[int], second: float, expected: int) -> None:
+    # A token drawn but not yet read back is penalised exactly as if it were recorded.
+    logits = mx.array([[4.0, second, 1.8, 1.0, -1.0]])
+    kw = dict(temperature=0.0, repetition_penalty=1.5, presence_penalty=0.3)
+    pending_row = _rows(1, prompt=[3], **kw)[0]
+    pending_row.output_ids.extend(history)
+    recorded_row = _rows(1, prompt=[3], **kw)[0]
+    recorded_row.output_ids.extend(history + [0])
+    seen: list[list[int]] = []
+
+    def record(tokens: mx.array, x: mx.array) -> mx.array:
+        seen.append(tokens.tolist())
+        return x
+
+    pending_row.params.logits_processors = [record]
+    lazy_zero = mx.argmax(mx.array([5.0, 1.0]))[None]  # still unevaluated, like a draw
+    with_pending = sample_batch(logits, [pending_row], [lazy_zero])
+    recorded = sample_batch(logits, [recorded_row])
+    assert with_pending.item() == recorded.item() == expected
+    assert seen == [[3] + history + [0]]

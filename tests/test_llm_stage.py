@@ -462,3 +462,164 @@ def test_finished_output_carries_latency_metrics(model: llama.Model) -> None:
         finished += [o for o in stage.step() if o.finished]
     assert set(finished[0].metrics) == {"ttft_s", "e2e_s", "decode_tok_s"}
     assert 0 <= finished[0].metrics["ttft_s"] <= finished[0].metrics["e2e_s"]
+
+
+# --- the pipelined decode: a step is in flight whenever the batch changes ---------------
+
+
+def solo(model: llama.Model, ids: list[int], params: SamplingParams) -> list[int]:
+    return generate(make_stage(model), ids, params)
+
+
+def test_finishes_in_a_batch_never_leak_the_step_in_flight(model: llama.Model) -> None:
+    cases = {
+        "len3": (prompt(5), greedy(3)),
+        "len1": (prompt(8, 2), greedy(1)),
+        "stop-id": (prompt(4), greedy(50, stop_token_ids=[ord("c")], logits_processors=[])),
+        "eos": (prompt(6, 1), greedy(50)),
+        "long": (prompt(9, 4), greedy(20)),
+    }
+    forced = {"stop-id": script(b"abcdef"), "eos": script(b"xy")}
+    stage = make_stage(model)
+    for name, (ids, params) in cases.items():
+        if name in forced:
+            params = greedy(
+                params.max_tokens,
+                stop_token_ids=params.stop_token_ids,
+                logits_processors=[forced[name]],
+            )
+        stage.add(name, LlmInput(prompt_token_ids=ids, sampling_params=params))
+    outs = run(stage)
+    for stream in outs.values():
+        assert [o.finished for o in stream] == [False] * (len(stream) - 1) + [True]
+        assert len(stream) == stream[-1].completion_tokens  # one token per output
+    assert len(outs["len3"][-1].output_token_ids) == 3
+    assert len(outs["len1"][-1].output_token_ids) == 1
+    assert outs["stop-id"][-1].output_token_ids == list(b"abc")
+    assert outs["eos"][-1].output_token_ids == list(b"xy") + [EOS]
+    assert outs["long"][-1].output_token_ids == solo(model, prompt(9, 4), greedy(20))
+
+
+def test_sequences_joining_a_decoding_batch_match_solo_runs(model: llama.Model) -> None:
+    stage = make_stage(model)
+    stage.add("a", LlmInput(prompt_token_ids=prompt(7), sampling_params=greedy(20)))
+    outs: dict[str, list[RequestOutput]] = {}
+    for i in range(60):
+        if i in (2, 5):
+            name = f"join{i}"
+            stage.add(name, LlmInput(prompt_token_ids=prompt(4 + i, i), sampling_params=greedy(9)))
+        if not stage.has_work():
+            break
+        for o in stage.step():
+            outs.setdefault(o.request_id, []).append(o.payload)
+    assert outs["a"][-1].output_token_ids == solo(model, prompt(7), greedy(20))
+    for i in (2, 5):
+        assert outs[f"join{i}"][-1].output_token_ids == solo(model, prompt(4 + i, i), greedy(9))
+
+
+def test_abort_emits_nothing_drawn_and_keeps_kv_exactly_for_emitted_tokens(
+    model: llama.Model,
+) -> None:
+    turn1 = prompt(20)
+    stage = make_stage(model)
+    stage.add("t1", LlmInput(prompt_token_ids=turn1, sampling_params=greedy(40), cache_key="c"))
+    stage.add("mate", LlmInput(prompt_token_ids=prompt(9, 3), sampling_params=greedy(40)))
+    emitted: list[int] = []
+    for _ in range(5):
+        emitted += [
+            t for o in stage.step() if o.request_id == "t1" for t in o.payload.new_token_ids
+        ]
+    stage.abort("t1")
+    assert all(o.request_id != "t1" for o in stage.step())
+    turn2 = turn1 + emitted + prompt(6, 9)
+    stage.add("t2", LlmInput(prompt_token_ids=turn2, sampling_params=greedy(8), cache_key="c"))
+    req = stage.request("t2")
+    warm = run(stage)["t2"][-1].output_token_ids
+    # The KV handed over covers the prompt and every emitted token, and nothing else.
+    assert req.cached_tokens == len(turn1) + len(emitted)
+    assert warm == solo(model, turn2, greedy(8))
+
+
+def seeded(seed: int, n: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=1.0, top_p=1.0, max_tokens=n, seed=seed, logits_processors=[flat]
+    )
+
+
+def test_preempted_seeded_request_resumes_with_the_same_draws(model: llama.Model) -> None:
+    reference = solo(model, prompt(20, 5), seeded(11, 30))
+    stage = make_stage(model, max_kv_tokens=80)
+    stage.add("a", LlmInput(prompt_token_ids=prompt(20), sampling_params=greedy(30)))
+    stage.add("b", LlmInput(prompt_token_ids=prompt(20, 5), sampling_params=seeded(11, 30)))
+    outs = run(stage)
+    assert stage.num_preemptions >= 1
+    assert outs["b"][-1].output_token_ids == reference
+    assert [t for o in outs["b"] for t in o.new_token_ids] == reference
+
+
+def test_processors_see_the_token_still_being_read(model: llama.Model) -> None:
+    seen: list[mx.array] = []
+
+    def record(tokens: mx.array, logits: mx.array) -> mx.array:
+        seen.append(tokens)
+        return logits
+
+    stage = make_stage(model)
+    ids = prompt(6)
+    params = greedy(8, logits_processors=[record], repetition_penalty=1.3, presence_penalty=0.5)
+    stage.add("r", LlmInput(prompt_token_ids=ids, sampling_params=params))
+    stage.add("mate", LlmInput(prompt_token_ids=prompt(5, 2), sampling_params=greedy(12)))
+    out = run(stage)["r"][-1].output_token_ids
+    full = ids + out
+    # Call k (0-based) draws output token k, so it must see the prompt and k outputs.
+    assert [s.tolist() for s in seen[: len(out)]] == [full[: len(ids) + k] for k in range(len(out))]
+
+
+def test_processor_failure_mid_decode_fails_at_its_own_token(model: llama.Model) -> None:
+    def third_call_fails(tokens: mx.array, logits: mx.array) -> mx.array:
+        third_call_fails.calls += 1
+        if third_call_fails.calls == 3:
+            raise RuntimeError("late failure")
+        return logits
+
+    third_call_fails.calls = 0
+    stage = make_stage(model)
+    params = greedy(10, logits_processors=[third_call_fails])
+    stage.add("bad", LlmInput(prompt_token_ids=prompt(5), sampling_params=params))
+    stage.add("mate", LlmInput(prompt_token_ids=prompt(7, 1), sampling_params=greedy(10)))
+    got: list[Any] = []
+    while stage.has_work():
+        got += [o for o in stage.step() if o.request_id == "bad"]
+    assert [o.payload is not None for o in got] == [True, True, False]
+    assert "late failure" in got[-1].error
+    assert got[1].payload.output_token_ids == solo(model, prompt(5), greedy(2))
+
+
+def test_last_chunks_of_cached_sessions_share_one_padded_forward(model: llama.Model) -> None:
+    # Two sessions with different cached lengths send their next turns in the same step.
+    stage = make_stage(model)
+    turns = {"s1": prompt(30), "s2": prompt(11, 4)}
+    replies = {k: generate_keyed(stage, k, ids) for k, ids in turns.items()}
+    nxt = {k: turns[k] + replies[k] + prompt(3 + 5 * i, i) for i, k in enumerate(turns)}
+    for k, ids in nxt.items():
+        stage.add(k, LlmInput(prompt_token_ids=ids, sampling_params=greedy(10), cache_key=k))
+    outs = run(stage)
+    for k, ids in nxt.items():
+        assert outs[k][0].cached_tokens == len(turns[k]) + len(replies[k])
+        assert outs[k][-1].output_token_ids == solo(model, ids, greedy(10))
+
+
+def generate_keyed(stage: LlmStage, key: str, ids: list[int]) -> list[int]:
+    stage.add(key, LlmInput(prompt_token_ids=ids, sampling_params=greedy(6), cache_key=key))
+    return run(stage)[key][-1].output_token_ids
+
+
+def test_long_and_short_last_chunks_are_prefilled_apart(model: llama.Model) -> None:
+    stage = make_stage(model, prefill_chunk_tokens=64, max_tokens_per_step=128)
+    stage.add("long", LlmInput(prompt_token_ids=prompt(60), sampling_params=greedy(6)))
+    stage.add("short", LlmInput(prompt_token_ids=prompt(3, 1), sampling_params=greedy(6)))
+    first = stage.step()
+    assert {o.request_id for o in first} == {"long", "short"}  # both in one step
+    outs = run(stage)
+    assert outs["long"][-1].output_token_ids == solo(model, prompt(60), greedy(6))
+    assert outs["short"][-1].output_token_ids == solo(model, prompt(3, 1), greedy(6))

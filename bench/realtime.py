@@ -1,38 +1,40 @@
 """Voice-to-voice latency at the client: from `input_audio_buffer.speech_stopped` to the
 first `response.output_audio.delta`, over spoken questions sent in real time.
 
-    .venv/bin/python bench/realtime.py [--url ws://HOST:PORT/v1] [--questions 10] [--json]
+    .venv/bin/python bench/realtime.py [--url ws://HOST:PORT/v1] [--config PROFILE]
+        [--questions 10] [--baseline] [--json]
 
 Without `--url` the gateway is started through its CLI (real models) on a free port.
 The questions are spoken by eSpeak NG (the `espeak-ng` program), a voice independent
-of the gateway's own TTS.
+of the gateway's own TTS, each followed by 1.2 s of silence. Also printed: the time from
+the end of the spoken words to the first audio (what the speaker waits, server-VAD
+silence included), and how many prepared responses the gateway adopted and discarded
+(/metrics). `--baseline` runs a second gateway with prepared responses off, in the same
+run, for the `*_unprepared` figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
-import os
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import soundfile as sf
 import soxr
+import yaml
 from websockets.asyncio.client import connect
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _gateway import RATE, gateway_process, stream_audio  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
-RATE = 24000
-CHUNK_MS = 100
 QUESTIONS = [
     "What is the capital of France?",
     "How many legs does a spider have?",
@@ -47,35 +49,7 @@ QUESTIONS = [
     "Where does the sun rise?",
     "What is the largest ocean on Earth?",
 ]
-
-
-@contextmanager
-def gateway_process(log_level: str = "WARNING") -> Iterator[str]:
-    """`duplex-gateway` in a subprocess on a free port; yields its ws base URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "gateway.cli", "--port", str(port), "--log-level", log_level]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "listening on" in line:
-            break
-    else:
-        raise RuntimeError(f"gateway exited with {proc.wait()}")
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-    try:
-        yield f"ws://127.0.0.1:{port}/v1"
-    finally:
-        proc.terminate()
-        proc.wait(60)
+TRAILING_SILENCE_S = 1.2
 
 
 def spoken(text: str) -> bytes:
@@ -91,44 +65,50 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
-async def stream_audio(ws: object, pcm: bytes) -> None:
-    """Append `pcm` in 100 ms chunks at real-time pace, as a microphone would."""
-    step = RATE * 2 * CHUNK_MS // 1000
-    start = time.monotonic()
-    for n, i in enumerate(range(0, len(pcm), step)):
-        chunk = base64.b64encode(pcm[i : i + step]).decode()
-        await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
-        await asyncio.sleep(max(0.0, start + (n + 1) * CHUNK_MS / 1000 - time.monotonic()))
+class Turn:
+    """One question's timings at the client, all in milliseconds."""
+
+    def __init__(self) -> None:
+        self.first_audio_ms: float | None = None  # from speech_stopped
+        self.from_speech_end_ms: float | None = None  # from the end of the spoken words
 
 
-async def one_question(ws: object, pcm: bytes) -> float:
-    """Milliseconds from speech_stopped to the first audio delta of the answer."""
-    sender = asyncio.create_task(stream_audio(ws, pcm + bytes(RATE * 2 * 12 // 10)))
-    stopped_at = None
-    first_ms = None
+async def one_question(ws: object, pcm: bytes, clock_ms: float) -> Turn:
+    """Send one spoken question at real-time pace (`clock_ms`: the session's audio clock
+    when it starts) and time its answer's first audio."""
+    silence = bytes(int(RATE * 2 * TRAILING_SILENCE_S))
+    sent_at = time.monotonic()
+    sender = asyncio.create_task(stream_audio(ws, pcm + silence))
+    turn = Turn()
+    stopped_at = speech_end_at = None
     try:
         async with asyncio.timeout(120):
             while True:
                 event = json.loads(await ws.recv())
                 kind = event["type"]
+                now = time.monotonic()
                 if kind == "input_audio_buffer.speech_stopped" and stopped_at is None:
-                    stopped_at = time.monotonic()
-                elif kind == "response.output_audio.delta" and first_ms is None:
-                    first_ms = (time.monotonic() - (stopped_at or time.monotonic())) * 1000
+                    stopped_at = now
+                    # The audio at session time audio_end_ms left this client then.
+                    speech_end_at = sent_at + (event["audio_end_ms"] - clock_ms) / 1000
+                elif kind == "response.output_audio.delta" and turn.first_audio_ms is None:
+                    turn.first_audio_ms = (now - (stopped_at or now)) * 1000
+                    turn.from_speech_end_ms = (now - (speech_end_at or now)) * 1000
                 elif kind == "response.done":
                     break
                 elif kind == "error":
                     raise RuntimeError(event["error"]["message"])
     finally:
         await sender
-    if first_ms is None:
+    if turn.first_audio_ms is None:
         raise RuntimeError("the answer had no audio")
-    return first_ms
+    return turn
 
 
 async def run(url: str, count: int) -> dict[str, float]:
     questions = [spoken(q) for q in (QUESTIONS * 2)[:count]]
-    latencies = []
+    turns = []
+    clock_ms = 0.0
     async with connect(f"{url}/realtime?model=duplex-smollm2", max_size=None) as ws:
         await ws.recv()  # session.created
         session = {
@@ -138,31 +118,77 @@ async def run(url: str, count: int) -> dict[str, float]:
         }
         await ws.send(json.dumps({"type": "session.update", "session": session}))
         for pcm in questions:
-            latencies.append(await one_question(ws, pcm))
+            turns.append(await one_question(ws, pcm, clock_ms))
+            clock_ms += (len(pcm) / 2 / RATE + TRAILING_SILENCE_S) * 1000
+    first = [t.first_audio_ms for t in turns if t.first_audio_ms is not None]
+    heard = [t.from_speech_end_ms for t in turns if t.from_speech_end_ms is not None]
     return {
-        "questions": len(latencies),
-        "first_audio_ms_p50": round(percentile(latencies, 50), 1),
-        "first_audio_ms_p95": round(percentile(latencies, 95), 1),
-        "first_audio_ms_max": round(max(latencies), 1),
+        "questions": len(turns),
+        "first_audio_ms_p50": round(percentile(first, 50), 1),
+        "first_audio_ms_p95": round(percentile(first, 95), 1),
+        "first_audio_ms_max": round(max(first), 1),
+        # What the speaker waits: the server-VAD silence plus the answer's latency.
+        "speech_end_to_first_audio_ms_p50": round(percentile(heard, 50), 1),
     }
+
+
+def prepared_counts(port: int) -> dict[str, int]:
+    """Prepared responses by outcome, from the gateway's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    prefix = "duplex_gateway_prepared_responses_total{outcome="
+    return {
+        line[len(prefix) + 1 : line.index("}") - 1]: int(float(line.split()[-1]))
+        for line in text.splitlines()
+        if line.startswith(prefix)
+    }
+
+
+def measure(config: Path, count: int) -> dict[str, float]:
+    with gateway_process("--config", str(config)) as gw:
+        result = asyncio.run(run(gw.url, count))
+        counts = prepared_counts(gw.port)
+    result["prepared_adopted"] = counts.get("adopted", 0)
+    result["prepared_discarded"] = counts.get("discarded", 0)
+    return result
+
+
+def unprepared_profile(config: Path, folder: Path) -> Path:
+    """`config` with prepared responses turned off."""
+    profile = yaml.safe_load(config.read_text()) or {}
+    profile.setdefault("gateway", {})
+    profile["gateway"] = {**(profile["gateway"] or {}), "prepare_after_silence_ms": None}
+    path = folder / "unprepared.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    return path
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="gateway ws base URL (default: start one)")
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "default.yaml")
     parser.add_argument("--questions", type=int, default=10)
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also run a gateway with prepared responses off (fields *_unprepared)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     if args.url:
         result = asyncio.run(run(args.url, args.questions))
     else:
-        with gateway_process() as url:
-            result = asyncio.run(run(url, args.questions))
+        result = measure(args.config, args.questions)
+        if args.baseline:
+            with tempfile.TemporaryDirectory() as folder:
+                base = measure(unprepared_profile(args.config, Path(folder)), args.questions)
+            for key in ("first_audio_ms_p50", "first_audio_ms_p95"):
+                result[f"{key}_unprepared"] = base[key]
     if args.json:
         print(json.dumps(result))
     else:
         for key, value in result.items():
-            print(f"{key:>22}: {value}")
+            print(f"{key:>34}: {value}")
     return 0
 
 

@@ -206,6 +206,8 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         - `max_output_tokens`, `voice`, `speed`, `cache_key` (all optional): per-turn
           LLM length, voice check, speaking rate, and the conversation's prompt-cache key.
 
+        A turn that ends at stage 0 only transcribes: its prompt holds `audio` alone.
+
         Raises ValueError for an unreserved or reused id and for a malformed prompt.
         """
         context = submission.context
@@ -291,8 +293,12 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
     ) -> _Plan:
         if entry not in (ASR, LLM):
             raise ValueError(f"a turn enters at stage 0 (audio) or 1 (text), not {entry}")
-        if final not in (LLM, TTS) or final < entry:
-            raise ValueError("a turn ends at stage 1 (text reply) or 2 (spoken reply)")
+        if final not in (ASR, LLM, TTS) or final < entry:
+            raise ValueError(
+                "a turn ends at stage 0 (transcript only), 1 (text reply) or 2 (spoken reply)"
+            )
+        if final == ASR and set(prompt) != {"audio"}:
+            raise ValueError("a transcription turn (ending at stage 0) takes only 'audio'")
         plan = _parse_prompt(prompt, entry, final)
         self._check_audio_length(plan, params[ASR])
         self._check_voice(plan, params[TTS])
@@ -440,7 +446,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             text = turn.plan.text
             if turn.plan.audio is not None:
                 text = await self._transcribe(turn)
-                if text is None:
+                if text is None or max(turn.ids) == ASR:
                     return
             await self._respond(turn, text)
         except asyncio.CancelledError:

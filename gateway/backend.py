@@ -48,6 +48,10 @@ class BackendSession(Protocol):
     def start(self, action: StartResponse) -> None:
         """Begin generating a response; its outputs arrive through `outputs()`."""
 
+    def transcribe(self, job_id: str, audio: np.ndarray) -> None:
+        """Transcribe 16 kHz `audio` beside any response; its "transcript" and then
+        "done" (or "failed") arrive through `outputs()` under `job_id`."""
+
     def prepare(self, action: PrepareResponse) -> None:
         """Start the work of a response that may be started next, its outputs held
         back; a `start` with an equal prompt takes it over."""

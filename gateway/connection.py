@@ -33,6 +33,7 @@ from gateway.realtime import (
     PrepareResponse,
     RealtimeSession,
     StartResponse,
+    TranscribeItem,
 )
 
 __all__ = ["RealtimeConnection", "SEND_OVERFLOW_CODE"]
@@ -199,6 +200,8 @@ class RealtimeConnection:
                 self.session.cancel(action.response_id, action.reason == "turn_detected")
             elif isinstance(action, FeedVad):
                 self.speech.feed(action.samples)
+            elif isinstance(action, TranscribeItem):
+                self.session.transcribe(action.job_id, action.audio)
             elif isinstance(action, PrepareResponse):
                 self.session.prepare(action)
             elif isinstance(action, DiscardPrepared):

@@ -16,6 +16,8 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
+import numpy as np
+
 from duplex.contracts import DuplexAppendPlan
 from duplex.errors import DuplexError
 from duplex.events import TurnDone
@@ -181,6 +183,11 @@ class EngineBackendSession:
         lane = _Lane(handle, lambda out: self._out_of_band_output(action.response_id, out))
         self._out_of_band[action.response_id] = lane
         lane.start(action)
+
+    def transcribe(self, job_id: str, audio: np.ndarray) -> None:
+        # A turn that ends at the ASR stage, on a duplex session of its own so it can
+        # run beside the default conversation's response.
+        self.start(StartResponse(job_id, {"audio": audio}, 0, 0, out_of_band=True))
 
     def _out_of_band_output(self, response_id: str, out: TurnOutput) -> None:
         self._outputs.put_nowait(out)

@@ -43,6 +43,7 @@ __all__ = [
     "PrepareResponse",
     "RealtimeSession",
     "StartResponse",
+    "TranscribeItem",
 ]
 
 MIN_COMMIT_MS = 100
@@ -63,6 +64,15 @@ class StartResponse:
     entry_stage_id: int
     final_stage_id: int
     out_of_band: bool
+
+
+@dataclass(frozen=True)
+class TranscribeItem:
+    """Transcribe a committed user audio item that no response is answering yet; the
+    job's outputs come back under `job_id` as a response's would."""
+
+    job_id: str
+    audio: np.ndarray  # float32 at ENGINE_RATE
 
 
 @dataclass(frozen=True)
@@ -160,6 +170,7 @@ class RealtimeSession:
         self._speech_item_id: str | None = None
         self._speech_start_ms = 0.0
         self._prepared = False  # the engine holds a prepared response for this speech
+        self._transcriptions: dict[str, str] = {}  # transcription job id -> item id
         self._idle_since_ms = 0.0
         self._vad_resampler: StreamResampler | None = None
         self._events: list[dict[str, Any]] = []
@@ -366,7 +377,8 @@ class RealtimeSession:
             # A manual commit in the middle of detected speech ends that speech turn.
             self._speech_item_id = None
             self._discard_prepared()
-        self._commit(new_id("item"), self._buffer_start_ms, self.audio_ms)
+        item = self._commit(new_id("item"), self._buffer_start_ms, self.audio_ms)
+        self._transcribe(item)
 
     def _on_input_audio_buffer_clear(self, event: Any) -> None:
         self._discard_prepared()
@@ -482,7 +494,7 @@ class RealtimeSession:
             "input_audio_buffer.speech_stopped", audio_end_ms=int(audio_end_ms), item_id=item_id
         )
         try:
-            self._commit(item_id, self._speech_start_ms, audio_end_ms)
+            item = self._commit(item_id, self._speech_start_ms, audio_end_ms)
         except ClientError as exc:
             self._discard_prepared()
             self._error(exc, None)
@@ -491,7 +503,44 @@ class RealtimeSession:
             # An equal prompt takes over the prepared work; anything else discards it.
             self._prepared = False
             self._create_default_response(ResponseOptions.from_session(self.settings), None)
+        else:
+            self._transcribe(item)
         self._discard_prepared()
+
+    # -- transcription of items no response answers yet --------------------------------
+
+    def _transcribe(self, item: Item) -> None:
+        """Start transcribing `item` now: its words enter the conversation (and the
+        transcription events go out) without waiting for a response."""
+        if item.pending_audio is None:
+            return
+        job_id = new_id("transcription")
+        self._transcriptions[job_id] = item.id
+        self._actions.append(TranscribeItem(job_id, item.pending_audio))
+
+    def _stop_transcription(self, item_id: str) -> None:
+        for job_id, target in list(self._transcriptions.items()):
+            if target == item_id:
+                del self._transcriptions[job_id]
+                self._actions.append(CancelResponse(job_id, "superseded"))
+
+    def _transcription_output(self, job_id: str, kind: str, text: str = "") -> None:
+        item_id = self._transcriptions.get(job_id)
+        item = self.conversation.get(item_id) if item_id else None
+        if kind == "transcript" and item is not None:
+            self._item_transcript(item, text)
+        elif kind == "failed":
+            self._transcriptions.pop(job_id, None)
+            if item is not None and self.settings.transcription is not None:
+                error = {"type": "server_error", "code": "engine_error", "message": text}
+                self._emit(
+                    "conversation.item.input_audio_transcription.failed",
+                    item_id=item.id,
+                    content_index=0,
+                    error={**error, "param": None},
+                )
+        elif kind == "done":
+            self._transcriptions.pop(job_id, None)
 
     # -- conversation items ------------------------------------------------------------
 
@@ -531,6 +580,7 @@ class RealtimeSession:
                 "invalid_value",
                 "item_id",
             )
+        self._stop_transcription(event.item_id)
         self.conversation.delete(event.item_id)
         self._emit("conversation.item.deleted", item_id=event.item_id)
 
@@ -605,6 +655,9 @@ class RealtimeSession:
     ) -> Response:
         prompt, entry, final = self._turn_prompt(options, context, out_of_band=out_of_band)
         turn = context[-1] if context and context[-1].role == "user" else None
+        if turn is not None and entry == 0:
+            # This response transcribes the item itself (and reports it).
+            self._stop_transcription(turn.id)
         response = Response(
             id=new_id("resp"),
             options=options,
@@ -687,11 +740,16 @@ class RealtimeSession:
 
     def response_transcript(self, response_id: str, text: str) -> None:
         """The ASR transcript of the user audio a response answers."""
+        if response_id in self._transcriptions:
+            self._transcription_output(response_id, "transcript", text)
+            return
         response = self._live(response_id)
         item_id = response.input_item_id if response else None
         item = self.conversation.get(item_id) if item_id else None
-        if item is None:
-            return
+        if item is not None:
+            self._item_transcript(item, text)
+
+    def _item_transcript(self, item: Item, text: str) -> None:
         item.set_transcript(text)
         if self.settings.transcription is None:
             return
@@ -765,6 +823,9 @@ class RealtimeSession:
 
     def response_done(self, response_id: str, usage: dict[str, Any] | None, finish: str) -> None:
         """The engine finished the response; `finish` "length" means max tokens hit."""
+        if response_id in self._transcriptions:
+            self._transcription_output(response_id, "done")
+            return
         response = self._live(response_id)
         if response is None:
             return
@@ -778,6 +839,9 @@ class RealtimeSession:
             self._finish(response, "completed", None)
 
     def response_failed(self, response_id: str, message: str) -> None:
+        if response_id in self._transcriptions:
+            self._transcription_output(response_id, "failed", message)
+            return
         response = self._live(response_id)
         if response is None:
             return
@@ -857,9 +921,10 @@ class RealtimeSession:
 
     def close(self) -> None:
         """The connection is going away: stop every response's engine work."""
-        for response_id in list(self.responses):
+        for response_id in [*self.responses, *self._transcriptions]:
             self._actions.append(CancelResponse(response_id, "client_cancelled"))
         self.responses.clear()
+        self._transcriptions.clear()
         self.active_id = None
 
 

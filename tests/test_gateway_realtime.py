@@ -16,6 +16,7 @@ from gateway.realtime import (
     FeedVad,
     RealtimeSession,
     StartResponse,
+    TranscribeItem,
 )
 
 
@@ -255,8 +256,12 @@ def test_manual_audio_turn_and_commit_limits() -> None:
         "conversation.item.done",
     ]
     assert events[1]["item"]["content"] == [{"type": "input_audio", "transcript": None}]
+    # The commit starts transcribing the item; a response to it takes that over.
+    (job,) = session.actions()
+    assert isinstance(job, TranscribeItem)
     send(session, type="response.create")
-    (start,) = session.actions()
+    cancel, start = session.actions()
+    assert cancel == CancelResponse(job.job_id, "superseded")
     assert start.entry_stage_id == 0 and start.final_stage_id == 2
     assert start.prompt["audio"].dtype == np.float32
     assert abs(len(start.prompt["audio"]) - 2400) < 50  # 150 ms at 16 kHz

@@ -59,6 +59,10 @@ class FakeSession:
         usage = {"total_tokens": 9, "input_tokens": 5, "output_tokens": 4}
         self.queue.put_nowait(TurnOutput(rid, "done", usage=usage))
 
+    def transcribe(self, job_id: str, audio: np.ndarray) -> None:
+        self.queue.put_nowait(TurnOutput(job_id, "transcript", text="fake transcript"))
+        self.queue.put_nowait(TurnOutput(job_id, "done"))
+
     def prepare(self, action: Any) -> None:
         self.prepared.append(action.prompt)
 

@@ -7,11 +7,15 @@ import struct
 import subprocess
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 import pytest
 import soundfile as sf
 import soxr
+
+import engine  # noqa: F401  (loads the fast BLAS before MLX)
+
+# isort: split
+import mlx.core as mx
 
 from engine import registry
 from engine.asr import (
@@ -215,6 +219,15 @@ def test_decoder_kv_cache_matches_recomputation() -> None:
 
 
 # ---------------------------------------------------------------- safeguards (unit)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_output_projection_matches_the_matmul(transcriber: Transcriber, rows: int) -> None:
+    projection = transcriber._logits
+    assert projection.uses_gemv  # Linux CPU with OpenBLAS: the cblas_sgemv path
+    hidden = mx.random.normal((rows, transcriber.model.args.n_text_state)) * 4
+    expected = np.array(hidden @ projection.weight.T)
+    np.testing.assert_allclose(projection(hidden), expected, rtol=1e-4, atol=1e-3)
 
 
 def test_repeated_tail_finds_loops_only() -> None:

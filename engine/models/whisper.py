@@ -217,16 +217,22 @@ class TextDecoder(nn.Module):
     def make_cache(self) -> list[list]:
         return [[None, None] for _ in self.blocks]
 
-    def __call__(
+    def hidden(
         self, tokens: mx.array, cross_kv: list[tuple[mx.array, mx.array]], cache: list[list]
     ) -> mx.array:
+        """Final hidden states (B, L, n_state): the logits are these times the embedding."""
         offset = cache[0][0].shape[2] if cache[0][0] is not None else 0
         L = tokens.shape[1]
         x = self.token_embedding(tokens) + self.positional_embedding[offset : offset + L]
         mask = "causal" if L > 1 else None
         for block, kv, c in zip(self.blocks, cross_kv, cache, strict=True):
             x = block(x, kv, c, mask)
-        return self.token_embedding.as_linear(self.ln(x))
+        return self.ln(x)
+
+    def __call__(
+        self, tokens: mx.array, cross_kv: list[tuple[mx.array, mx.array]], cache: list[list]
+    ) -> mx.array:
+        return self.token_embedding.as_linear(self.hidden(tokens, cross_kv, cache))
 
 
 class Model(nn.Module):

@@ -10,6 +10,12 @@ The breakdown comes from the orchestrator's marks: `asr_ms` (submit to transcrip
 `llm_first_clause_ms` (LLM start to its first complete clause), `tts_first_chunk_ms`
 (that clause to its first audio). After the first audio the turn is aborted, as a
 barge-in would, unless `--full-turns` is given.
+
+Each question is also run prepared, as the gateway's server VAD runs it: the turn is
+handed to `prepare_turn` `--prepare-lead-ms` before it is submitted (the default, 350
+ms, is the 500 ms end-of-turn silence minus the 150 ms pause that starts preparation),
+and `prepared_first_audio_ms` runs from the submit as well. Cold and prepared turns
+alternate, so both see the same machine.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from duplex.contracts import (  # noqa: E402
     DuplexStageSubmission,
     duplex_ephemeral_stage_request_id,
 )
-from duplex.outputs import DuplexStageOutput  # noqa: E402
+from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput  # noqa: E402
 from engine.build import EngineBundle, build_engine  # noqa: E402
 from engine.config import load_config  # noqa: E402
 from engine.core import exit_process  # noqa: E402
@@ -81,7 +87,9 @@ class Turns:
         self.outputs.setdefault(out.request_id, []).append(stamp)
         self.changed.set()
 
-    async def run(self, turn: int, audio: np.ndarray, full: bool) -> dict[str, Any]:
+    async def run(
+        self, turn: int, audio: np.ndarray, full: bool, prepare_lead_s: float | None = None
+    ) -> dict[str, Any]:
         fence = DuplexFence("bench", 0, turn)
         contexts = [
             DuplexStageRequestContext(
@@ -95,8 +103,6 @@ class Turns:
             )
             for n in range(3)
         ]
-        for ctx in contexts:
-            self.orch.ensure_request(ctx)
         ids = [c.request_id for c in contexts]
         # One conversation key, as a live session has: its system prompt stays cached.
         prompt = {
@@ -105,6 +111,12 @@ class Turns:
             "output_modalities": ["audio"],
             "cache_key": "bench",
         }
+        if prepare_lead_s is not None:
+            defaults = self.orch.sampling_defaults()
+            self.orch.prepare_turn(DuplexPreparedTurn("bench", 0, defaults, prompt, 0, 2))
+            await asyncio.sleep(prepare_lead_s)
+        for ctx in contexts:
+            self.orch.ensure_request(ctx)
         start = (time.perf_counter(), time.process_time())
         await self.orch.submit(DuplexStageSubmission(contexts[0], prompt, False, False))
         first = await self._wait(ids, full)
@@ -161,12 +173,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         audios = [await record(bundle, q, f"record-{i}") for i, q in enumerate(questions)]
         turns = Turns(bundle)
         await turns.run(0, audios[0], args.full_turns)  # warm: not measured
-        rows = []
+        rows, prepared = [], []
+        lead = args.prepare_lead_ms / 1000
         wall, cpu = time.perf_counter(), time.process_time()
         for i, audio in enumerate(audios, 1):
-            rows.append(await turns.run(i, audio, args.full_turns))
+            rows.append(await turns.run(2 * i - 1, audio, args.full_turns))
             if not args.json:
                 print(json.dumps(rows[-1]), file=sys.stderr)
+            if args.prepare_lead_ms >= 0:
+                prepared.append(await turns.run(2 * i, audio, args.full_turns, lead))
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     finally:
         await bundle.aclose()
@@ -179,6 +194,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "asr_ms_p50": _pct(rows, "asr_ms", 50),
         "llm_first_clause_ms_p50": _pct(rows, "llm_first_clause_ms", 50),
         "tts_first_chunk_ms_p50": _pct(rows, "tts_first_chunk_ms", 50),
+        "prepared_first_audio_ms_p50": _pct(prepared, "first_audio_ms", 50),
+        "prepared_first_audio_ms_p95": _pct(prepared, "first_audio_ms", 95),
+        "prepare_lead_ms": args.prepare_lead_ms,
         "turns": len(rows),
         "turns_with_audio": sum(r.get("first_audio_ms") is not None for r in rows),
         "questions": len(set(questions)),
@@ -194,6 +212,12 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "default.yaml")
     parser.add_argument("--questions", type=int, default=len(QUESTIONS))
     parser.add_argument("--full-turns", action="store_true", help="let each turn finish")
+    parser.add_argument(
+        "--prepare-lead-ms",
+        type=int,
+        default=350,
+        help="how long before its submit a prepared turn starts (negative: no prepared runs)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     result = asyncio.run(run(args))

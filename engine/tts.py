@@ -167,20 +167,18 @@ class Voice:
     def render(self, spans: Sequence[tuple[mx.array, int, int]]) -> list[np.ndarray]:
         """Float32 audio of latent frames [start, stop) of each (latents, start, stop),
         equal to that span of the whole sequence's audio, in one batched pass."""
-        context = self.model.context_frames()
-        windows = []
-        for z_p, start, stop in spans:
-            lo, hi = max(0, start - context), min(z_p.shape[1], stop + context)
-            windows.append((z_p[:, lo:hi], start - lo, stop - start))
-        T = max(w.shape[1] for w, _, _ in windows)
-        batch = mx.concatenate(
-            [mx.pad(w, [(0, 0), (0, T - w.shape[1]), (0, 0)]) for w, _, _ in windows]
-        )
-        audio = np.array(self.model.render(batch, np.array([w.shape[1] for w, _, _ in windows])))
-        hop = self.model.args.hop_length
-        return [
-            audio[i, off * hop : (off + n) * hop].copy() for i, (_, off, n) in enumerate(windows)
+        model = self.model
+        context, vocoder_context = model.context_frames(), model.dec.context_frames()
+        windows = [_window(z_p, start, stop, context) for z_p, start, stop in spans]
+        z = model.flows(*_stack([w for w, _ in windows]))
+        # The vocoder needs fewer frames around each span than the flows did.
+        windows = [
+            _window(z[i : i + 1, : w.shape[1]], a, a + n, vocoder_context)
+            for i, (w, (a, n)) in enumerate(windows)
         ]
+        audio = np.array(model.vocode(*_stack([w for w, _ in windows])))
+        hop = model.args.hop_length
+        return [audio[i, a * hop : (a + n) * hop].copy() for i, (_, (a, n)) in enumerate(windows)]
 
     def synthesize_ids(
         self, batch: Sequence[list[int]], scales: Sequence[Scales]
@@ -196,6 +194,19 @@ class Voice:
         flat_scales = [sc for ps, sc in zip(pieces, scales, strict=True) for _ in ps]
         audio = iter(self.synthesize_ids(flat, flat_scales))
         return [np.concatenate([next(audio) for _ in ps]) for ps in pieces]
+
+
+def _window(z: mx.array, start: int, stop: int, context: int) -> tuple[mx.array, tuple[int, int]]:
+    # Frames [start, stop) of z with `context` frames around, and where the span sits in it.
+    lo, hi = max(0, start - context), min(z.shape[1], stop + context)
+    return z[:, lo:hi], (start - lo, stop - start)
+
+
+def _stack(windows: list[mx.array]) -> tuple[mx.array, np.ndarray]:
+    # One zero-padded batch and each window's frame count.
+    T = max(w.shape[1] for w in windows)
+    batch = mx.concatenate([mx.pad(w, [(0, 0), (0, T - w.shape[1]), (0, 0)]) for w in windows])
+    return batch, np.array([w.shape[1] for w in windows])
 
 
 def split_phonemes(ipa: str, limit: int) -> list[str]:

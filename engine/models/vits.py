@@ -690,6 +690,8 @@ class Model(nn.Module):
 
         Rendering a window of latents with this many extra frames on each side (or up to
         the clause's own end) gives the window's middle exactly as the whole clause would.
+        Of these, `dec.context_frames()` are the vocoder's: the flows' output needs only
+        that many beyond the frames wanted.
         """
         a = self.args
         flows = a.flow_n_flows * a.flow_n_layers * (a.flow_kernel_size // 2)
@@ -725,13 +727,20 @@ class Model(nn.Module):
         z_p = m + mx.random.normal(m.shape) * mx.exp(logs) * noise_scale[:, None, None]
         return z_p, frames
 
-    def render(self, z_p: mx.array, frames: np.ndarray) -> mx.array:
-        """Audio [B, samples] of latents; item b fills its first `frames[b]` frames."""
-        T = z_p.shape[1]
-        y_mask = (mx.arange(T)[None, :] < mx.array(frames)[:, None]).astype(mx.float32)[..., None]
-        z = self.flow(z_p * y_mask, y_mask)
+    def flows(self, z_p: mx.array, frames: np.ndarray) -> mx.array:
+        """Latents z [B, T, C] of prior latents; item b fills its first `frames[b]` frames."""
+        y_mask = _frame_mask(frames, z_p.shape[1])
+        return self.flow(z_p * y_mask, y_mask) * y_mask
+
+    def vocode(self, z: mx.array, frames: np.ndarray) -> mx.array:
+        """Audio [B, samples] of latents z; item b fills its first `frames[b]` frames."""
+        T = z.shape[1]
         full = bool((frames == T).all())
-        return self.dec(z * y_mask, None if full else y_mask)
+        return self.dec(z, None if full else _frame_mask(frames, T))
+
+    def render(self, z_p: mx.array, frames: np.ndarray) -> mx.array:
+        """Audio [B, samples] of prior latents (flows, then the vocoder)."""
+        return self.vocode(self.flows(z_p, frames), frames)
 
     def __call__(
         self,
@@ -748,6 +757,10 @@ class Model(nn.Module):
         z_p, frames = self.latents(ids, lengths, noise_scale, length_scale, noise_w)
         hop = self.args.hop_length
         return self.render(z_p, frames), [int(f) * hop for f in frames]
+
+
+def _frame_mask(frames: np.ndarray, T: int) -> mx.array:
+    return (mx.arange(T)[None, :] < mx.array(frames)[:, None]).astype(mx.float32)[..., None]
 
 
 def _expand_index(dur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

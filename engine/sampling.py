@@ -2,9 +2,10 @@
 
 Each row of the batch's logits is shaped by its own request's `SamplingParams`:
 logits processors and penalties row by row (only rows that use them), then temperature,
-top-k, top-p and min-p as masked array ops over the whole batch, then a Gumbel-max draw
+top-k, top-p and min-p as one per-row cut on the scaled logits, then a Gumbel-max draw
 whose noise comes from the request's own random key. A seeded request therefore draws
-the same tokens whichever other requests share its batch.
+the same tokens whichever other requests share its batch. A batch pays only for the
+filters its rows use: the full-vocabulary sort only when a row asks for top-p.
 
 A pipelined decode samples step N+1 before the host has read step N's tokens, so a row
 may come with a `pending` token: drawn, still lazy, and not yet in its `output_ids`.
@@ -59,6 +60,8 @@ def sample_batch(
     if all(r.params.greedy for r in rows):
         return greedy
     sampled = _sample_filtered(logits, rows)
+    if not any(r.params.greedy for r in rows):
+        return sampled
     is_greedy = mx.array([r.params.greedy for r in rows])
     return mx.where(is_greedy, greedy, sampled)
 
@@ -114,24 +117,48 @@ def _with_pending(ids: list[int], pending: mx.array | None) -> mx.array:
 
 
 def _sample_filtered(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
-    B, V = logits.shape
     temps = mx.array([r.params.temperature or 1.0 for r in rows])[:, None]
     scaled = logits / temps
-    # Work in descending order so top-k, top-p and min-p are all rank/prefix masks.
-    order = mx.argsort(-scaled, axis=-1)
-    vals = mx.take_along_axis(scaled, order, axis=-1)
-    ranks = mx.arange(V)[None, :]
-    top_k = mx.array([r.params.top_k or V for r in rows])[:, None]
-    vals = mx.where(ranks < top_k, vals, -mx.inf)
-    probs = mx.softmax(vals, axis=-1)
-    before = mx.cumsum(probs, axis=-1) - probs  # mass strictly above each rank
-    top_p = mx.array([r.params.top_p for r in rows])[:, None]
-    min_p = mx.array([r.params.min_p for r in rows])[:, None]
-    keep = (before < top_p) & (probs >= min_p * probs[:, :1])
-    vals = mx.where(keep, vals, -mx.inf)
-    noise = mx.stack([_gumbel(r, V) for r in rows])
-    picked = mx.argmax(vals + noise, axis=-1)
-    return mx.take_along_axis(order, picked[:, None], axis=-1)[:, 0]
+    if any(_filters(r.params) for r in rows):
+        scaled = mx.where(scaled >= _threshold(scaled, rows), scaled, -mx.inf)
+    noise = mx.stack([_gumbel(r, scaled.shape[-1]) for r in rows])
+    return mx.argmax(scaled + noise, axis=-1)
+
+
+def _filters(p: SamplingParams) -> bool:
+    return not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
+
+
+def _threshold(scaled: mx.array, rows: Sequence[RowSampler]) -> mx.array:
+    """Per row, the lowest scaled logit that top-k, top-p and min-p all keep (B, 1).
+
+    Filters cut by value, so tokens tied at a cut are kept or dropped together. Only
+    top-p needs a full sort; top-k alone sorts its k best, min-p alone sorts nothing.
+    """
+    B, V = scaled.shape
+    params = [r.params for r in rows]
+    off = mx.array(-mx.inf)
+    best = mx.max(scaled, axis=-1, keepdims=True)
+    min_p = mx.array([p.min_p if _filters(p) else 0.0 for p in params])[:, None]
+    cut = mx.where(min_p > 0, best + mx.log(mx.maximum(min_p, 1e-30)), off)
+    ks = [min(p.top_k, V) if _filters(p) and p.top_k > 0 else 0 for p in params]
+    need_p = any(_filters(p) and p.top_p < 1.0 for p in params)
+    if not need_p and not any(ks):
+        return cut
+    width = V if need_p else max(ks)
+    desc = -mx.sort(-(scaled if width == V else mx.topk(scaled, width, axis=-1)), axis=-1)
+    k = mx.array([kk or width for kk in ks])[:, None]
+    kth = mx.take_along_axis(desc, k - 1, axis=-1)
+    cut = mx.maximum(cut, mx.where(mx.array(ks)[:, None] > 0, kth, off))
+    if need_p:
+        ranks = mx.arange(width)[None, :]
+        probs = mx.softmax(mx.where(ranks < k, desc, -mx.inf), axis=-1)  # within top-k
+        before = mx.cumsum(probs, axis=-1) - probs  # mass strictly above each rank
+        top_p = mx.array([p.top_p if _filters(p) else 1.0 for p in params])[:, None]
+        n = mx.maximum(mx.sum(before < top_p, axis=-1, keepdims=True), 1)
+        nth = mx.take_along_axis(desc, (n - 1).astype(mx.int32), axis=-1)
+        cut = mx.maximum(cut, mx.where(top_p < 1.0, nth, off))
+    return cut
 
 
 def _gumbel(row: RowSampler, V: int) -> mx.array:

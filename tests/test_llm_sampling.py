@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import engine  # noqa: F401 - first, so MLX picks up the optimised BLAS
 
 # isort: split
@@ -9,7 +12,7 @@ import mlx.core as mx
 import pytest
 
 from engine.request import SamplingParams
-from engine.sampling import RowSampler, new_key, sample_batch
+from engine.sampling import RowSampler, _threshold, new_key, sample_batch
 
 # Probabilities 0.5 / 0.3 / 0.2 over the first three tokens, ~0 elsewhere.
 BASE = [0.5, 0.3, 0.2] + [1e-9] * 13
@@ -145,3 +148,34 @@ def test_pending_token_counts_as_produced(history: list[int], second: float, exp
     recorded = sample_batch(logits, [recorded_row])
     assert with_pending.item() == recorded.item() == expected
     assert seen == [[3] + history + [0]]
+
+
+def _reference_kept(x: list[float], top_k: int, top_p: float, min_p: float) -> set[int]:
+    """Plain-Python top-k, then top-p over the renormalised rest, then min-p."""
+    order = sorted(range(len(x)), key=lambda i: -x[i])
+    if top_k:
+        order = order[:top_k]
+    weights = [math.exp(x[i] - x[order[0]]) for i in order]
+    total = sum(weights)
+    kept, before = [], 0.0
+    for i, w in zip(order, weights, strict=True):
+        if before < top_p and w >= min_p:
+            kept.append(i)
+        before += w / total
+    return set(kept)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_filters_keep_what_a_plain_reference_keeps(seed: int) -> None:
+    rng = random.Random(seed)
+    V = 64
+    cases = [(0, 0.9, 0.0), (5, 1.0, 0.0), (0, 1.0, 0.2), (12, 0.6, 0.05), (3, 0.3, 0.5)]
+    logits = [[rng.gauss(0.0, 2.0) for _ in range(V)] for _ in cases]
+    rows = [
+        RowSampler(SamplingParams(temperature=1.0, top_k=k, top_p=p, min_p=m), [], [], new_key(0))
+        for k, p, m in cases
+    ]
+    x = mx.array(logits)
+    kept = (x >= _threshold(x, rows)).tolist()
+    for row, (k, p, m), flags in zip(logits, cases, kept, strict=True):
+        assert {i for i, f in enumerate(flags) if f} == _reference_kept(row, k, p, m)

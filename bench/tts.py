@@ -10,6 +10,10 @@ The text is a three-sentence answer, spoken clause by clause as the TTS stage do
 - `rtf_before`: the same with MLX's stock dilated and transposed convolutions.
 - `onnxruntime_rtf`: onnxruntime on the same clauses' phoneme ids, same scales, same run.
 - `first_audio_ms`: from feeding the answer to a `TtsStage` to its first clause's PCM.
+- `first_chunk_ms`: the same for a one-clause answer of 31 characters, the size of an
+  LLM's first clause: the stage's first step renders a short first chunk of it;
+  `whole_clause_ms` is the time to render that clause whole, as the first step did
+  before chunking.
 - `*_cpu`: process CPU time / audio time (less sensitive to other load on the machine).
 - `breakdown_ms`: encoder + duration predictor, flows and decoder for the whole answer.
 Each figure is the best of `--repeats` runs after one warm-up.
@@ -40,6 +44,8 @@ ANSWER = (
     "and a high of twenty degrees. In the evening, clouds move in from the coast and there "
     "is a small chance of rain."
 )
+
+FIRST_CLAUSE = "The capital of France is Paris."
 
 
 def timed(fn, repeats: int) -> tuple[float, float, object]:  # noqa: ANN001
@@ -86,6 +92,24 @@ def first_audio_ms(voice: Voice) -> float:
     assert outputs and outputs[0].payload.pcm16
     stage.abort("bench")
     return elapsed
+
+
+def first_chunk_ms(voice: Voice, text: str) -> float:
+    stage = TtsStage(voice)
+    stage.add("bench", TtsRequest())
+    start = time.perf_counter()
+    stage.feed("bench", text, final=True)
+    outputs = stage.step()
+    elapsed = 1000 * (time.perf_counter() - start)
+    assert outputs and outputs[0].payload.pcm16 and not outputs[0].finished
+    stage.abort("bench")
+    return elapsed
+
+
+def whole_clause_ms(voice: Voice, text: str) -> float:
+    start = time.perf_counter()
+    voice.synthesize([text], [voice.scales(TtsRequest())])
+    return 1000 * (time.perf_counter() - start)
 
 
 def breakdown_ms(voice: Voice, ids: list[int]) -> dict[str, float]:
@@ -138,6 +162,12 @@ def main() -> None:
 
     voice.model.set_conv_mode("taps")
     report["first_audio_ms"] = round(min(first_audio_ms(voice) for _ in range(args.repeats + 1)), 1)
+    chunk, whole = [], []
+    for _ in range(2 * args.repeats + 1):  # interleaved: both see the same machine load
+        chunk.append(first_chunk_ms(voice, FIRST_CLAUSE))
+        whole.append(whole_clause_ms(voice, FIRST_CLAUSE))
+    report["first_chunk_ms"] = round(min(chunk[1:]), 1)
+    report["whole_clause_ms"] = round(min(whole[1:]), 1)
     wall, cpu, audio_s = timed(lambda: mlx_clauses(voice, ids), args.repeats)
     report["audio_s"] = round(audio_s, 2)
     report["rtf"], report["rtf_cpu"] = round(wall / audio_s, 3), round(cpu / audio_s, 3)

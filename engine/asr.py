@@ -115,9 +115,9 @@ class OutputProjection:
     (or on a GPU) MLX's matmul is used.
     """
 
-    def __init__(self, weight: mx.array) -> None:
+    def __init__(self, weight: mx.array, *, gemv: bool = True) -> None:
         self.weight = weight
-        path = ensure_fast_blas() if mx.default_device() == mx.cpu else None
+        path = ensure_fast_blas() if gemv and mx.default_device() == mx.cpu else None
         self._gemv = _sgemv(path) if path else None
         # A view of the model's own weights: no second copy of the embedding.
         matrix = np.array(weight, copy=False)

@@ -327,32 +327,40 @@ class LlmStage:
         return outputs
 
     def _last_logits(self, cache: list[BatchKVCache], chunks: list[list[int]]) -> mx.array:
+        """Forward `chunks` (one per row of `cache`) and return each row's logits at its
+        last token. Rows of unequal length are padded so that the mask hides the pads."""
         lengths = [len(c) for c in chunks]
         width = max(lengths)
         pads = [width - n for n in lengths]
-        if max(pads) > 0:
-            # Right padding keeps each row's tokens right after its own KV; finalize()
-            # then rolls the padding's KV to the left, where the mask hides it.
+        if cache[0].empty():
+            # No KV yet: pad before the prompts, so every row ends at the same position.
+            for c in cache:
+                c.prepare(left_padding=pads)
+            tokens = [[0] * p + c for c, p in zip(chunks, pads, strict=True)]
+            last = [width - 1] * len(chunks)
+        else:
+            # Pad after each row's tokens, right behind its own KV; finalize() then rolls
+            # the pads' KV to the left, where the mask hides it.
             for c in cache:
                 c.prepare(right_padding=pads)
-        tokens = mx.array([c + [0] * p for c, p in zip(chunks, pads, strict=True)])
-        last = mx.array([n - 1 for n in lengths])[:, None, None]
+            tokens = [c + [0] * p for c, p in zip(chunks, pads, strict=True)]
+            last = [n - 1 for n in lengths]
+        logits = self._logits_at(mx.array(tokens), cache, mx.array(last)[:, None, None])
+        for c in cache:
+            c.finalize()
+        return logits
+
+    def _logits_at(self, tokens: mx.array, cache: list[Any], positions: mx.array) -> mx.array:
+        """Logits (B, V) at one position per row; the LM head runs on those rows only."""
         body = getattr(self.model, "model", None)
         args = getattr(self.model, "args", None)
         if body is None or args is None:
             logits = self.model(tokens, cache=cache)
-        else:
-            # The LM head only on each row's last position: no other logits are used.
-            hidden = mx.take_along_axis(body(tokens, cache=cache), last, axis=1)
-            if getattr(args, "tie_word_embeddings", False):
-                logits = body.embed_tokens.as_linear(hidden)
-            else:
-                logits = self.model.lm_head(hidden)
-            last = mx.zeros_like(last)
-        if max(pads) > 0:
-            for c in cache:
-                c.finalize()
-        return mx.take_along_axis(logits, last, axis=1)[:, 0, :]
+            return mx.take_along_axis(logits, positions, axis=1)[:, 0, :]
+        hidden = mx.take_along_axis(body(tokens, cache=cache), positions, axis=1)
+        if getattr(args, "tie_word_embeddings", False):
+            return body.embed_tokens.as_linear(hidden)[:, 0, :]
+        return self.model.lm_head(hidden)[:, 0, :]
 
     def _forward_layers(self, layers: list[Any], chunk: list[int]) -> None:
         body = getattr(self.model, "model", self.model)  # skip the LM head: no logits needed

@@ -5,7 +5,7 @@ logits processors and penalties row by row (only rows that use them), then tempe
 top-k, top-p and min-p as one per-row cut on the scaled logits, then a Gumbel-max draw
 whose noise comes from the request's own random key. A seeded request therefore draws
 the same tokens whichever other requests share its batch. A batch pays only for the
-filters its rows use: the full-vocabulary sort only when a row asks for top-p.
+filters its rows use; only top-p sorts the vocabulary, and only its plausible part.
 
 A pipelined decode samples step N+1 before the host has read step N's tokens, so a row
 may come with a `pending` token: drawn, still lazy, and not yet in its `output_ids`.
@@ -125,6 +125,9 @@ def _sample_filtered(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
     return mx.argmax(scaled + noise, axis=-1)
 
 
+_NO_FILTER = SamplingParams(temperature=1.0, top_p=1.0)
+
+
 def _filters(p: SamplingParams) -> bool:
     return not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
 
@@ -132,33 +135,43 @@ def _filters(p: SamplingParams) -> bool:
 def _threshold(scaled: mx.array, rows: Sequence[RowSampler]) -> mx.array:
     """Per row, the lowest scaled logit that top-k, top-p and min-p all keep (B, 1).
 
-    Filters cut by value, so tokens tied at a cut are kept or dropped together. Only
-    top-p needs a full sort; top-k alone sorts its k best, min-p alone sorts nothing.
+    Filters cut by value, so tokens tied at a cut are kept or dropped together.
     """
-    B, V = scaled.shape
-    params = [r.params for r in rows]
+    V = scaled.shape[-1]
+    params = [r.params if _filters(r.params) else _NO_FILTER for r in rows]
     off = mx.array(-mx.inf)
     best = mx.max(scaled, axis=-1, keepdims=True)
-    min_p = mx.array([p.min_p if _filters(p) else 0.0 for p in params])[:, None]
+    min_p = mx.array([p.min_p for p in params])[:, None]
     cut = mx.where(min_p > 0, best + mx.log(mx.maximum(min_p, 1e-30)), off)
-    ks = [min(p.top_k, V) if _filters(p) and p.top_k > 0 else 0 for p in params]
-    need_p = any(_filters(p) and p.top_p < 1.0 for p in params)
-    if not need_p and not any(ks):
-        return cut
-    width = V if need_p else max(ks)
-    desc = -mx.sort(-(scaled if width == V else mx.topk(scaled, width, axis=-1)), axis=-1)
-    k = mx.array([kk or width for kk in ks])[:, None]
-    kth = mx.take_along_axis(desc, k - 1, axis=-1)
-    cut = mx.maximum(cut, mx.where(mx.array(ks)[:, None] > 0, kth, off))
-    if need_p:
-        ranks = mx.arange(width)[None, :]
-        probs = mx.softmax(mx.where(ranks < k, desc, -mx.inf), axis=-1)  # within top-k
-        before = mx.cumsum(probs, axis=-1) - probs  # mass strictly above each rank
-        top_p = mx.array([p.top_p if _filters(p) else 1.0 for p in params])[:, None]
-        n = mx.maximum(mx.sum(before < top_p, axis=-1, keepdims=True), 1)
-        nth = mx.take_along_axis(desc, (n - 1).astype(mx.int32), axis=-1)
-        cut = mx.maximum(cut, mx.where(top_p < 1.0, nth, off))
+    ks = [min(p.top_k, V) for p in params]
+    cut_k = mx.broadcast_to(off, best.shape)
+    if any(ks):
+        top = -mx.sort(-mx.topk(scaled, max(ks), axis=-1), axis=-1)
+        kth = mx.take_along_axis(top, mx.array([max(k, 1) - 1 for k in ks])[:, None], axis=-1)
+        cut_k = mx.where(mx.array(ks)[:, None] > 0, kth, off)
+        cut = mx.maximum(cut, cut_k)
+    if any(p.top_p < 1.0 for p in params):
+        cut = mx.maximum(cut, _top_p_cut(scaled, best, cut_k, params))
     return cut
+
+
+def _top_p_cut(
+    scaled: mx.array, best: mx.array, cut_k: mx.array, params: list[SamplingParams]
+) -> mx.array:
+    V = scaled.shape[-1]
+    top_p = mx.array([p.top_p for p in params])[:, None]
+    in_k = scaled >= cut_k
+    log_total = mx.logsumexp(mx.where(in_k, scaled, -mx.inf), axis=-1, keepdims=True)
+    # A token below `floor` has probability under (1 - top_p) / V, so the tokens above it
+    # already hold more than top_p: no nucleus reaches it. Dropping such tokens before the
+    # sort leaves it mostly ties, which sort several times faster.
+    floor = mx.where(top_p < 1.0, best + mx.log(mx.maximum(1.0 - top_p, 1e-30) / V), -mx.inf)
+    desc = -mx.sort(-mx.where(in_k & (scaled >= floor), scaled, -mx.inf), axis=-1)
+    probs = mx.exp(desc - log_total)
+    before = mx.cumsum(probs, axis=-1) - probs  # mass strictly above each rank
+    n = mx.maximum(mx.sum(before < top_p, axis=-1, keepdims=True), 1)
+    nth = mx.take_along_axis(desc, (n - 1).astype(mx.int32), axis=-1)
+    return mx.where(top_p < 1.0, mx.maximum(nth, floor), -mx.inf)
 
 
 def _gumbel(row: RowSampler, V: int) -> mx.array:

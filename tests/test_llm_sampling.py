@@ -166,11 +166,20 @@ def _reference_kept(x: list[float], top_k: int, top_p: float, min_p: float) -> s
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_filters_keep_what_a_plain_reference_keeps(seed: int) -> None:
+@pytest.mark.parametrize("spread", [0.05, 2.0, 8.0])  # near-flat to sharply peaked
+def test_filters_keep_what_a_plain_reference_keeps(seed: int, spread: float) -> None:
     rng = random.Random(seed)
     V = 64
-    cases = [(0, 0.9, 0.0), (5, 1.0, 0.0), (0, 1.0, 0.2), (12, 0.6, 0.05), (3, 0.3, 0.5)]
-    logits = [[rng.gauss(0.0, 2.0) for _ in range(V)] for _ in cases]
+    cases = [
+        (0, 0.9, 0.0),
+        (5, 1.0, 0.0),
+        (0, 1.0, 0.2),
+        (12, 0.6, 0.05),
+        (3, 0.3, 0.5),
+        (0, 0.99, 0.0),
+        (60, 0.95, 0.0),
+    ]
+    logits = [[rng.gauss(0.0, spread) for _ in range(V)] for _ in cases]
     rows = [
         RowSampler(SamplingParams(temperature=1.0, top_k=k, top_p=p, min_p=m), [], [], new_key(0))
         for k, p, m in cases

@@ -42,9 +42,9 @@ QUICK: dict[str, list[str]] = {
     "tts": ["--repeats", "1", "--skip-stock"],
     "vad": ["--sessions", "32", "--seconds", "5"],
     "duplex_core": ["--turns", "100", "--chunks", "10000", "--sessions", "200"],
-    "pipeline": ["--questions", "3"],
+    "pipeline": ["--questions", "10"],
     "barge_in": [],
-    "realtime": [],
+    "realtime": ["--baseline"],
     "load": ["--levels", "10,50,100", "--max-speaking", "4", "--plot-dir", str(PLOTS)],
 }
 NOT_BENCHMARKS = {"report"}

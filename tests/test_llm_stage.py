@@ -488,7 +488,8 @@ def test_finishes_in_a_batch_never_leak_the_step_in_flight(model: llama.Model) -
                 stop_token_ids=params.stop_token_ids,
                 logits_processors=[forced[name]],
             )
-        stage.add(name, LlmInput(prompt_token_ids=ids, sampling_params=params))
+        key = name if name.startswith("len") else None
+        stage.add(name, LlmInput(prompt_token_ids=ids, sampling_params=params, cache_key=key))
     outs = run(stage)
     for stream in outs.values():
         assert [o.finished for o in stream] == [False] * (len(stream) - 1) + [True]
@@ -498,6 +499,12 @@ def test_finishes_in_a_batch_never_leak_the_step_in_flight(model: llama.Model) -
     assert outs["stop-id"][-1].output_token_ids == list(b"abc")
     assert outs["eos"][-1].output_token_ids == list(b"xy") + [EOS]
     assert outs["long"][-1].output_token_ids == solo(model, prompt(9, 4), greedy(20))
+    # The KV each kept matches its recorded tokens: "len1" finished within the padded
+    # prefill (its one output has no KV yet), "len3" has all three outputs' KV.
+    for name, ids, kv in (("len1", prompt(8, 2), 8), ("len3", prompt(5), 5 + 3)):
+        recorded = ids + outs[name][-1].output_token_ids
+        hit = stage.prompt_cache.take(name, recorded + [0])
+        assert hit is not None and hit.num_tokens == kv
 
 
 def test_sequences_joining_a_decoding_batch_match_solo_runs(model: llama.Model) -> None:

@@ -3,7 +3,7 @@
 `Voice` turns clauses into float audio at the voice rate (one batched forward for many
 clauses). `Synthesizer` is the plain API: text in, PCM16 chunks at any rate out, one per
 clause. `TtsStage` is the engine stage: requests are opened with `add`, text arrives
-with `feed` as the LLM produces it, and each `step` speaks the next clause of every busy
+with `feed` as the LLM produces it, and each `step` speaks the next chunk of every busy
 request in one batch.
 
 The stage renders a request's first audio in a short chunk: the clause's latents are
@@ -11,7 +11,7 @@ computed whole (the text encoder and duration predictor need every phoneme), but
 flows and the vocoder, both convolutional, run over windows of latent frames with enough
 context on each side that the window's middle equals the whole clause's audio. Each
 later chunk of a request is at most twice the audio already rendered for it, so the
-next chunk is ready well before playback reaches it; later clauses are rendered whole.
+next chunk is ready well before playback reaches it; later clauses mostly fit in one.
 """
 
 from __future__ import annotations

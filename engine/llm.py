@@ -12,7 +12,7 @@ Rules of this file:
    so the CPU computes while the host detokenizes, checks stops and hands outputs out.
 3. Prefill's last chunk ends with the last prompt token and samples the next one from
    its logits, so a request's first token costs no forward of its own. Requests whose
-   last chunk falls in the same step share one right-padded forward. New, cached and
+   last chunk falls in the same step share one padded forward. New, cached and
    preempted requests all enter the batch the same way, which is why a resumed
    request continues exactly where it stopped.
 4. Abort, finish and preemption free the KV at once and drop the row's pending token

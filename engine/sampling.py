@@ -2,8 +2,8 @@
 
 Each row of the batch's logits is shaped by its own request's `SamplingParams`:
 logits processors and penalties row by row (only rows that use them), then temperature,
-top-k, top-p and min-p as one per-row cut on the scaled logits, then a Gumbel-max draw
-whose noise comes from the request's own random key. A seeded request therefore draws
+top-k, top-p and min-p as one per-row cut on the token weights, then an inverse-CDF
+draw whose uniform comes from the request's own random key. A seeded request therefore draws
 the same tokens whichever other requests share its batch. A batch pays only for the
 filters its rows use; only top-p sorts the vocabulary, and only its plausible part.
 
@@ -118,11 +118,14 @@ def _with_pending(ids: list[int], pending: mx.array | None) -> mx.array:
 
 def _sample_filtered(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
     temps = mx.array([r.params.temperature or 1.0 for r in rows])[:, None]
-    scaled = logits / temps
-    if any(_filters(r.params) for r in rows):
-        scaled = mx.where(scaled >= _threshold(scaled, rows), scaled, -mx.inf)
-    noise = mx.stack([_gumbel(r, scaled.shape[-1]) for r in rows])
-    return mx.argmax(scaled + noise, axis=-1)
+    weights = _weights(logits / temps, rows)
+    # Inverse-CDF draw in vocabulary order: one uniform per row, and every token owns an
+    # interval as wide as its weight, so tokens of equal weight are equally likely.
+    cum = mx.cumsum(weights, axis=-1)
+    total = cum[:, -1:]
+    u = mx.stack([_uniform(r) for r in rows])[:, None] * total
+    u = mx.minimum(u, total * (1.0 - 2.0**-20))  # a rounded-up product must not reach the end
+    return mx.sum(cum <= u, axis=-1).astype(mx.uint32)
 
 
 _NO_FILTER = SamplingParams(temperature=1.0, top_p=1.0)
@@ -132,50 +135,50 @@ def _filters(p: SamplingParams) -> bool:
     return not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
 
 
-def _threshold(scaled: mx.array, rows: Sequence[RowSampler]) -> mx.array:
-    """Per row, the lowest scaled logit that top-k, top-p and min-p all keep (B, 1).
+def _weights(scaled: mx.array, rows: Sequence[RowSampler]) -> mx.array:
+    """Each token's probability relative to its row's best token (B, V), and 0 for the
+    tokens that top-k, top-p and min-p filter out.
 
-    Filters cut by value, so tokens tied at a cut are kept or dropped together.
+    Filters cut by weight, so tokens tied at a cut are kept or dropped together. Only
+    top-p sorts, and only the tokens that could be in its nucleus.
     """
+    weights = mx.exp(scaled - mx.max(scaled, axis=-1, keepdims=True))
+    if not any(_filters(r.params) for r in rows):
+        return weights
     V = scaled.shape[-1]
     params = [r.params if _filters(r.params) else _NO_FILTER for r in rows]
-    off = mx.array(-mx.inf)
-    best = mx.max(scaled, axis=-1, keepdims=True)
-    min_p = mx.array([p.min_p for p in params])[:, None]
-    cut = mx.where(min_p > 0, best + mx.log(mx.maximum(min_p, 1e-30)), off)
+    cut = mx.array([p.min_p for p in params])[:, None]  # min-p: weight >= min_p
     ks = [min(p.top_k, V) for p in params]
-    cut_k = mx.broadcast_to(off, best.shape)
+    cut_k = mx.zeros_like(cut)
     if any(ks):
-        top = -mx.sort(-mx.topk(scaled, max(ks), axis=-1), axis=-1)
+        top = -mx.sort(-mx.topk(weights, max(ks), axis=-1), axis=-1)
         kth = mx.take_along_axis(top, mx.array([max(k, 1) - 1 for k in ks])[:, None], axis=-1)
-        cut_k = mx.where(mx.array(ks)[:, None] > 0, kth, off)
+        cut_k = mx.where(mx.array(ks)[:, None] > 0, kth, 0.0)
         cut = mx.maximum(cut, cut_k)
     if any(p.top_p < 1.0 for p in params):
-        cut = mx.maximum(cut, _top_p_cut(scaled, best, cut_k, params))
-    return cut
+        cut = mx.maximum(cut, _top_p_cut(weights, cut_k, params))
+    return mx.where(weights >= cut, weights, 0.0)
 
 
-def _top_p_cut(
-    scaled: mx.array, best: mx.array, cut_k: mx.array, params: list[SamplingParams]
-) -> mx.array:
-    V = scaled.shape[-1]
+def _top_p_cut(weights: mx.array, cut_k: mx.array, params: list[SamplingParams]) -> mx.array:
+    V = weights.shape[-1]
     top_p = mx.array([p.top_p for p in params])[:, None]
-    in_k = scaled >= cut_k
-    log_total = mx.logsumexp(mx.where(in_k, scaled, -mx.inf), axis=-1, keepdims=True)
-    # A token below `floor` has probability under (1 - top_p) / V, so the tokens above it
-    # already hold more than top_p: no nucleus reaches it. Dropping such tokens before the
-    # sort leaves it mostly ties, which sort several times faster.
-    floor = mx.where(top_p < 1.0, best + mx.log(mx.maximum(1.0 - top_p, 1e-30) / V), -mx.inf)
-    desc = -mx.sort(-mx.where(in_k & (scaled >= floor), scaled, -mx.inf), axis=-1)
-    probs = mx.exp(desc - log_total)
+    in_k = mx.where(weights >= cut_k, weights, 0.0)
+    total = mx.sum(in_k, axis=-1, keepdims=True)  # >= 1: the best token's weight is 1
+    # A token of weight under (1 - top_p) / V has probability under that too, so the
+    # tokens above it already hold more than top_p: no nucleus reaches it. Zeroing such
+    # tokens before the sort leaves it mostly ties, which sort several times faster.
+    floor = mx.where(top_p < 1.0, (1.0 - top_p) / V, 0.0)
+    desc = -mx.sort(-mx.where(in_k >= floor, in_k, 0.0), axis=-1)
+    probs = desc / total
     before = mx.cumsum(probs, axis=-1) - probs  # mass strictly above each rank
     n = mx.maximum(mx.sum(before < top_p, axis=-1, keepdims=True), 1)
     nth = mx.take_along_axis(desc, (n - 1).astype(mx.int32), axis=-1)
-    return mx.where(top_p < 1.0, mx.maximum(nth, floor), -mx.inf)
+    return mx.where(top_p < 1.0, mx.maximum(nth, floor), 0.0)
 
 
-def _gumbel(row: RowSampler, V: int) -> mx.array:
+def _uniform(row: RowSampler) -> mx.array:
     if row.params.greedy:
-        return mx.zeros((V,))
+        return mx.array(0.0)
     row.key, sub = mx.random.split(row.key)
-    return mx.random.gumbel(shape=(V,), key=sub)
+    return mx.random.uniform(key=sub)

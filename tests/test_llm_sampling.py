@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 
 from engine.request import SamplingParams
-from engine.sampling import RowSampler, _threshold, new_key, sample_batch
+from engine.sampling import RowSampler, _weights, new_key, sample_batch
 
 # Probabilities 0.5 / 0.3 / 0.2 over the first three tokens, ~0 elsewhere.
 BASE = [0.5, 0.3, 0.2] + [1e-9] * 13
@@ -185,6 +185,17 @@ def test_filters_keep_what_a_plain_reference_keeps(seed: int, spread: float) -> 
         for k, p, m in cases
     ]
     x = mx.array(logits)
-    kept = (x >= _threshold(x, rows)).tolist()
+    kept = (_weights(x, rows) > 0).tolist()
     for row, (k, p, m), flags in zip(logits, cases, kept, strict=True):
         assert {i for i, f in enumerate(flags) if f} == _reference_kept(row, k, p, m)
+
+
+def test_draw_frequencies_follow_the_probabilities() -> None:
+    # Tokens 0-1 tie at 0.3 each, token 2 has 0.4; the rest are never drawn.
+    probs = [0.3, 0.3, 0.4] + [0.0] * 5
+    n = 3000
+    rows = _rows(n, temperature=1.0, top_p=1.0)
+    logits = mx.broadcast_to(mx.log(mx.array(probs)), (n, len(probs)))
+    draws = sample_batch(logits, rows).tolist()
+    share = [draws.count(t) / n for t in range(len(probs))]
+    assert all(abs(s - p) < 0.04 for s, p in zip(share, probs, strict=True))

@@ -2,8 +2,8 @@
 
 Each row of the batch's logits is shaped by its own request's `SamplingParams`:
 logits processors and penalties row by row (only rows that use them), then temperature,
-top-k, top-p and min-p as one per-row cut on the token weights, then an inverse-CDF
-draw whose uniform comes from the request's own random key. A seeded request therefore draws
+top-k, top-p and min-p as one per-row cut on the token weights, then an inverse-CDF draw
+whose uniform comes from the request's own random key. A seeded request therefore draws
 the same tokens whichever other requests share its batch. A batch pays only for the
 filters its rows use; only top-p sorts the vocabulary, and only its plausible part.
 

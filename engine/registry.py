@@ -33,7 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.paths import CACHE_ENV, cache_dir
+
 __all__ = [
+    "CACHE_ENV",
     "ConversionError",
     "MARKER",
     "ModelSourceError",
@@ -56,7 +59,6 @@ STAGES = ("llm", "asr", "tts", "vad")
 SCHEMES = ("pypi", "hf", "path")
 PRECISIONS = ("auto", "fp32", "4bit")
 MARKER = ".complete.json"
-CACHE_ENV = "DUPLEX_GATEWAY_CACHE"
 
 Progress = Callable[[int, int], None]
 
@@ -142,11 +144,6 @@ def get_spec(name: str) -> ModelSpec:
         return _SPECS[name]
     except KeyError:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(_SPECS)}") from None
-
-
-def cache_dir() -> Path:
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "duplex-gateway"
 
 
 def resolve_precision(spec: ModelSpec, precision: str) -> str | None:

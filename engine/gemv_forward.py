@@ -1,0 +1,88 @@
+"""Build and load `native/gemv_forward.c`: one-row matrix products through BLAS's sgemv.
+
+Why: one decode step of one sequence multiplies a single row by every weight matrix,
+and OpenBLAS's sgemm packs each whole matrix before multiplying it; sgemv reads it once,
+in place (see the C file). The library is compiled once with the system's C compiler
+into the engine cache and must be loaded before the BLAS itself (`engine.blas` does
+both). Without a compiler, or with `DUPLEX_GATEWAY_GEMV_FORWARD=0`, nothing changes:
+MLX calls the BLAS's sgemm directly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+from engine.paths import cache_dir
+
+__all__ = ["ENV", "enable", "is_active", "load"]
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native") / "gemv_forward.c"
+ENV = "DUPLEX_GATEWAY_GEMV_FORWARD"
+
+_lib: ctypes.CDLL | None = None
+
+
+def load(blas_path: str) -> bool:
+    """Load the forwarder into the global symbol scope, bound to the BLAS at
+    `blas_path`; call before that BLAS is loaded globally. True when active."""
+    global _lib
+    if _lib is not None:
+        return True
+    if os.environ.get(ENV) == "0":
+        return False
+    built = _built()
+    if built is None:
+        return False
+    lib = ctypes.CDLL(str(built), mode=ctypes.RTLD_GLOBAL)
+    if not lib.gemv_forward_bind(blas_path.encode()):
+        log.warning("%s lacks cblas_sgemv or cblas_sgemm; one-row products use sgemm", blas_path)
+        return False
+    _lib = lib
+    return True
+
+
+def is_active() -> bool:
+    return _lib is not None
+
+
+def enable(on: bool) -> bool:
+    """Turn forwarding on or off at run time (for side-by-side timing); returns the
+    previous setting. Raises RuntimeError when the forwarder is not loaded."""
+    if _lib is None:
+        raise RuntimeError("the one-row forwarder is not loaded")
+    return bool(_lib.gemv_forward_enable(int(on)))
+
+
+def _built() -> Path | None:
+    """The compiled library in the cache, built now if needed; None without a compiler."""
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:16]
+    target = cache_dir() / "native" / f"gemv_forward-{key}.so"
+    if target.exists():
+        return target
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler: one-row products use the BLAS's sgemm (slower decode)")
+        return None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
+    cmd = [compiler, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE), "-ldl"]
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("building %s failed (%s); one-row products use sgemm", SOURCE.name, detail)
+        tmp.unlink(missing_ok=True)
+        return None
+    os.replace(tmp, target)  # atomic: another process may be building the same file
+    return target

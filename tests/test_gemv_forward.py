@@ -1,0 +1,145 @@
+"""One-row products reach BLAS's sgemv through the forwarder in front of the BLAS, with
+the same results as sgemm for every layout MLX hands over. Each check that depends on
+load order runs in a fresh interpreter, as in test_blas.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from engine import gemv_forward
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_python(code: str, **env: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# Every product shape where the output has one row or one column, in the layouts MLX
+# passes to cblas_sgemm (transposed and plain operands, strided vectors, batches), plus
+# alpha/beta through addmm; compared with a float64 numpy reference, forwarding on and off.
+PRODUCTS = """
+    import json
+    import engine
+    import mlx.core as mx
+    import numpy as np
+    from engine import gemv_forward
+
+    rng = np.random.default_rng(0)
+    def arr(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32))
+    W, v, c, col = arr(300, 64), arr(1, 64), arr(1, 300), arr(64, 1)
+    def f64(a):
+        return np.array(a, np.float64)
+    cases = {
+        "row @ W.T": lambda: (v @ W.T, f64(v) @ f64(W).T),
+        "row @ W": lambda: (v @ W[:64, :], f64(v) @ f64(W)[:64]),
+        "col.T @ W.T": lambda: (col.T @ W.T, f64(col).T @ f64(W).T),
+        "W @ col": lambda: (W @ col, f64(W) @ f64(col)),
+        "W @ row.T": lambda: (W @ v.T, f64(W) @ f64(v).T),
+        "W.T @ col": lambda: (W.T @ c.T, f64(W).T @ f64(c).T),
+        "W @ strided col": lambda: (W @ arr(64, 3)[:, 1:2], None),
+        "batched rows": lambda: (arr(2, 3, 1, 64) @ arr(2, 3, 64, 5), None),
+        "addmm": lambda: (
+            mx.addmm(c, v, W.T, alpha=0.5, beta=2.0),
+            2.0 * f64(c) + 0.5 * f64(v) @ f64(W).T,
+        ),
+        "addmm beta 0": lambda: (
+            mx.addmm(c, v, W.T, alpha=1.5, beta=0.0),
+            1.5 * f64(v) @ f64(W).T,
+        ),
+    }
+    errors = {}
+    for on in (True, False):
+        if gemv_forward.is_active():
+            gemv_forward.enable(on)
+        for name, case in cases.items():
+            rng = np.random.default_rng(1)
+            got, want = case()
+            got = np.array(got, np.float64)
+            if want is None:
+                want = got  # compared between the two settings below
+            errors[f"{name} {on}"] = (float(np.abs(got - want).max()), got.tolist())
+    print(json.dumps({"active": gemv_forward.is_active(), "errors": errors}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux CPU backend only")
+def test_one_row_products_match_sgemm_in_every_layout(tmp_path: Path) -> None:
+    result = run_python(PRODUCTS, DUPLEX_GATEWAY_CACHE=str(tmp_path))
+    assert result["active"], "a C compiler (cc or gcc) builds the forwarder"
+    errors = result["errors"]
+    names = {k.rsplit(" ", 1)[0] for k in errors}
+    for name in names:
+        on_err, on_vals = errors[f"{name} True"]
+        off_err, off_vals = errors[f"{name} False"]
+        assert on_err < 1e-3 and off_err < 1e-3, name
+        # Forwarded and plain sgemm agree (up to summation order).
+        diff = max(abs(a - b) for a, b in zip(_flat(on_vals), _flat(off_vals), strict=True))
+        assert diff < 1e-3, name
+
+
+def _flat(values: object) -> list[float]:
+    if isinstance(values, list):
+        return [x for v in values for x in _flat(v)]
+    return [float(values)]  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux CPU backend only")
+def test_the_forwarder_answers_first_and_can_be_turned_off(tmp_path: Path) -> None:
+    probe = """
+        import ctypes, json, os
+        import engine
+        from engine import gemv_forward
+        addr = ctypes.cast(ctypes.CDLL(None).cblas_sgemm, ctypes.c_void_p).value
+        owner = None
+        for line in open("/proc/self/maps").read().splitlines():
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= addr < hi and len(fields) > 5:
+                owner = fields[5]
+        print(json.dumps({"active": gemv_forward.is_active(), "owner": owner}))
+    """
+    on = run_python(probe, DUPLEX_GATEWAY_CACHE=str(tmp_path))
+    assert on["active"] and "gemv_forward-" in on["owner"]
+    assert list((tmp_path / "native").glob("gemv_forward-*.so"))  # built once, cached
+    off = run_python(probe, DUPLEX_GATEWAY_CACHE=str(tmp_path), DUPLEX_GATEWAY_GEMV_FORWARD="0")
+    assert not off["active"] and "gemv_forward-" not in off["owner"]
+
+
+def test_without_a_compiler_nothing_is_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("DUPLEX_GATEWAY_CACHE", str(tmp_path))
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert gemv_forward._built() is None
+    assert "no C compiler" in caplog.text
+    assert not (tmp_path / "native").exists()
+
+
+def test_a_failing_build_leaves_no_partial_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("DUPLEX_GATEWAY_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    monkeypatch.setattr(shutil, "which", lambda name: "/bin/false" if name == "false" else None)
+    assert gemv_forward._built() is None
+    assert "failed" in caplog.text
+    assert list((tmp_path / "native").iterdir()) == []

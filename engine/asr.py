@@ -13,7 +13,6 @@ transcript looks broken. Audio over 30 s is split at quiet points and transcribe
 
 from __future__ import annotations
 
-import ctypes
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,13 +22,11 @@ import mlx.core as mx
 import numpy as np
 from tokenizers import Tokenizer
 
-from engine.blas import ensure_fast_blas
 from engine.models import whisper
 from engine.stage import StageOutput
 
 __all__ = [
     "AsrStage",
-    "OutputProjection",
     "Transcriber",
     "Transcription",
     "load_transcriber",
@@ -106,55 +103,6 @@ def split_long_audio(audio: np.ndarray, max_s: float = CHUNK_MAX_SECONDS) -> lis
     return parts
 
 
-class OutputProjection:
-    """Logits of a few decoder rows: hidden (B, D) times the token embedding (V, D).
-
-    On the CPU MLX's matmul hands one row to `cblas_sgemm`, which repacks the whole
-    80 MB embedding on every call; `cblas_sgemv` of the same optimised BLAS reads it
-    once, in place, several milliseconds faster per decoded token. Without that BLAS
-    (or on a GPU) MLX's matmul is used.
-    """
-
-    def __init__(self, weight: mx.array, *, gemv: bool = True) -> None:
-        self.weight = weight
-        path = ensure_fast_blas() if gemv and mx.default_device() == mx.cpu else None
-        self._gemv = _sgemv(path) if path else None
-        # A view of the model's own weights: no second copy of the embedding.
-        matrix = np.array(weight, copy=False)
-        self._matrix = matrix if matrix.flags.c_contiguous and self._gemv else None
-
-    @property
-    def uses_gemv(self) -> bool:
-        return self._matrix is not None
-
-    def __call__(self, hidden: mx.array) -> np.ndarray:
-        if self._gemv is None or self._matrix is None:
-            return np.array(hidden @ self.weight.T)
-        rows = np.ascontiguousarray(np.array(hidden, dtype=np.float32))
-        V, D = self._matrix.shape
-        out = np.empty((rows.shape[0], V), np.float32)
-        for h, y in zip(rows, out, strict=True):
-            self._gemv(
-                _ROW_MAJOR, _NO_TRANS, V, D, 1.0, self._matrix.ctypes.data, D,
-                h.ctypes.data, 1, 0.0, y.ctypes.data, 1,
-            )  # fmt: skip
-        return out
-
-
-_ROW_MAJOR, _NO_TRANS = 101, 111  # CBLAS enum values
-
-
-def _sgemv(path: str) -> Callable[..., None] | None:
-    try:
-        fn = ctypes.CDLL(path).cblas_sgemv
-    except (OSError, AttributeError):
-        return None
-    c_int, c_float, ptr = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-    fn.argtypes = [c_int, c_int, c_int, c_int, c_float, ptr, c_int, ptr, c_int, c_float, ptr, c_int]
-    fn.restype = None
-    return fn
-
-
 class Transcriber:
     """Greedy Whisper transcription of 16 kHz mono float32 audio."""
 
@@ -180,7 +128,7 @@ class Transcriber:
         self.suppress = suppress
         self.suppress_first = suppress.copy()
         self.suppress_first[config["suppress_ids_begin"]] = -np.inf
-        self._logits = OutputProjection(model.decoder.token_embedding.weight)
+        self._embedding = model.decoder.token_embedding.weight
         self.pads = (pad_s, fallback_pad_s)
         self._silence_kv = self._encode_silence() if silence_tail else None
 
@@ -310,7 +258,10 @@ class Transcriber:
         x = mx.array([self.prompt] * B)
         suppress = self.suppress_first
         while active:
-            logits = self._logits(self.model.decoder.hidden(x, cross_kv, cache)[:, -1])
+            # One row per step: `engine.gemv_forward` makes this product an sgemv.
+            logits = np.array(
+                self.model.decoder.hidden(x, cross_kv, cache)[:, -1] @ self._embedding.T
+            )
             logits += suppress
             suppress = self.suppress
             next_tokens = logits.argmax(axis=-1).tolist()

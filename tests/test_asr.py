@@ -21,7 +21,6 @@ from engine import registry
 from engine.asr import (
     MIN_SECONDS,
     AsrStage,
-    OutputProjection,
     Transcriber,
     Transcription,
     load_transcriber,
@@ -220,16 +219,6 @@ def test_decoder_kv_cache_matches_recomputation() -> None:
 
 
 # ---------------------------------------------------------------- safeguards (unit)
-
-
-@pytest.mark.parametrize("rows", [1, 3])
-def test_output_projection_matches_the_matmul(transcriber: Transcriber, rows: int) -> None:
-    projection = transcriber._logits
-    assert projection.uses_gemv  # Linux CPU with OpenBLAS: the cblas_sgemv path
-    plain = OutputProjection(projection.weight, gemv=False)
-    assert not plain.uses_gemv
-    hidden = mx.random.normal((rows, transcriber.model.args.n_text_state)) * 4
-    np.testing.assert_allclose(projection(hidden), plain(hidden), rtol=1e-4, atol=1e-3)
 
 
 def test_repeated_tail_finds_loops_only() -> None:

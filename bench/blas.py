@@ -1,5 +1,7 @@
 """Matmul speed of MLX's CPU backend with its bundled reference BLAS and with the BLAS
-the engine loads (`engine.blas`).
+the engine loads (`engine.blas`), and the one-row product of a decode step (a 576-wide
+row times the LLM's 49152 x 576 embedding, 113 MB) through that BLAS's sgemv, as
+`engine.gemv_forward` routes it, and through its plain sgemm, timed alternately.
 
 Each measurement runs in a fresh child process, because the BLAS can only be chosen
 before `mlx.core` is imported.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -38,7 +41,32 @@ def measure(size: int, seconds: float) -> dict[str, object]:
         mx.eval(a @ b)
         runs += 1
     elapsed = time.perf_counter() - start
-    return {"gflops": 2 * size**3 * runs / elapsed / 1e9, "blas": active_blas(), "runs": runs}
+    result = {"gflops": 2 * size**3 * runs / elapsed / 1e9, "blas": active_blas(), "runs": runs}
+    return result | row_product_ms()
+
+
+def row_product_ms(rounds: int = 15) -> dict[str, float]:
+    """Median ms of one (1, 576) x (576, 49152) product, sgemv vs sgemm alternately."""
+    from engine import gemv_forward
+
+    if not gemv_forward.is_active():
+        return {}
+    import mlx.core as mx
+
+    row, weight = mx.random.normal((1, 576)), mx.random.normal((49152, 576))
+    mx.eval(row, weight, row @ weight.T)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(rounds):
+        for on in (True, False):
+            gemv_forward.enable(on)
+            start = time.perf_counter()
+            mx.eval(row @ weight.T)
+            times[on].append((time.perf_counter() - start) * 1000)
+    gemv_forward.enable(True)
+    return {
+        "row_ms_sgemv": statistics.median(times[True]),
+        "row_ms_sgemm": statistics.median(times[False]),
+    }
 
 
 def run_child(size: int, seconds: float, blas_env: str | None) -> dict[str, object]:
@@ -68,6 +96,9 @@ def main() -> None:
         "gflops_active": round(active["gflops"], 2),
         "speedup": round(active["gflops"] / reference["gflops"], 1),
     }
+    if "row_ms_sgemv" in active:
+        result["row_product_ms_sgemv"] = round(active["row_ms_sgemv"], 2)
+        result["row_product_ms_sgemm"] = round(active["row_ms_sgemm"], 2)
     if args.json:
         print(json.dumps(result))
         return
@@ -77,6 +108,11 @@ def main() -> None:
     active_name = active["blas"] or "reference (no optimised BLAS found)"
     print(f"{active_name:58} {result['gflops_active']:8.1f}")
     print(f"speedup: {result['speedup']}x")
+    if "row_product_ms_sgemv" in result:
+        print(
+            f"one-row product (1x576 . 576x49152): sgemv {result['row_product_ms_sgemv']} ms, "
+            f"sgemm {result['row_product_ms_sgemm']} ms"
+        )
 
 
 if __name__ == "__main__":

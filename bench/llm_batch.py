@@ -4,9 +4,9 @@ Prints aggregate decode throughput at 1/4/8/16 concurrent streams, `mlx_lm.batch
 on the same model and prompts in the same run (1 and 8 streams and mlx-lm are measured
 `--repeats` times in turn and each keeps its best round: on a shared machine the slower
 rounds measure the neighbours' load rather than the code), time to first token for a
-request that
-joins 8 decoding streams, cold versus cached second-turn TTFT of a ~500-token
-conversation, and event-loop lag while 8 streams decode through the engine thread.
+request that joins 8 decoding streams, cold versus cached second-turn TTFT of a
+~500-token conversation, and event-loop lag while 8 streams decode through the engine
+thread.
 
     python bench/llm_batch.py [--json] [--max-tokens 64] [--repeats 5]
 """

@@ -6,8 +6,8 @@ after their `response.done` (must be 0).
                                        [--trials 20] [--json]
 
 Without `--url` the gateway is started through its CLI (real models, `--config` passed on).
-Each trial asks a question answered aloud and, at its first audio delta, talks over it
-in real time with a real recording (ALSA's "Front Center").
+Each trial, on a session of its own, asks a question answered aloud and, at its first
+audio delta, talks over it in real time with a real recording (ALSA's "Front Center").
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ async def one_trial(ws: object, trials: Trials, n: int, speech: bytes) -> None:
     item = {
         "type": "message",
         "role": "user",
-        "content": [{"type": "input_text", "text": f"Tell me something about the number {n}."}],
+        # A long answer: the reply must still be streaming when the VAD hears the speech.
+        "content": [{"type": "input_text", "text": f"Tell me a long story about the number {n}."}],
     }
     await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
     await ws.send(json.dumps({"type": "response.create"}))
@@ -107,16 +108,18 @@ async def one_trial(ws: object, trials: Trials, n: int, speech: bytes) -> None:
 async def run(url: str, count: int) -> dict[str, float]:
     trials = Trials()
     speech = recording_pcm()
-    async with connect(f"{url}/realtime?model=duplex-smollm2", max_size=None) as ws:
-        await ws.recv()
-        detection = {"type": "server_vad", "silence_duration_ms": 300, "create_response": False}
-        session = {
-            "type": "realtime",
-            "output_modalities": ["audio"],
-            "audio": {"input": {"turn_detection": detection}},
-        }
-        await ws.send(json.dumps({"type": "session.update", "session": session}))
-        for n in range(count):
+    detection = {"type": "server_vad", "silence_duration_ms": 300, "create_response": False}
+    session = {
+        "type": "realtime",
+        "output_modalities": ["audio"],
+        "audio": {"input": {"turn_detection": detection}},
+    }
+    # A session per trial: each question starts from the same empty conversation, so
+    # earlier cut-off answers do not shape (or shorten) the next one.
+    for n in range(count):
+        async with connect(f"{url}/realtime?model=duplex-smollm2", max_size=None) as ws:
+            await ws.recv()
+            await ws.send(json.dumps({"type": "session.update", "session": session}))
             await one_trial(ws, trials, n, speech)
     return {
         "trials": count,

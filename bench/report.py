@@ -47,7 +47,7 @@ QUICK: dict[str, list[str]] = {
     "realtime": ["--baseline"],
     "load": ["--levels", "10,50,100", "--max-speaking", "4", "--plot-dir", str(PLOTS)],
 }
-NOT_BENCHMARKS = {"report"}
+NOT_BENCHMARKS = {"report", "_gateway"}
 
 
 # -- the machine -----------------------------------------------------------------------

@@ -47,7 +47,9 @@ def microphone_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
         [
             _silence(1.0),
             _espeak(FIRST, folder / "first.wav"),
-            _silence(12.0),  # the answer starts playing in here
+            # The answer starts playing in here and is still being generated (96
+            # tokens take several seconds) when the second question cuts in.
+            _silence(4.5),
             _espeak(SECOND, folder / "second.wav"),
             _silence(60.0),
         ]

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import soxr
+import yaml
 from conftest import ROOT, running_gateway
 from playwright.sync_api import Page, sync_playwright
 
@@ -47,9 +48,10 @@ def microphone_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
         [
             _silence(1.0),
             _espeak(FIRST, folder / "first.wav"),
-            # The answer starts playing in here and is still being generated (96
-            # tokens take several seconds) when the second question cuts in.
-            _silence(4.5),
+            # The answer starts playing in here; the second question cuts in while
+            # it plays (and, with the long answers of `web_url`'s profile, while it is
+            # still being generated).
+            _silence(7.0),
             _espeak(SECOND, folder / "second.wav"),
             _silence(60.0),
         ]
@@ -60,8 +62,14 @@ def microphone_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def web_url() -> Iterator[str]:
-    with running_gateway() as gateway:
+def web_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    # The default profile with room for a long story, so the answer is still being
+    # generated when the second question interrupts it.
+    profile = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    profile["stages"]["llm"]["sampling"]["max_tokens"] = 400
+    path = tmp_path_factory.mktemp("profile") / "long-answers.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    with running_gateway("--config", str(path)) as gateway:
         yield f"http://127.0.0.1:{gateway.port}/web/"
 
 

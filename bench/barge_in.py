@@ -58,6 +58,13 @@ async def next_event(ws: object, trials: Trials, timeout: float = 120) -> dict:
     return event
 
 
+async def until_event(ws: object, trials: Trials, kind: str) -> dict:
+    event = await next_event(ws, trials)
+    while event["type"] != kind:
+        event = await next_event(ws, trials)
+    return event
+
+
 async def quiet(ws: object, trials: Trials, seconds: float = 1.0) -> None:
     while True:
         try:
@@ -91,8 +98,7 @@ async def one_trial(ws: object, trials: Trials, n: int, speech: bytes) -> None:
     }
     await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
     await ws.send(json.dumps({"type": "response.create"}))
-    while (await next_event(ws, trials))["type"] != "response.output_audio.delta":
-        pass
+    await until_event(ws, trials, "response.output_audio.delta")
     # Events are read while the speech streams, so each is timed as it arrives; the
     # second of silence after it lets the VAD hear the end of the speech.
     sender = asyncio.create_task(stream_audio(ws, speech + bytes(RATE * 2)))

@@ -184,13 +184,7 @@ class DuplexSession:
             ValueError: the stage range is not `0 <= entry <= final < stage_count`.
             DuplexStateError: a turn is already active, or the session is not open.
         """
-        if not isinstance(plan, DuplexAppendPlan):
-            raise ValueError(f"start_turn needs a DuplexAppendPlan, got {type(plan).__name__}")
-        if not 0 <= entry_stage_id <= final_stage_id < self._stage_count:
-            raise ValueError(
-                f"stages must satisfy 0 <= entry ({entry_stage_id}) <= final "
-                f"({final_stage_id}) < stage_count ({self._stage_count})"
-            )
+        self._check_turn(plan, entry_stage_id, final_stage_id)
         self._state = transition(self._state, TurnEvent.START_TURN)
         contexts = [
             self._context(n, final_stage_id) for n in range(entry_stage_id, final_stage_id + 1)
@@ -213,13 +207,7 @@ class DuplexSession:
 
         Raises: as `start_turn`.
         """
-        if not isinstance(plan, DuplexAppendPlan):
-            raise ValueError(f"prepare_turn needs a DuplexAppendPlan, got {type(plan).__name__}")
-        if not 0 <= entry_stage_id <= final_stage_id < self._stage_count:
-            raise ValueError(
-                f"stages must satisfy 0 <= entry ({entry_stage_id}) <= final "
-                f"({final_stage_id}) < stage_count ({self._stage_count})"
-            )
+        self._check_turn(plan, entry_stage_id, final_stage_id)
         transition(self._state, TurnEvent.START_TURN)  # raises unless a turn could start
         return DuplexPreparedTurn(
             session_id=self.session_id,
@@ -229,6 +217,15 @@ class DuplexSession:
             entry_stage_id=entry_stage_id,
             final_stage_id=final_stage_id,
         )
+
+    def _check_turn(self, plan: DuplexAppendPlan, entry_stage_id: int, final_stage_id: int) -> None:
+        if not isinstance(plan, DuplexAppendPlan):
+            raise ValueError(f"a turn needs a DuplexAppendPlan, got {type(plan).__name__}")
+        if not 0 <= entry_stage_id <= final_stage_id < self._stage_count:
+            raise ValueError(
+                f"stages must satisfy 0 <= entry ({entry_stage_id}) <= final "
+                f"({final_stage_id}) < stage_count ({self._stage_count})"
+            )
 
     def barge_in(self) -> list[SessionStep]:
         """The user started speaking: cancel the active turn (no-op when none)."""

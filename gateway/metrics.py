@@ -16,47 +16,32 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 
 _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LOOP_LAG_INTERVAL_S = 0.1
 
-PendingSource = Callable[[], Mapping[str, int]]
+CountSource = Callable[[], Mapping[str, int]]
 
 
-class _EnginePending:
-    """Engine requests per stage, read from the engine at each scrape (never stale)."""
+class _Counts:
+    """One labelled family whose values are read from `source` at each scrape, so they
+    are never stale: a gauge of engine requests per stage, a counter of prepared
+    responses per outcome."""
 
-    name = "duplex_gateway_engine_pending_requests"
-    documentation = "Engine requests accepted by a stage and not yet finished, per stage"
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        label: str,
+        source: CountSource,
+        family: type[GaugeMetricFamily] | type[CounterMetricFamily],
+    ) -> None:
+        self._name, self._documentation, self._label = name, documentation, label
+        self._source, self._family = source, family
 
-    def __init__(self, source: PendingSource) -> None:
-        self._source = source
+    def describe(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        yield self._family(self._name, self._documentation, labels=[self._label])
 
-    def describe(self) -> Iterator[GaugeMetricFamily]:
-        yield GaugeMetricFamily(self.name, self.documentation, labels=["stage"])
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily(self.name, self.documentation, labels=["stage"])
-        for stage, count in sorted(self._source().items()):
-            family.add_metric([stage], count)
-        yield family
-
-
-class _PreparedTurns:
-    """Prepared responses by outcome, read from the engine's own counts at each scrape."""
-
-    name = "duplex_gateway_prepared_responses"
-    documentation = (
-        "Responses started during a pause in speech, by outcome: adopted (the pause "
-        "became the end of the turn) or discarded (speech went on)"
-    )
-
-    def __init__(self, source: PendingSource) -> None:
-        self._source = source
-
-    def describe(self) -> Iterator[CounterMetricFamily]:
-        yield CounterMetricFamily(self.name, self.documentation, labels=["outcome"])
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily(self.name, self.documentation, labels=["outcome"])
-        for outcome, count in sorted(self._source().items()):
-            family.add_metric([outcome], count)
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        family = self._family(self._name, self._documentation, labels=[self._label])
+        for value, count in sorted(self._source().items()):
+            family.add_metric([value], count)
         yield family
 
 
@@ -114,13 +99,30 @@ class GatewayMetrics:
             registry=r,
         )
 
-    def watch_engine(self, pending: PendingSource) -> None:
+    def watch_engine(self, pending: CountSource) -> None:
         """Export `pending()` (requests per stage) as a gauge read at each scrape."""
-        self.registry.register(_EnginePending(pending))
+        self.registry.register(
+            _Counts(
+                "duplex_gateway_engine_pending_requests",
+                "Engine requests accepted by a stage and not yet finished, per stage",
+                "stage",
+                pending,
+                GaugeMetricFamily,
+            )
+        )
 
-    def watch_prepared(self, counts: PendingSource) -> None:
+    def watch_prepared(self, counts: CountSource) -> None:
         """Export `counts()` (prepared responses by outcome) as a counter."""
-        self.registry.register(_PreparedTurns(counts))
+        self.registry.register(
+            _Counts(
+                "duplex_gateway_prepared_responses",
+                "Responses started during a pause in speech, by outcome: adopted (the "
+                "pause became the end of the turn) or discarded (speech went on)",
+                "outcome",
+                counts,
+                CounterMetricFamily,
+            )
+        )
 
     async def sample_loop_lag(self, interval: float = LOOP_LAG_INTERVAL_S) -> None:
         """Observe the running loop's lag every `interval` seconds until cancelled."""

@@ -169,7 +169,8 @@ class RealtimeSession:
         self._buffer_start_ms = 0.0
         self._speech_item_id: str | None = None
         self._speech_start_ms = 0.0
-        self._prepared = False  # the engine holds a prepared response for this speech
+        # The speech bytes and 16 kHz samples of the response the engine holds prepared.
+        self._prepared_audio: tuple[bytes, np.ndarray] | None = None
         self._transcriptions: dict[str, str] = {}  # transcription job id -> item id
         self._idle_since_ms = 0.0
         self._vad_resampler: StreamResampler | None = None
@@ -423,9 +424,12 @@ class RealtimeSession:
             )
         data = self._take_buffer(start_ms, end_ms)
         previous = self.conversation.last_id()
-        item = Item.user_audio(
-            item_id, data, fmt, resample(fmt.decode(data), fmt.rate, ENGINE_RATE)
-        )
+        prepared = self._prepared_audio
+        if prepared is not None and prepared[0] == data:
+            samples = prepared[1]  # resampled already when the response was prepared
+        else:
+            samples = resample(fmt.decode(data), fmt.rate, ENGINE_RATE)
+        item = Item.user_audio(item_id, data, fmt, samples)
         self._emit("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id)
         self._add_item(item, previous)
         return item
@@ -461,16 +465,15 @@ class RealtimeSession:
         if fmt.duration_ms(hi - lo) < MIN_COMMIT_MS:
             return
         data = bytes(self._buffer[lo:hi])
-        # The same bytes and resampling the commit will use, so the prompts match.
-        item = Item.user_audio(
-            item_id, data, fmt, resample(fmt.decode(data), fmt.rate, ENGINE_RATE)
-        )
+        # The bytes the commit will take; it reuses these samples, so the prompts match.
+        samples = resample(fmt.decode(data), fmt.rate, ENGINE_RATE)
+        item = Item.user_audio(item_id, data, fmt, samples)
         options = ResponseOptions.from_session(self.settings)
         prompt, entry, final = self._turn_prompt(
             options, [*self.conversation.items(), item], out_of_band=False
         )
         self._discard_prepared()
-        self._prepared = True
+        self._prepared_audio = (data, samples)
         self._actions.append(PrepareResponse(prompt, entry, final))
 
     def speech_resumed(self) -> None:
@@ -478,8 +481,8 @@ class RealtimeSession:
         self._discard_prepared()
 
     def _discard_prepared(self) -> None:
-        if self._prepared:
-            self._prepared = False
+        if self._prepared_audio is not None:
+            self._prepared_audio = None
             self._actions.append(DiscardPrepared())
 
     def speech_stopped(self, audio_end_ms: float) -> None:
@@ -501,7 +504,7 @@ class RealtimeSession:
             return
         if detection.create_response and self.active_id is None:
             # An equal prompt takes over the prepared work; anything else discards it.
-            self._prepared = False
+            self._prepared_audio = None
             self._create_default_response(ResponseOptions.from_session(self.settings), None)
         else:
             self._transcribe(item)

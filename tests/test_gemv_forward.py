@@ -81,10 +81,14 @@ PRODUCTS = """
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux CPU backend only")
+LINUX = sys.platform.startswith("linux")
+
+
 def test_one_row_products_match_sgemm_in_every_layout(tmp_path: Path) -> None:
     result = run_python(PRODUCTS, DUPLEX_GATEWAY_CACHE=str(tmp_path))
-    assert result["active"], "a C compiler (cc or gcc) builds the forwarder"
+    # Linux: a C compiler (cc or gcc) builds the forwarder. macOS: MLX uses Accelerate
+    # and nothing is loaded; the products must be right either way.
+    assert result["active"] == LINUX
     errors = result["errors"]
     names = {k.rsplit(" ", 1)[0] for k in errors}
     for name in names:
@@ -102,8 +106,11 @@ def _flat(values: object) -> list[float]:
     return [float(values)]  # type: ignore[arg-type]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux CPU backend only")
 def test_the_forwarder_answers_first_and_can_be_turned_off(tmp_path: Path) -> None:
+    if not LINUX:
+        active = "import json, engine; print(json.dumps(engine.gemv_forward.is_active()))"
+        assert run_python(active, DUPLEX_GATEWAY_CACHE=str(tmp_path)) is False
+        return
     probe = """
         import ctypes, json, os
         import engine

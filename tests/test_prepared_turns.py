@@ -325,6 +325,7 @@ def test_a_pause_prepares_exactly_the_response_the_stop_starts() -> None:
     (start,) = [a for a in actions if isinstance(a, StartResponse)]
     assert not any(isinstance(a, DiscardPrepared) for a in actions)
     assert _same_prompt(prepare.prompt, start.prompt)
+    assert start.prompt["audio"] is prepare.prompt["audio"]  # resampled once, at the pause
     assert abs(len(start.prompt["audio"]) - 0.7 * 16000) < 100
 
 

@@ -4,8 +4,8 @@ MLX's Linux wheel bundles the reference BLAS (~6 GFLOPS on a 2048² matmul). An
 optimised library that exports the same unprefixed `cblas_sgemm`, loaded into the
 global symbol scope *before* `mlx.core` is imported, wins symbol resolution and makes
 every dense matmul and convolution ~30x faster. On macOS MLX uses Accelerate/Metal
-and nothing here applies. `engine.gemv_forward` goes in front of it, so that one-row
-products use the library's sgemv.
+and nothing here applies. `engine.gemv_forward` goes in front of it, so that few-row
+products (decode steps) read the weights once.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def ensure_fast_blas() -> str | None:
     for path in [override] if override else CANDIDATES:
         if os.path.exists(path):
             try:
-                # First in the global scope, so MLX's one-row products reach sgemv.
+                # First in the global scope, so MLX's few-row products reach the forwarder.
                 gemv_forward.load(path)
                 lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
                 lib.cblas_sgemm  # noqa: B018 - raises AttributeError when absent

@@ -1,11 +1,13 @@
-"""Build and load `native/gemv_forward.c`: one-row matrix products through BLAS's sgemv.
+"""Build and load `native/gemv_forward.c`: few-row matrix products that read the
+weights once.
 
-Why: one decode step of one sequence multiplies a single row by every weight matrix,
-and OpenBLAS's sgemm packs each whole matrix before multiplying it; sgemv reads it once,
-in place (see the C file). The library is compiled once with the system's C compiler
-into the engine cache and must be loaded before the BLAS itself (`engine.blas` does
-both). Without a compiler, or with `DUPLEX_GATEWAY_GEMV_FORWARD=0`, nothing changes:
-MLX calls the BLAS's sgemm directly.
+Why: one decode step of a few sequences multiplies a few rows by every weight matrix,
+and OpenBLAS's sgemm packs each whole matrix before multiplying it; the forwarder's
+kernels stream it once, in place, and skip the library's set-up on the many tiny
+attention products (see the C file). The library is compiled once for this CPU with the
+system's C compiler into the engine cache and must be loaded before the BLAS itself
+(`engine.blas` does both). Without a compiler, or with `DUPLEX_GATEWAY_GEMV_FORWARD=0`,
+nothing changes: MLX calls the BLAS's sgemm directly.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def load(blas_path: str) -> bool:
         return False
     lib = ctypes.CDLL(str(built), mode=ctypes.RTLD_GLOBAL)
     if not lib.gemv_forward_bind(blas_path.encode()):
-        log.warning("%s lacks cblas_sgemv or cblas_sgemm; one-row products use sgemm", blas_path)
+        log.warning("%s lacks cblas_sgemv or cblas_sgemm; few-row products use sgemm", blas_path)
         return False
     _lib = lib
     return True
@@ -59,30 +61,40 @@ def enable(on: bool) -> bool:
     """Turn forwarding on or off at run time (for side-by-side timing); returns the
     previous setting. Raises RuntimeError when the forwarder is not loaded."""
     if _lib is None:
-        raise RuntimeError("the one-row forwarder is not loaded")
+        raise RuntimeError("the few-row forwarder is not loaded")
     return bool(_lib.gemv_forward_enable(int(on)))
 
 
 def _built() -> Path | None:
     """The compiled library in the cache, built now if needed; None without a compiler."""
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:16]
+    # Built for this CPU's instruction set: a cache moved to another machine rebuilds.
+    key = hashlib.sha256(source + platform.machine().encode() + _cpu_flags()).hexdigest()[:16]
     target = cache_dir() / "native" / f"gemv_forward-{key}.so"
     if target.exists():
         return target
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
-        log.warning("no C compiler: one-row products use the BLAS's sgemm (slower decode)")
+        log.warning("no C compiler: few-row products use the BLAS's sgemm (slower decode)")
         return None
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
-    cmd = [compiler, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE), "-ldl"]
+    cmd = [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-pthread", "-o", str(tmp)]
+    cmd += [str(SOURCE), "-ldl"]
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        log.warning("building %s failed (%s); one-row products use sgemm", SOURCE.name, detail)
+        log.warning("building %s failed (%s); few-row products use sgemm", SOURCE.name, detail)
         tmp.unlink(missing_ok=True)
         return None
     os.replace(tmp, target)  # atomic: another process may be building the same file
     return target
+
+
+def _cpu_flags() -> bytes:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return b""
+    return next((line for line in text.splitlines() if line.startswith("flags")), "").encode()

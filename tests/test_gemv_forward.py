@@ -1,6 +1,6 @@
-"""One-row products reach BLAS's sgemv through the forwarder in front of the BLAS, with
-the same results as sgemm for every layout MLX hands over. Each check that depends on
-load order runs in a fresh interpreter, as in test_blas.py."""
+"""Few-row products go through the forwarder in front of the BLAS (its own kernels, or
+the BLAS's sgemv), with the same results as sgemm for every layout MLX hands over. Each
+check that depends on load order runs in a fresh interpreter, as in test_blas.py."""
 
 from __future__ import annotations
 
@@ -32,9 +32,12 @@ def run_python(code: str, **env: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-# Every product shape where the output has one row or one column, in the layouts MLX
-# passes to cblas_sgemm (transposed and plain operands, strided vectors, batches), plus
-# alpha/beta through addmm; compared with a float64 numpy reference, forwarding on and off.
+# Every product shape the forwarder takes over: outputs of one row or one column, and
+# 2-8 rows times transposed weights or a small plain matrix, in the layouts MLX passes to
+# cblas_sgemm (transposed and plain operands, strided vectors, batches, widths that are
+# not a multiple of the vector width, products large enough to be split over threads),
+# plus alpha/beta through addmm; compared with a float64 numpy reference, forwarding on
+# and off.
 PRODUCTS = """
     import json
     import engine
@@ -46,6 +49,10 @@ PRODUCTS = """
     def arr(*shape):
         return mx.array(rng.standard_normal(shape).astype(np.float32))
     W, v, c, col = arr(300, 64), arr(1, 64), arr(1, 300), arr(64, 1)
+    X3, X4, X5, X7, X8 = arr(3, 64), arr(4, 64), arr(5, 90), arr(7, 70), arr(8, 576)
+    Big, Odd, Xt, C4 = arr(1200, 576), arr(1100, 70), arr(64, 6), arr(4, 300)
+    Q, K, V = arr(2, 3, 3, 64), arr(2, 3, 41, 64), arr(2, 3, 41, 64)
+    S, P = arr(2, 3, 3, 41), arr(90, 37)
     def f64(a):
         return np.array(a, np.float64)
     cases = {
@@ -64,6 +71,21 @@ PRODUCTS = """
         "addmm beta 0": lambda: (
             mx.addmm(c, v, W.T, alpha=1.5, beta=0.0),
             1.5 * f64(v) @ f64(W).T,
+        ),
+        "3 rows @ W.T": lambda: (X3 @ W.T, f64(X3) @ f64(W).T),
+        "8 rows @ big W.T (split)": lambda: (X8 @ Big.T, f64(X8) @ f64(Big).T),
+        "7 rows, k 70 @ big W.T": lambda: (X7 @ Odd.T, f64(X7) @ f64(Odd).T),
+        "transposed rows @ W.T": lambda: (Xt.T @ W.T, f64(Xt).T @ f64(W).T),
+        "GQA scores": lambda: (Q @ K.swapaxes(-1, -2), f64(Q) @ f64(K).swapaxes(-1, -2)),
+        "scores @ V": lambda: (S @ V, f64(S) @ f64(V)),
+        "5 rows @ small plain": lambda: (X5 @ P, f64(X5) @ f64(P)),
+        "addmm 4 rows": lambda: (
+            mx.addmm(C4, X4, W.T, alpha=0.5, beta=2.0),
+            2.0 * f64(C4) + 0.5 * f64(X4) @ f64(W).T,
+        ),
+        "addmm 4 rows beta 0 over NaN": lambda: (
+            mx.addmm(mx.full((4, 300), float("nan")), X4, W.T, alpha=1.5, beta=0.0),
+            1.5 * f64(X4) @ f64(W).T,
         ),
     }
     errors = {}
@@ -104,6 +126,46 @@ def _flat(values: object) -> list[float]:
     if isinstance(values, list):
         return [x for v in values for x in _flat(v)]
     return [float(values)]  # type: ignore[arg-type]
+
+
+# A row's product does not depend on the rows beside it, and products from two MLX streams
+# at once (two calling threads, one of them finding the pool busy) are right.
+POOL = """
+    import json, threading
+    import engine
+    import mlx.core as mx
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    W = mx.array(rng.standard_normal((2000, 576)).astype(np.float32))
+    X = mx.array(rng.standard_normal((8, 576)).astype(np.float32))
+    want = np.array(X, np.float64) @ np.array(W, np.float64).T
+    alone = [np.array(X[i : i + 1] @ W.T)[0] for i in range(8)]
+    invariant = all(
+        np.array_equal(np.array(X[:m] @ W.T)[i], alone[i]) for m in range(1, 9) for i in range(m)
+    )
+
+    def close(got):
+        return float(np.abs(np.array(got, np.float64) - want).max()) < 1e-3
+
+    results = []
+    def work():
+        with mx.stream(mx.new_stream(mx.cpu)):  # streams belong to the thread that made them
+            results.extend(close(X @ W.T) for _ in range(50))
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(json.dumps({"invariant": invariant, "concurrent": len(results) == 100 and all(results)}))
+"""
+
+
+def test_rows_are_batch_invariant_and_concurrent_products_are_right(tmp_path: Path) -> None:
+    result = run_python(POOL, DUPLEX_GATEWAY_CACHE=str(tmp_path))
+    assert result["concurrent"]
+    if LINUX:  # the forwarder's promise; other platforms' BLAS make none
+        assert result["invariant"]
 
 
 def test_the_forwarder_answers_first_and_can_be_turned_off(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """Matmul speed of MLX's CPU backend with its bundled reference BLAS and with the BLAS
-the engine loads (`engine.blas`), and the one-row product of a decode step (a 576-wide
-row times the LLM's 49152 x 576 embedding, 113 MB) through that BLAS's sgemv, as
-`engine.gemv_forward` routes it, and through its plain sgemm, timed alternately.
+the engine loads (`engine.blas`), and the LM-head product of a decode step (1 or 8
+576-wide rows times the LLM's 49152 x 576 embedding, 113 MB) through the kernels of
+`engine.gemv_forward` and through the BLAS's plain sgemm, timed alternately.
 
 Each measurement runs in a fresh child process, because the BLAS can only be chosen
 before `mlx.core` is imported.
@@ -42,30 +42,30 @@ def measure(size: int, seconds: float) -> dict[str, object]:
         runs += 1
     elapsed = time.perf_counter() - start
     result = {"gflops": 2 * size**3 * runs / elapsed / 1e9, "blas": active_blas(), "runs": runs}
-    return result | row_product_ms()
+    return result | rows_product_ms(1) | rows_product_ms(8)
 
 
-def row_product_ms(rounds: int = 15) -> dict[str, float]:
-    """Median ms of one (1, 576) x (576, 49152) product, sgemv vs sgemm alternately."""
+def rows_product_ms(rows: int, rounds: int = 15) -> dict[str, float]:
+    """Median ms of one (rows, 576) x (576, 49152) product, forwarded vs sgemm alternately."""
     from engine import gemv_forward
 
     if not gemv_forward.is_active():
         return {}
     import mlx.core as mx
 
-    row, weight = mx.random.normal((1, 576)), mx.random.normal((49152, 576))
-    mx.eval(row, weight, row @ weight.T)
+    x, weight = mx.random.normal((rows, 576)), mx.random.normal((49152, 576))
+    mx.eval(x, weight, x @ weight.T)
     times: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(rounds):
         for on in (True, False):
             gemv_forward.enable(on)
             start = time.perf_counter()
-            mx.eval(row @ weight.T)
+            mx.eval(x @ weight.T)
             times[on].append((time.perf_counter() - start) * 1000)
     gemv_forward.enable(True)
     return {
-        "row_ms_sgemv": statistics.median(times[True]),
-        "row_ms_sgemm": statistics.median(times[False]),
+        f"rows{rows}_ms_forwarded": statistics.median(times[True]),
+        f"rows{rows}_ms_sgemm": statistics.median(times[False]),
     }
 
 
@@ -96,9 +96,11 @@ def main() -> None:
         "gflops_active": round(active["gflops"], 2),
         "speedup": round(active["gflops"] / reference["gflops"], 1),
     }
-    if "row_ms_sgemv" in active:
-        result["row_product_ms_sgemv"] = round(active["row_ms_sgemv"], 2)
-        result["row_product_ms_sgemm"] = round(active["row_ms_sgemm"], 2)
+    for rows in (1, 8):
+        for route in ("forwarded", "sgemm"):
+            key = f"rows{rows}_ms_{route}"
+            if key in active:
+                result[f"lm_head_{key}"] = round(active[key], 2)
     if args.json:
         print(json.dumps(result))
         return
@@ -108,11 +110,13 @@ def main() -> None:
     active_name = active["blas"] or "reference (no optimised BLAS found)"
     print(f"{active_name:58} {result['gflops_active']:8.1f}")
     print(f"speedup: {result['speedup']}x")
-    if "row_product_ms_sgemv" in result:
-        print(
-            f"one-row product (1x576 . 576x49152): sgemv {result['row_product_ms_sgemv']} ms, "
-            f"sgemm {result['row_product_ms_sgemm']} ms"
-        )
+    for rows in (1, 8):
+        if f"lm_head_rows{rows}_ms_forwarded" in result:
+            print(
+                f"{rows} x 576 . 576 x 49152: forwarded "
+                f"{result[f'lm_head_rows{rows}_ms_forwarded']} ms, "
+                f"sgemm {result[f'lm_head_rows{rows}_ms_sgemm']} ms"
+            )
 
 
 if __name__ == "__main__":

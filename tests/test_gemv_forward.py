@@ -106,7 +106,7 @@ PRODUCTS = """
 LINUX = sys.platform.startswith("linux")
 
 
-def test_one_row_products_match_sgemm_in_every_layout(tmp_path: Path) -> None:
+def test_forwarded_products_match_sgemm_in_every_layout(tmp_path: Path) -> None:
     result = run_python(PRODUCTS, DUPLEX_GATEWAY_CACHE=str(tmp_path))
     # Linux: a C compiler (cc or gcc) builds the forwarder. macOS: MLX uses Accelerate
     # and nothing is loaded; the products must be right either way.

@@ -20,6 +20,7 @@
  */
 #include <dlfcn.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdlib.h>
@@ -236,8 +237,10 @@ static void few_rows_split(const struct product *p) {
   pthread_cond_broadcast(&wake);
   pthread_mutex_unlock(&wake_lock);
   run_slice(p, 0, pool_threads);
-  while (atomic_load_explicit(&unfinished, memory_order_acquire) > 0) {
-  }
+  /* A helper still at work may share this core with us: after a short spin, let it run. */
+  long start = now_ns();
+  while (atomic_load_explicit(&unfinished, memory_order_acquire) > 0)
+    if (now_ns() - start > SPIN_NS) sched_yield();
   pthread_mutex_unlock(&pool_busy);
 }
 

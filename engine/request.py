@@ -51,6 +51,9 @@ class SamplingParams:
 
     `logits_processors` are called as `fn(tokens, logits) -> logits` (the mlx-lm
     convention) with the request's prompt and output tokens and its `(1, vocab)` logits.
+    They must be functions of those arguments: decode draws a row's next token before
+    the host has read its last one, so after a finish, abort or preemption a processor
+    may have been called once for a draw that is then dropped.
     `seed` gives the request its own random stream, so its samples do not depend on
     which other requests share the batch.
     """

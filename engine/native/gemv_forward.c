@@ -77,10 +77,16 @@ static inline float scaled(const struct product *p, float sum, const float *c) {
 
 /* Halve and add, four times: the same order for every output. */
 static inline float sum_lanes(lanes v) {
+#if defined(__clang__) || __GNUC__ >= 12
   v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
   v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
   return v[0] + v[1];
+#else /* compilers without __builtin_shufflevector: the same sums, lane by lane */
+  for (int half = LANES / 2; half > 0; half /= 2)
+    for (int i = 0; i < half; i++) v[i] += v[i + half];
+  return v[0];
+#endif
 }
 
 /* --- transposed weights: one dot product per output ------------------------------ */

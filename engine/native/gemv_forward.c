@@ -102,7 +102,8 @@ few_rows_range(const struct product *p, int rows, int n0, int n1) {
     for (int r = 0; r < rows; r++) acc[r] = (lanes){0};
     for (int i = 0; i < whole; i += LANES) {
       lanes wv = *(const lanes *)(w + i);
-      for (int r = 0; r < rows; r++) acc[r] += wv * *(const lanes *)(p->a + (size_t)r * p->lda + i);
+      for (int r = 0; r < rows; r++)
+        acc[r] += wv * *(const lanes *)(p->a + (size_t)r * p->lda + i);
     }
     for (int r = 0; r < rows; r++) {
       float s = sum_lanes(acc[r]);
@@ -147,7 +148,8 @@ static inline __attribute__((always_inline)) void few_rows_plain_rows(const stru
   for (int j = whole; j < n; j++)
     for (int r = 0; r < rows; r++) {
       float s = 0.0f;
-      for (int i = 0; i < p->k; i++) s += p->a[(size_t)r * p->lda + i] * p->b[(size_t)i * p->ldb + j];
+      for (int i = 0; i < p->k; i++)
+        s += p->a[(size_t)r * p->lda + i] * p->b[(size_t)i * p->ldb + j];
       float *out = p->c + (size_t)r * p->ldc + j;
       *out = scaled(p, s, out);
     }

@@ -1,8 +1,8 @@
 """Whisper tiny.en speed: wall time and real-time factor of the engine's transcriber on
 a 2 s and a 10 s utterance (eSpeak NG speech), and on the 2 s one with the encoder forced
-to Whisper's full 30 s window. `wall_ms_2s_sgemm` is the 2 s utterance with one-row
-products through plain sgemm instead of sgemv (`engine.gemv_forward` off), timed
-interleaved with `wall_ms_2s`.
+to Whisper's full 30 s window. `wall_ms_2s_sgemm` is the 2 s utterance with few-row
+products through plain sgemm instead of the forwarder's kernels (`engine.gemv_forward`
+off), timed interleaved with `wall_ms_2s`.
 
     python bench/asr.py [--repeats 5] [--json]
 
@@ -61,8 +61,9 @@ def time_ms(transcriber: Transcriber, audio: np.ndarray, repeats: int) -> tuple[
 
 
 def forwarding_ab_ms(model_dir: Path, audio: np.ndarray, repeats: int) -> tuple[float, float]:
-    """Median wall time of `transcribe` with one-row products as sgemv (the engine's
-    default) and as plain sgemm, alternating runs so that both see the same load."""
+    """Median wall time of `transcribe` with few-row products through the forwarder
+    (the engine's default) and through plain sgemm, alternating runs so that both see
+    the same load."""
     transcriber = load_transcriber(model_dir)
     runs: dict[bool, list[float]] = {True: [], False: []}
     transcriber.transcribe(audio)

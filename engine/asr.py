@@ -258,7 +258,7 @@ class Transcriber:
         x = mx.array([self.prompt] * B)
         suppress = self.suppress_first
         while active:
-            # One row per step: `engine.gemv_forward` makes this product an sgemv.
+            # One row per step: `engine.gemv_forward` streams the weights once for it.
             logits = np.array(
                 self.model.decoder.hidden(x, cross_kv, cache)[:, -1] @ self._embedding.T
             )

@@ -74,7 +74,7 @@ def test_engine_loads_an_optimised_blas_into_the_process() -> None:
         return
     assert result["active"] is not None, "install the Debian package libopenblas0-pthread"
     assert result["active_real"] in result["mapped"]
-    # The global `cblas_sgemm` resolves to the optimised library (or the one-row
+    # The global `cblas_sgemm` resolves to the optimised library (or the few-row
     # forwarder in front of it, see test_gemv_forward.py), not mlx's bundled one.
     owner = os.path.realpath(result["sgemm_owner"])
     assert owner == result["active_real"] or "gemv_forward-" in owner

@@ -18,6 +18,7 @@
  * only briefly after a product, then sleep: a decode step keeps them awake between its
  * products without starving other threads between steps.
  */
+#define _GNU_SOURCE /* sched_getaffinity */
 #include <dlfcn.h>
 #include <pthread.h>
 #include <sched.h>
@@ -217,8 +218,15 @@ static void forget_pool(void) {
   pthread_cond_init(&wake, NULL);
 }
 
+/* The cores this process may run on (a container's cpuset, taskset), not the machine's. */
+static long usable_cores(void) {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
+  return sysconf(_SC_NPROCESSORS_ONLN);
+}
+
 static int start_pool(void) {
-  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  long cores = usable_cores();
   int want = cores < 1 ? 1 : cores > MAX_THREADS ? MAX_THREADS : (int)cores;
   static int at_fork_set;
   if (!at_fork_set) at_fork_set = pthread_atfork(NULL, NULL, forget_pool) == 0;
@@ -280,6 +288,7 @@ static int few_rows_product(int ta, int tb, int m, int n, int k, float alpha, co
   return 1;
 }
 
+/* As in `scaled`: with beta 0 the BLAS does not read y, so clear it first. */
 static void clear(float *y, int n, int inc) {
   for (int i = 0; i < n; i++) y[(size_t)i * inc] = 0.0f;
 }

@@ -1,13 +1,14 @@
 """LLM speed: the embedded SmolLM2-135M-Instruct through the project's LLM stage
-(`engine.llm.LlmStage`), beside plain `mlx_lm.stream_generate` on the same converted
-directory, same prompt, same run; plus cold (convert) and cached model start times.
+(`engine.llm.LlmStage` on the engine's llama model file), beside plain
+`mlx_lm.stream_generate` on mlx-lm's own llama class, same converted directory, same
+prompt, same run; plus cold (convert) and cached model start times.
 
     python bench/llm.py [--precision auto] [--max-tokens 96] [--rounds 3] [--json]
 
 Prefill tok/s is prompt tokens over the time to the first token; decode tok/s is the
 tokens after the first over the time they took. Each figure is the best of `--rounds`
 runs, because other processes on a small machine only ever make a run slower.
-Load times are `registry.prepare` + `mlx_lm.load` in this process (imports done);
+Load times are `registry.prepare` + the engine's `load` in this process (imports done);
 `process_start_s_cached` is a whole fresh interpreter doing the same.
 """
 
@@ -33,6 +34,7 @@ import mlx_lm  # noqa: E402
 
 from engine import registry  # noqa: E402
 from engine.llm import LlmInput, LlmStage  # noqa: E402
+from engine.models.llama import load  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -54,17 +56,18 @@ MESSAGES = [
 def timed_load(precision: str) -> tuple[float, Path, Any, Any]:
     start = time.perf_counter()
     path = registry.prepare(MODEL, precision=precision, progress=False)
-    model, tokenizer = mlx_lm.load(str(path))
+    model, tokenizer = load(path)
     return time.perf_counter() - start, path, model, tokenizer
 
 
 def process_start_s(precision: str) -> float:
-    """A fresh interpreter: imports, cached `prepare` and `mlx_lm.load`, all timed."""
+    """A fresh interpreter: imports, cached `prepare` and the engine's `load`, all timed."""
     code = (
         "import time; t = time.perf_counter()\n"
-        "import engine, mlx_lm\n"
+        "import engine\n"
         "from engine import registry\n"
-        f"mlx_lm.load(str(registry.prepare({MODEL!r}, precision={precision!r})))\n"
+        "from engine.models.llama import load\n"
+        f"load(registry.prepare({MODEL!r}, precision={precision!r}))\n"
         "print(time.perf_counter() - t)\n"
     )
     root = Path(__file__).resolve().parent.parent
@@ -116,13 +119,14 @@ def measure(precision: str, max_tokens: int, rounds: int) -> dict[str, Any]:
         load_cold, path, _, _ = timed_load(precision)
         load_cached, _, model, tokenizer = timed_load(precision)
         start_cached = process_start_s(precision)
+        plain_model, _ = mlx_lm.load(str(path))  # mlx-lm's own model class, same weights
         stage = LlmStage(model, tokenizer)
         run_stage(stage, 8)  # warm-up: first calls compile and allocate
-        run_mlx_lm(model, tokenizer, 8)
+        run_mlx_lm(plain_model, tokenizer, 8)
         ours, plain = [], []
         for _ in range(rounds):
             ours.append(run_stage(stage, max_tokens))
-            plain.append(run_mlx_lm(model, tokenizer, max_tokens))
+            plain.append(run_mlx_lm(plain_model, tokenizer, max_tokens))
     decode = best(ours, "decode_tok_s")
     mlx_decode = best(plain, "decode_tok_s")
     return {

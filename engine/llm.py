@@ -117,9 +117,9 @@ class LlmStage:
 
     @classmethod
     def from_path(cls, path: str | Path, **limits: Any) -> LlmStage:
-        from mlx_lm import load
+        from engine.models.llama import load
 
-        model, tokenizer = load(str(path))
+        model, tokenizer = load(path)
         return cls(model, tokenizer, **limits)
 
     def _check_plain_kv(self) -> None:

@@ -9,11 +9,11 @@ import engine  # noqa: F401 - first, so MLX picks up the optimised BLAS
 
 # isort: split
 import pytest
-from mlx_lm import load
 
 from engine import registry
 from engine.core import AsyncEngine, EngineCore
 from engine.llm import LlmInput, LlmStage
+from engine.models.llama import load
 from engine.request import SamplingParams
 
 QUESTIONS = [
@@ -30,7 +30,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def smollm() -> tuple[Any, Any]:
-    return load(str(registry.prepare("smollm2-135m-instruct", progress=False)))
+    return load(registry.prepare("smollm2-135m-instruct", progress=False))
 
 
 def make_stage(smollm: tuple[Any, Any], **kw: Any) -> LlmStage:

@@ -32,6 +32,7 @@ enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 enum { MAX_ROWS = 8, MAX_THREADS = 8, LANES = 16 };
 /* Products with fewer weights run on the calling thread alone. */
 enum { MIN_SPLIT_WEIGHTS = 1 << 16 };
+enum { PREFETCH_FLOATS = 1024 };
 /* How long an idle pool thread spins before it sleeps. */
 static const long SPIN_NS = 50 * 1000;
 
@@ -102,6 +103,7 @@ few_rows_range(const struct product *p, int rows, int n0, int n1) {
     lanes acc[MAX_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = (lanes){0};
     for (int i = 0; i < whole; i += LANES) {
+      __builtin_prefetch(w + i + PREFETCH_FLOATS, 0, 3);
       lanes wv = *(const lanes *)(w + i);
       for (int r = 0; r < rows; r++)
         acc[r] += wv * *(const lanes *)(p->a + (size_t)r * p->lda + i);

@@ -4,7 +4,8 @@ numpy doing the same work in the same run.
 At 8 streams every layer of a decode step takes `exp` over the attention scores (72
 query rows x the context) and `sigmoid` over the SiLU input (8 x 1536); the default
 shape is the scores at a 240-token context. `add` shows what an op costs when the
-arithmetic is trivial.
+arithmetic is trivial. The `engine_` rows are the engine's llama model file's `exp` (a
+`power` with base e), SiLU and softmax, which it uses instead of MLX's.
 
     python bench/elementwise.py [--rows 72] [--cols 241] [--rounds 50] [--json]
 """
@@ -22,6 +23,8 @@ import engine  # noqa: F401 - first, so MLX picks up the optimised BLAS
 # isort: split
 import mlx.core as mx
 import numpy as np
+
+from engine.models import llama
 
 
 def median_us(fn: Callable[[], object], rounds: int) -> float:
@@ -51,6 +54,10 @@ def main() -> None:
         "mlx_sigmoid": lambda: mx.eval(mx.sigmoid(x)),
         "mlx_softmax": lambda: mx.eval(mx.softmax(x, axis=-1)),
         "mlx_add": lambda: mx.eval(x + 1),
+        "mlx_silu": lambda: mx.eval(x * mx.sigmoid(x)),
+        "engine_exp": lambda: mx.eval(llama.exp(x)),
+        "engine_silu": lambda: mx.eval(llama.silu(x)),
+        "engine_softmax": lambda: mx.eval(llama.softmax(x)),
         "numpy_exp": lambda: np.exp(xn),
     }
     n = args.rows * args.cols
@@ -60,14 +67,16 @@ def main() -> None:
         result[f"{name}_us"] = round(us, 1)
         result[f"{name}_ns_per_element"] = round(us * 1000 / n, 2)
     result["mlx_exp_vs_numpy"] = round(result["mlx_exp_us"] / result["numpy_exp_us"], 1)
+    result["engine_exp_vs_mlx"] = round(result["engine_exp_us"] / result["mlx_exp_us"], 2)
     if args.json:
         print(json.dumps(result))
         return
     print(f"{n} float32 elements ({args.rows} x {args.cols}), CPU")
     for name in ops:
         us, per = result[f"{name}_us"], result[f"{name}_ns_per_element"]
-        print(f"{name:12} {us:9.1f} us  {per:6.2f} ns/el")
+        print(f"{name:14} {us:9.1f} us  {per:6.2f} ns/el")
     print(f"MLX exp / numpy exp: {result['mlx_exp_vs_numpy']}x")
+    print(f"engine exp / MLX exp: {result['engine_exp_vs_mlx']}x")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The LLM stage: a scheduler and continuous-batching decode over mlx-lm models.
+"""The LLM stage: a scheduler and continuous-batching decode over mlx-lm models (llama
+models load with the engine's own model file, `engine.models.llama`).
 
 Rules of this file:
 1. A request is in exactly one of `_waiting` (a heap ordered by `Request.__lt__`),

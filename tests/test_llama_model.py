@@ -74,6 +74,14 @@ def test_a_fully_masked_padding_row_stays_finite() -> None:
     assert np.isfinite(out).all()
 
 
+@pytest.mark.parametrize("offset", [0, 37, mx.array([5, 0, 120])])
+def test_shared_rotary_angles_match_mlx_rope(offset: Any) -> None:
+    x = mx.random.normal((3, HEADS, 4, DIM))
+    got = llama.rotate(x, *llama.rotary_angles(offset, 4, DIM, 100000.0))
+    want = mx.fast.rope(x, DIM, traditional=False, base=100000.0, scale=1.0, offset=offset)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-4)
+
+
 def test_exp_silu_and_softmax_are_as_accurate_as_float64_allows() -> None:
     x64 = np.linspace(-30.0, 30.0, 100_001)
     x = mx.array(x64.astype(np.float32))
@@ -93,6 +101,11 @@ def test_llama_configs_get_this_class_and_others_mlx_lms() -> None:
     assert llama.model_classes({"model_type": "llama"}) == (llama.Model, llama.ModelArgs)
     sliding = {"model_type": "llama", "layer_types": ["sliding_attention", "full_attention"]}
     assert llama.model_classes(sliding)[0] is mlx_lm_llama.Model
+    scaled = {"model_type": "llama", "rope_scaling": {"type": "linear", "factor": 2.0}}
+    assert llama.model_classes(scaled)[0] is mlx_lm_llama.Model
+    assert llama.model_classes({"model_type": "llama", "rope_traditional": True})[0] is (
+        mlx_lm_llama.Model
+    )
     assert llama.model_classes({"model_type": "qwen2"})[0] is qwen2.Model
 
 

@@ -10,7 +10,11 @@ Two things differ from mlx-lm, both measured by `bench/elementwise.py` and
   - Attention multiplies each key/value head by its whole group of query heads at once
     (one product of `group x length` rows instead of one per query head), so a decode
     step of B sequences makes B x kv_heads small products, not B x heads.
-Models with sliding-window layers load with mlx-lm's own class.
+  - The rotary angles are computed once per forward and shared by every layer, instead of
+    once per layer for queries and again for keys. At one stream a decode step is mostly
+    per-op overhead, and RoPE was a tenth of its ops.
+Llama models with sliding-window layers, scaled or interleaved RoPE load with mlx-lm's
+own class.
 """
 
 from __future__ import annotations
@@ -23,10 +27,20 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_causal_mask
 from mlx_lm.models.llama import ModelArgs
-from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
-__all__ = ["Model", "ModelArgs", "attention", "exp", "load", "model_classes", "silu", "softmax"]
+__all__ = [
+    "Model",
+    "ModelArgs",
+    "attention",
+    "exp",
+    "load",
+    "model_classes",
+    "rotary_angles",
+    "rotate",
+    "silu",
+    "softmax",
+]
 
 E = math.e
 
@@ -62,6 +76,27 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any) ->
     return out.reshape(b, heads, length, dim)
 
 
+def rotary_angles(
+    offset: int | mx.array, length: int, head_dim: int, base: float
+) -> tuple[mx.array, mx.array]:
+    """cos and sin of the RoPE angles of `length` positions from `offset`: (length, D/2),
+    or (B, 1, length, D/2) for a batch whose rows start at the offsets in a (B,) array."""
+    inverse = base ** (-mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim)
+    if isinstance(offset, mx.array):
+        positions = (offset[:, None] + mx.arange(length))[:, None, :, None]
+    else:
+        positions = mx.arange(offset, offset + length)[:, None]
+    angles = positions.astype(mx.float32) * inverse
+    return mx.cos(angles), mx.sin(angles)
+
+
+def rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """RoPE with the two halves of each head as the pairs (mlx-lm's non-traditional)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
 def _grouped(mask: mx.array, kv_heads: int, group: int) -> mx.array:
     """A (..., L, S) mask laid out to broadcast against (B, kv_heads, group, L, S)."""
     if mask.ndim < 4:
@@ -82,15 +117,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
-        self.rope = initialize_rope(
-            self.head_dim,
-            args.rope_theta,
-            args.rope_traditional,
-            args.rope_scaling,
-            args.max_position_embeddings,
-        )
 
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+    def __call__(
+        self, x: mx.array, angles: tuple[mx.array, mx.array], mask: Any, cache: Any
+    ) -> mx.array:
         b, length, _ = x.shape
 
         def heads(proj: nn.Linear, n: int) -> mx.array:
@@ -101,8 +131,7 @@ class Attention(nn.Module):
             heads(self.k_proj, self.n_kv_heads),
             heads(self.v_proj, self.n_kv_heads),
         )
-        offset = 0 if cache is None else cache.offset
-        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        q, k = rotate(q, *angles), rotate(k, *angles)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         out = attention(q, k, v, self.scale, mask)
@@ -129,14 +158,17 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+    def __call__(
+        self, x: mx.array, angles: tuple[mx.array, mx.array], mask: Any, cache: Any
+    ) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), angles, mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
+        self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -145,8 +177,11 @@ class LlamaModel(nn.Module):
         h = self.embed_tokens(inputs)
         cache = cache or [None] * len(self.layers)
         mask = create_attention_mask(h, cache[0])
+        head_dim = self.args.head_dim or self.args.hidden_size // self.args.num_attention_heads
+        offset = 0 if cache[0] is None else cache[0].offset
+        angles = rotary_angles(offset, inputs.shape[1], head_dim, self.args.rope_theta)
         for layer, layer_cache in zip(self.layers, cache, strict=True):
-            h = layer(h, mask, layer_cache)
+            h = layer(h, angles, mask, layer_cache)
         return self.norm(h)
 
 
@@ -178,7 +213,8 @@ class Model(nn.Module):
 
 def model_classes(config: dict[str, Any]) -> tuple[type[nn.Module], type]:
     sliding = "sliding_attention" in (config.get("layer_types") or ())
-    if config["model_type"] == "llama" and not sliding:
+    plain_rope = not config.get("rope_scaling") and not config.get("rope_traditional")
+    if config["model_type"] == "llama" and not sliding and plain_rope:
         return Model, ModelArgs
     return _get_classes(config)
 

@@ -3,6 +3,9 @@ SmolLM2 through it against mlx-lm's own llama class."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
 from typing import Any
 
 import engine  # noqa: F401 - first, so MLX picks up the optimised BLAS
@@ -12,14 +15,24 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.models import llama as mlx_lm_llama
-from mlx_lm.models import qwen2
 from mlx_lm.models.base import create_causal_mask
 
 from engine import registry
 from engine.models import llama
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
+TINY = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 1,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 49152,
+}
 
 
 def qkv(batch: int, length: int, keys: int) -> tuple[mx.array, mx.array, mx.array]:
@@ -97,16 +110,28 @@ def test_exp_silu_and_softmax_are_as_accurate_as_float64_allows() -> None:
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
 
 
-def test_llama_configs_get_this_class_and_others_mlx_lms() -> None:
-    assert llama.model_classes({"model_type": "llama"}) == (llama.Model, llama.ModelArgs)
+def test_plain_llama_configs_are_supported_and_others_not() -> None:
+    assert llama.is_supported({"model_type": "llama"})
+    assert not llama.is_supported({"model_type": "qwen2"})
     sliding = {"model_type": "llama", "layer_types": ["sliding_attention", "full_attention"]}
-    assert llama.model_classes(sliding)[0] is mlx_lm_llama.Model
+    assert not llama.is_supported(sliding)
     scaled = {"model_type": "llama", "rope_scaling": {"type": "linear", "factor": 2.0}}
-    assert llama.model_classes(scaled)[0] is mlx_lm_llama.Model
-    assert llama.model_classes({"model_type": "llama", "rope_traditional": True})[0] is (
-        mlx_lm_llama.Model
-    )
-    assert llama.model_classes({"model_type": "qwen2"})[0] is qwen2.Model
+    assert not llama.is_supported(scaled)
+    assert not llama.is_supported({"model_type": "llama", "rope_traditional": True})
+
+
+def test_an_unsupported_config_loads_with_mlx_lms_class(tmp_path: Path) -> None:
+    # A one-layer model saved with mlx-lm's llama class and marked as scaled RoPE.
+    config = TINY | {"rope_scaling": {"type": "linear", "factor": 2.0}}
+    saved = mlx_lm_llama.Model(mlx_lm_llama.ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(saved.parameters()))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    source = registry.prepare("smollm2-135m-instruct", progress=False)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(source / name, tmp_path / name)
+    model, _ = llama.load(tmp_path)
+    assert type(model) is mlx_lm_llama.Model
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Llama decoder for the LLM stage: the module tree, weights and cache interface of
 mlx-lm's llama, with a forward pass shaped for batched decode on MLX's CPU backend.
 
-Two things differ from mlx-lm, both measured by `bench/elementwise.py` and
+Three things differ from mlx-lm, measured by `bench/elementwise.py` and
 `bench/llm_batch.py`:
   - MLX's CPU `exp` (and `sigmoid`, `softmax`, which use it) costs about 12 ns per
     element, while `power` with a constant base runs 2-3x faster at the same accuracy
@@ -19,6 +19,7 @@ own class.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_causal_mask
 from mlx_lm.models.llama import ModelArgs
-from mlx_lm.utils import _get_classes, load_model, load_tokenizer
+from mlx_lm.utils import load_model, load_tokenizer
 
 __all__ = [
     "Model",
@@ -35,7 +36,7 @@ __all__ = [
     "attention",
     "exp",
     "load",
-    "model_classes",
+    "is_supported",
     "rotary_angles",
     "rotate",
     "silu",
@@ -211,16 +212,19 @@ class Model(nn.Module):
         return weights
 
 
-def model_classes(config: dict[str, Any]) -> tuple[type[nn.Module], type]:
+def is_supported(config: dict[str, Any]) -> bool:
+    """Whether this file's class runs the model in `config` (a config.json's contents)."""
     sliding = "sliding_attention" in (config.get("layer_types") or ())
     plain_rope = not config.get("rope_scaling") and not config.get("rope_traditional")
-    if config["model_type"] == "llama" and not sliding and plain_rope:
-        return Model, ModelArgs
-    return _get_classes(config)
+    return config.get("model_type") == "llama" and not sliding and plain_rope
 
 
 def load(path: str | Path) -> tuple[nn.Module, Any]:
-    """Model and tokenizer from an mlx-lm model directory; llama models get this file's
-    class, others mlx-lm's."""
-    model, config = load_model(Path(path), get_model_classes=model_classes)
-    return model, load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))
+    """Model and tokenizer from an mlx-lm model directory: this file's class where it
+    `is_supported`, mlx-lm's own otherwise."""
+    path = Path(path)
+    if is_supported(json.loads((path / "config.json").read_text())):
+        model, config = load_model(path, get_model_classes=lambda config: (Model, ModelArgs))
+    else:
+        model, config = load_model(path)
+    return model, load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))

@@ -89,7 +89,16 @@ def _built() -> Path | None:
         tmp.unlink(missing_ok=True)
         return None
     os.replace(tmp, target)  # atomic: another process may be building the same file
+    _remove_superseded(target)
     return target
+
+
+def _remove_superseded(current: Path) -> None:
+    """Drop builds of earlier sources (or another CPU's), so upgrades do not pile them up.
+    A process that still has one loaded keeps its mapping."""
+    for old in current.parent.glob("gemv_forward-*.so"):
+        if old != current:
+            old.unlink(missing_ok=True)
 
 
 def _cpu_flags() -> bytes:

@@ -193,6 +193,22 @@ def test_the_forwarder_answers_first_and_can_be_turned_off(tmp_path: Path) -> No
     assert not off["active"] and "gemv_forward-" not in off["owner"]
 
 
+def test_a_new_build_replaces_the_builds_of_earlier_sources(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DUPLEX_GATEWAY_CACHE", str(tmp_path))
+    native = tmp_path / "native"
+    native.mkdir()
+    stale = native / "gemv_forward-0123456789abcdef.so"
+    stale.write_bytes(b"an earlier build")
+    unrelated = native / "other.so"
+    unrelated.write_bytes(b"not ours")
+    built = gemv_forward._built()
+    assert built is not None and built.exists()
+    assert not stale.exists() and unrelated.exists()
+    assert gemv_forward._built() == built  # cached from now on
+
+
 def test_without_a_compiler_nothing_is_built(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

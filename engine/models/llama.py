@@ -170,6 +170,7 @@ class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
+        self.head_dim = args.head_dim or args.hidden_size // args.num_attention_heads
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -178,9 +179,8 @@ class LlamaModel(nn.Module):
         h = self.embed_tokens(inputs)
         cache = cache or [None] * len(self.layers)
         mask = create_attention_mask(h, cache[0])
-        head_dim = self.args.head_dim or self.args.hidden_size // self.args.num_attention_heads
         offset = 0 if cache[0] is None else cache[0].offset
-        angles = rotary_angles(offset, inputs.shape[1], head_dim, self.args.rope_theta)
+        angles = rotary_angles(offset, inputs.shape[1], self.head_dim, self.args.rope_theta)
         for layer, layer_cache in zip(self.layers, cache, strict=True):
             h = layer(h, angles, mask, layer_cache)
         return self.norm(h)

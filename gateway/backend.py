@@ -1,37 +1,69 @@
 """What the gateway needs from the layers below, as two small interfaces.
 
-`Backend` opens one `BackendSession` per connection (turns in, `TurnOutput`s out) and one
-`SpeechSource` per connection for server VAD. `gateway.engine_backend` implements them
-over the duplex session manager and the engine's VAD stage; tests implement them with
-scripted fakes. Keeping the seam here means no gateway module imports MLX.
+`Backend` opens one `BackendSession` per connection (typed turns in, response outputs
+out) and one `SpeechSource` per connection for server VAD. `gateway.engine_backend`
+implements them over the duplex session manager and the engine's VAD stage; tests
+implement them with scripted fakes. Keeping the seam here means no gateway module
+imports MLX.
+
+Identity: the gateway's response id (or transcription job id) is the one name of a turn
+from start to done. It goes down with `start` and comes back on every output.
+
+Each started turn ends with exactly one `ResponseDone`, and no output of it follows
+that. A cancel ends the turn in the layer below (the duplex fence), which then reports
+`ResponseDone(status="cancelled")`; the gateway finishes the response on that event.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 
-from gateway.realtime import PrepareResponse, StartResponse
+from duplex.turn import TurnRequest
+from gateway.session_config import TurnDetection
 
-__all__ = ["Backend", "BackendSession", "SpeechEvent", "SpeechSource", "TurnOutput"]
+__all__ = [
+    "Backend",
+    "BackendSession",
+    "ResponseDone",
+    "ResponseEvent",
+    "ResponseOutput",
+    "SpeechEvent",
+    "SpeechSource",
+]
 
 
 @dataclass(frozen=True)
-class TurnOutput:
-    """One engine output of a response: kind "transcript" (of the user audio), "text"
-    (an LLM delta), "audio" (PCM16 at `sample_rate` with the text it speaks), "done"
-    (with `usage` and `finish` "stop" | "length") or "failed" (`text` says why)."""
+class ResponseOutput:
+    """One output of a running turn: kind "transcript" (of the user audio), "text" (an
+    LLM delta) or "audio" (float32 little-endian mono samples at `sample_rate`, with the
+    text they speak in `text`)."""
 
     response_id: str
-    kind: Literal["transcript", "text", "audio", "done", "failed"]
+    kind: Literal["transcript", "text", "audio"]
     text: str = ""
     audio: bytes = b""
     sample_rate: int = 0
-    usage: dict[str, Any] | None = None
-    finish: str = "stop"
+
+
+@dataclass(frozen=True)
+class ResponseDone:
+    """The one terminal event of a turn. `usage` is the engine's chat-completions usage
+    (`prompt_tokens`, `completion_tokens`, `cached_tokens`), empty when none was reported;
+    `reason` is set for "incomplete" ("max_output_tokens") and "cancelled" (the reason
+    given to `cancel`); `error` for "failed"."""
+
+    response_id: str
+    status: Literal["completed", "incomplete", "cancelled", "failed"]
+    reason: str | None = None
+    usage: Mapping[str, int] = field(default_factory=dict)
+    error: str | None = None
+
+
+ResponseEvent = ResponseOutput | ResponseDone
 
 
 @dataclass(frozen=True)
@@ -45,32 +77,35 @@ class SpeechEvent:
 
 
 class BackendSession(Protocol):
-    def start(self, action: StartResponse) -> None:
-        """Begin generating a response; its outputs arrive through `outputs()`."""
+    def start(self, response_id: str, turn: TurnRequest, *, conversation: bool) -> None:
+        """Run `turn` now; its outputs and its `ResponseDone` arrive through `outputs()`
+        under `response_id`. The conversation's turn (`conversation=True`, at most one at
+        a time) is the one a barge-in cancels; other turns (out-of-band responses,
+        transcription jobs) run beside it. A turn that cannot start ends at once with a
+        failed `ResponseDone`."""
 
-    def transcribe(self, job_id: str, audio: np.ndarray) -> None:
-        """Transcribe 16 kHz `audio` beside any response; its "transcript" and then
-        "done" (or "failed") arrive through `outputs()` under `job_id`."""
-
-    def prepare(self, action: PrepareResponse) -> None:
-        """Start the work of a response that may be started next, its outputs held
-        back; a `start` with an equal prompt takes it over."""
+    def prepare(self, turn: TurnRequest) -> None:
+        """Start the work of the conversation turn that may be started next, its outputs
+        held back; a `start` of an equal turn takes it over."""
 
     def discard_prepared(self) -> None:
         """Stop the prepared work, if any."""
 
-    def cancel(self, response_id: str, barge_in: bool) -> None:
-        """Stop a response at once; no output of it is needed any more."""
+    def cancel(self, response_id: str, *, reason: str) -> None:
+        """End a running turn at once; "turn_detected" is a barge-in. Its `ResponseDone`
+        (cancelled, or whatever ended it first) follows; nothing if it already ended."""
 
-    def outputs(self) -> AsyncIterator[TurnOutput]:
-        """Every response's outputs, in order, until `close()`."""
+    def outputs(self) -> AsyncIterator[ResponseEvent]:
+        """Every turn's outputs, in order, until `close()`."""
 
     async def close(self) -> None:
         """Abort everything and release the session; idempotent."""
 
 
 class SpeechSource(Protocol):
-    def configure(self, settings: Any, start_ms: float, pause_after_ms: int | None = None) -> None:
+    def configure(
+        self, settings: TurnDetection | None, start_ms: float, pause_after_ms: int | None = None
+    ) -> None:
         """Restart detection with new server-VAD settings (None stops it); with
         `pause_after_ms`, silences that long are reported as pauses."""
 

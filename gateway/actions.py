@@ -1,0 +1,89 @@
+"""What the sans-I/O realtime session asks its shell (`gateway.connection`) to do.
+
+`RealtimeSession.actions()` returns these in the order they were decided; the shell
+carries each one out in that order against the backend, the speech source or the socket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from duplex.turn import TurnRequest
+from gateway.session_config import TurnDetection
+
+__all__ = [
+    "Action",
+    "CancelResponse",
+    "CloseSession",
+    "ConfigureVad",
+    "DiscardPrepared",
+    "FeedVad",
+    "PrepareResponse",
+    "StartResponse",
+]
+
+
+@dataclass(frozen=True)
+class StartResponse:
+    """Run `turn` under `response_id` (a response, or a transcription job's id).
+    `conversation` is False for turns beside the conversation's (out-of-band responses,
+    transcriptions)."""
+
+    response_id: str
+    turn: TurnRequest
+    conversation: bool
+
+
+@dataclass(frozen=True)
+class PrepareResponse:
+    """Start the work of the conversation turn a pause in speech would get if it became
+    a stop; the `StartResponse` of an equal turn takes the work over."""
+
+    turn: TurnRequest
+
+
+@dataclass(frozen=True)
+class DiscardPrepared:
+    """The prepared turn will not be asked for: stop its work."""
+
+
+@dataclass(frozen=True)
+class CancelResponse:
+    """End a turn's engine work; `reason` "turn_detected" is a barge-in. The response is
+    finished when the backend reports its `ResponseDone`."""
+
+    response_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class FeedVad:
+    samples: np.ndarray  # float32 at 16 kHz, each appended frame resampled once
+
+
+@dataclass(frozen=True)
+class ConfigureVad:
+    """(Re)start server VAD from session time `start_ms`, or stop it (`settings` None)."""
+
+    settings: TurnDetection | None
+    start_ms: float
+    pause_after_ms: int | None = None
+
+
+@dataclass(frozen=True)
+class CloseSession:
+    code: int
+    reason: str
+
+
+Action = (
+    StartResponse
+    | PrepareResponse
+    | DiscardPrepared
+    | CancelResponse
+    | FeedVad
+    | ConfigureVad
+    | CloseSession
+)

@@ -5,11 +5,14 @@ Every session yields, in order:
 - `SessionOpened` once, first;
 - for each turn (one turn = one response attempt, numbered by `turn_id`):
   any number of `TurnOutput` (a stage output to send to the client, e.g. the user's
-  transcript, LLM text deltas, TTS audio chunks), then exactly one `TurnDone`;
+  transcript, LLM text deltas, TTS audio chunks), then exactly one `TurnDone`. The
+  conversation's turns come one at a time; side turns (see `duplex.session`) may
+  interleave with them;
 - `SessionClosed` once, last; the iterator ends after it.
 
 No `TurnOutput` of a turn ever follows that turn's `TurnDone`: outputs still in flight
-when a turn ends (barge-in, cancel, failure) are dropped inside the session core.
+when a turn ends (barge-in, cancel, failure) are dropped inside the session core, and
+so are its outputs still waiting in the reader's queue.
 
 `TurnDone.status` and `reason`:
 
@@ -19,9 +22,14 @@ when a turn ends (barge-in, cancel, failure) are dropped inside the session core
 | `"incomplete"` | `"max_output_tokens"` | it finished, but the LLM stopped at `max_tokens` |
 | `"cancelled"` | `"turn_detected"` | `barge_in()`: the user started speaking |
 | `"cancelled"` | `"client_cancelled"` | `cancel()`: the client cancelled the response |
+| `"cancelled"` | `"superseded"` | `cancel(reason="superseded")`: another turn does its work |
 | `"cancelled"` | `"session_closed"` | the session closed while the turn was active |
 | `"failed"` | `"error"` | a stage request failed, or its submission did; see `error` |
 | `"failed"` | `"backpressure"` | the event consumer fell too far behind; see `error` |
+| `"failed"` | `"rejected"` | the turn could not start (`reject_turn`); see `error` |
+
+`tag` is the caller's name for the turn (the gateway's response id), given to
+`start_turn` and carried unchanged on every `TurnOutput` and the `TurnDone`.
 
 `usage` is the `usage` mapping the turn's stage outputs last reported (the LLM stage
 reports OpenAI-shaped token counts), empty if none did.
@@ -47,7 +55,7 @@ __all__ = [
 ]
 
 TurnStatus = Literal["completed", "incomplete", "cancelled", "failed"]
-CANCEL_REASONS = frozenset({"turn_detected", "client_cancelled", "session_closed"})
+CANCEL_REASONS = frozenset({"turn_detected", "client_cancelled", "superseded", "session_closed"})
 _STATUSES = frozenset({"completed", "incomplete", "cancelled", "failed"})
 
 
@@ -62,6 +70,7 @@ class TurnOutput:
 
     turn_id: int
     output: DuplexStageOutput
+    tag: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,6 +82,7 @@ class TurnDone:
     reason: str | None = None
     usage: Mapping[str, object] = field(default_factory=dict)
     error: str | None = None
+    tag: str | None = None
 
     def __post_init__(self) -> None:
         if self.status not in _STATUSES:

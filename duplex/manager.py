@@ -1,19 +1,23 @@
 """The asyncio shell around `DuplexSession`: many sessions over one streaming stage port.
 
 `DuplexSessionManager` attaches itself as the port's output sink, routes every output
-to the session its request id names, and carries out the actions sessions return:
-`ensure_request` synchronously, `submit` / `abort_requests` / `cleanup` awaited, in
-the order the session produced them (one lock per session, other sessions unblocked).
+to the session it names (`DuplexStageOutput.session_id`), and carries out the actions
+sessions return: `ensure_request` synchronously, `submit` / `abort_requests` / `cleanup`
+awaited, in the order the session produced them (one lock per session, other sessions
+unblocked).
 
-Events (`duplex.events`) reach the consumer of `DuplexSessionHandle.events()` at once,
-before any port call they caused is awaited, so a barge-in's `TurnDone` is not held up
-by the abort behind it.
+Commands (`start_turn`, `barge_in`, `cancel`) are synchronous: the session decides at
+once, its events are queued at once, and the port calls they need run in order behind
+the session's lock (`settled()` waits for them). So a barge-in's `TurnDone` reaches the
+reader before any later event, and a turn started after a cancel runs after it.
 
-Backpressure: each session's event queue holds at most `max_events` outputs (plus the
-two terminal events that may follow them). When it is full, the active turn fails with
-reason `"backpressure"` (its requests are aborted: producing audio nobody reads only
-adds latency) and `start_turn` raises `DuplexBackpressureError` until the consumer
-catches up.
+A turn that ends early (cancel, failure) takes its outputs still waiting in the queue
+with it: the reader never sees an output of a turn after that turn was cancelled.
+
+Backpressure: each session's event queue holds at most `max_events` outputs (terminal
+events always fit). When it is full, the turn of the next output fails with reason
+`"backpressure"` (its requests are aborted: producing audio nobody reads only adds
+latency) and `start_turn` raises `DuplexBackpressureError` until the reader catches up.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from duplex.errors import (
 )
 from duplex.events import DuplexEvent, SessionClosed, SessionOpened, TurnDone, TurnOutput
 from duplex.outputs import DuplexStageOutput, DuplexStreamingStagePort
-from duplex.session import DEFAULT_PLAYBACK_TURNS, DuplexSession
+from duplex.session import DuplexSession
 from duplex.state import SessionState
 
 __all__ = ["DEFAULT_MAX_EVENTS", "DuplexSessionHandle", "DuplexSessionManager"]
@@ -68,8 +72,9 @@ class DuplexSessionHandle:
         self._manager = manager
         self._session = session
         self._max_events = max_events
-        # Room for max_events outputs, then a TurnDone and a SessionClosed.
-        self._queue: asyncio.Queue[DuplexEvent] = asyncio.Queue(maxsize=max_events + 2)
+        self._queue: collections.deque[DuplexEvent] = collections.deque()
+        self._outputs_queued = 0
+        self._ready = asyncio.Event()
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
         self._close_task: asyncio.Future[None] | None = None
@@ -99,6 +104,10 @@ class DuplexSessionHandle:
         return self._session.active_turn_id
 
     @property
+    def running_turn_ids(self) -> tuple[int, ...]:
+        return self._session.running_turn_ids
+
+    @property
     def config(self) -> Mapping[str, object]:
         return self._session.config
 
@@ -116,30 +125,43 @@ class DuplexSessionHandle:
 
     # -- commands ---------------------------------------------------------------------
 
-    async def start_turn(
-        self, plan: DuplexAppendPlan, *, entry_stage_id: int, final_stage_id: int
+    def start_turn(
+        self,
+        plan: DuplexAppendPlan,
+        *,
+        entry_stage_id: int,
+        final_stage_id: int,
+        tag: str | None = None,
+        conversation: bool = True,
     ) -> int:
-        """Submit `plan` as a new turn; returns its `turn_id`.
-
-        Its outputs and its one `TurnDone` arrive through `events()`. A failed
-        submission ends the turn with a failed `TurnDone` rather than raising.
+        """Start `plan` as a new turn named `tag` (see `DuplexSession.start_turn`);
+        returns its `turn_id`. Its outputs and its one `TurnDone` arrive through
+        `events()`; a failed submission ends the turn with a failed `TurnDone`.
 
         Raises:
-            DuplexStateError: a turn is active or the session is closed.
+            DuplexStateError: the conversation has a running turn, or the session is closed.
             DuplexBackpressureError: the event queue is full.
             ValueError: invalid plan or stage range.
         """
-        if self._queue.qsize() >= self._max_events and not self.closed:
+        if self._outputs_queued >= self._max_events and not self.closed:
             raise DuplexBackpressureError(
-                f"session {self.session_id}: {self._queue.qsize()} events are waiting unread"
+                f"session {self.session_id}: {self._outputs_queued} events are waiting unread"
             )
-        steps = self._session.start_turn(
-            plan, entry_stage_id=entry_stage_id, final_stage_id=final_stage_id
+        turn_id = self._session.turn_id
+        self._spawn(
+            self._session.start_turn(
+                plan,
+                entry_stage_id=entry_stage_id,
+                final_stage_id=final_stage_id,
+                tag=tag,
+                conversation=conversation,
+            )
         )
-        turn_id = self._session.active_turn_id
-        assert turn_id is not None
-        await self._carry_out(steps)
         return turn_id
+
+    def reject_turn(self, tag: str | None, error: str) -> None:
+        """End a turn that could not start with a failed `TurnDone`, in queue order."""
+        self._deliver(self._session.reject_turn(tag, error))
 
     def prepare_turn(
         self, plan: DuplexAppendPlan, *, entry_stage_id: int, final_stage_id: int
@@ -158,31 +180,25 @@ class DuplexSessionHandle:
         """Stop work the port did ahead for this session, if any."""
         self._manager.port.discard_prepared(self.session_id)
 
-    async def barge_in(self) -> bool:
-        """Cancel the active turn because the user spoke; False if none was active."""
-        steps = self._session.barge_in()
-        await self._carry_out(steps)
-        return bool(steps)
+    def barge_in(self) -> bool:
+        """Cancel the conversation's turn because the user spoke; False if none ran."""
+        return self._spawn(self._session.barge_in())
 
-    async def cancel(self) -> bool:
-        """Cancel the active turn at the client's request; False if none was active."""
-        steps = self._session.cancel()
-        await self._carry_out(steps)
-        return bool(steps)
+    def cancel(self, *, tag: str | None = None, reason: str = "client_cancelled") -> bool:
+        """Cancel the turn named `tag` (default: the conversation's); False if none ran."""
+        return self._spawn(self._session.cancel(tag=tag, reason=reason))
 
     def update_config(self, config: Mapping[str, object]) -> int:
         """Replace the session config for later turns; returns the new generation."""
         return self._session.update_config(config)
 
-    def heard_text(self, audio_end_ms: float, *, turn_id: int | None = None) -> str:
-        """The assistant text the client played in the first `audio_end_ms` ms."""
-        return self._session.heard_text(audio_end_ms, turn_id=turn_id)
-
-    def audio_duration_ms(self, *, turn_id: int | None = None) -> float:
-        return self._session.audio_duration_ms(turn_id=turn_id)
+    async def settled(self) -> None:
+        """Wait until every port call decided so far has been carried out."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     async def close(self) -> None:
-        """Cancel the active turn, abort and release every owned request; idempotent.
+        """Cancel every running turn, abort and release every owned request; idempotent.
 
         Completes even if the caller is cancelled while waiting.
         """
@@ -197,7 +213,12 @@ class DuplexSessionHandle:
         self._consuming = True
         try:
             while not self._events_ended:
-                event = await self._queue.get()
+                while not self._queue:
+                    self._ready.clear()
+                    await self._ready.wait()
+                event = self._queue.popleft()
+                if isinstance(event, TurnOutput):
+                    self._outputs_queued -= 1
                 self._events_ended = isinstance(event, SessionClosed)
                 yield event
         finally:
@@ -208,40 +229,47 @@ class DuplexSessionHandle:
     def _on_output(self, out: DuplexStageOutput) -> None:
         # Fail the turn before routing when the reader is behind: the output and all
         # later ones of the turn are then stale and dropped.
-        if self._queue.qsize() >= self._max_events and self._session.active_turn_id is not None:
-            error = f"{self._queue.qsize()} events waiting unread; the reader is too slow"
-            turn = self._session.active_turn_id
+        turn = self._session.turn_of(out.request_id)
+        if self._outputs_queued >= self._max_events and turn is not None:
+            error = f"{self._outputs_queued} events waiting unread; the reader is too slow"
             self._spawn(self._session.fail_turn(turn, error, reason="backpressure"))
         routing = self._session.route_output(out)
         if routing.route is OutputRoute.DROP:
             self._manager._count_drop(routing.drop_reason or "dropped")
         self._spawn(list(routing.steps))
 
-    def _spawn(self, steps: list[SessionStep]) -> asyncio.Task[None] | None:
-        """Queue the events among `steps` now and start their port actions in a task."""
+    def _spawn(self, steps: list[SessionStep]) -> bool:
+        """Queue the events among `steps` now and start their port actions in a task;
+        False when `steps` is empty (nothing was decided)."""
         actions = self._deliver(steps)
-        if not actions:
-            return None
-        task = asyncio.ensure_future(self._execute(actions))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    async def _carry_out(self, steps: list[SessionStep]) -> None:
-        task = self._spawn(steps)
-        # Shielded: a caller cancelled mid-abort must not leave an abort half issued.
-        if task is not None:
-            await asyncio.shield(task)
+        if actions:
+            task = asyncio.ensure_future(self._execute(actions))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return bool(steps)
 
     def _deliver(self, steps: list[SessionStep]) -> list[Action]:
         """Queue the events among `steps` now; return the port actions left to run."""
         actions: list[Action] = []
         for step in steps:
+            if isinstance(step, TurnDone) and step.status in ("cancelled", "failed"):
+                self._drop_queued(step.turn_id)
             if isinstance(step, _EVENT_TYPES):
-                self._queue.put_nowait(step)
+                self._queue.append(step)
+                self._outputs_queued += isinstance(step, TurnOutput)
+                self._ready.set()
             else:
                 actions.append(step)
         return actions
+
+    def _drop_queued(self, turn_id: int) -> None:
+        """A turn ended early: its outputs the reader has not taken yet go with it."""
+        kept = [e for e in self._queue if not (isinstance(e, TurnOutput) and e.turn_id == turn_id)]
+        dropped = len(self._queue) - len(kept)
+        if dropped:
+            self._queue = collections.deque(kept)
+            self._outputs_queued -= dropped
+            self._manager._count_drop("stale", dropped)
 
     async def _execute(self, actions: list[Action]) -> None:
         async with self._lock:
@@ -278,23 +306,22 @@ class DuplexSessionHandle:
             logger.error("duplex session %s: %s failed: %r", self.session_id, action, exc)
             return pending
         context = action.context if isinstance(action, EnsureRequest) else action.submission.context
-        logger.warning(
-            "duplex session %s: turn %d start failed: %r",
-            self.session_id,
-            context.fence.turn_id,
-            exc,
-        )
+        turn_id = self._session.turn_of(context.request_id)
+        logger.warning("duplex session %s: turn %s start failed: %r", self.session_id, turn_id, exc)
         # The turn's remaining reservations/submission are moot; its release follows.
         rest = [a for a in pending if not isinstance(a, (EnsureRequest, SubmitRequest))]
-        steps = self._session.fail_turn(context.fence.turn_id, f"stage {context.stage_id}: {exc}")
+        steps = (
+            []
+            if turn_id is None
+            else self._session.fail_turn(turn_id, f"stage {context.stage_id}: {exc}")
+        )
         return collections.deque([*rest, *self._deliver(steps)])
 
     async def _close(self) -> None:
         self.discard_prepared()
-        await self._carry_out(self._session.close())
+        self._spawn(self._session.close())
         # Port calls already under way (e.g. a submit) finish before the slot is freed.
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self.settled()
         self._manager._forget(self)
 
 
@@ -307,7 +334,6 @@ class DuplexSessionManager:
         *,
         max_sessions: int,
         max_events: int = DEFAULT_MAX_EVENTS,
-        playback_turns: int = DEFAULT_PLAYBACK_TURNS,
     ) -> None:
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
@@ -316,7 +342,6 @@ class DuplexSessionManager:
         self._port = port
         self._max_sessions = max_sessions
         self._max_events = max_events
-        self._playback_turns = playback_turns
         self._handles: dict[str, DuplexSessionHandle] = {}
         self._closed_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._drops: collections.Counter[str] = collections.Counter()
@@ -360,7 +385,6 @@ class DuplexSessionManager:
             stage_count=self._port.stage_count,
             sampling_defaults=self._port.sampling_defaults(),
             config=config,
-            playback_turns=self._playback_turns,
         )
         handle = DuplexSessionHandle(self, session, max_events=self._max_events)
         handle._deliver(session.open())
@@ -380,14 +404,14 @@ class DuplexSessionManager:
         await asyncio.gather(*(h.close() for h in list(self._handles.values())))
 
     def _on_output(self, out: DuplexStageOutput) -> None:
-        handle = self.session_for_request(out.request_id)
+        handle = self._handles.get(out.session_id)
         if handle is None:
             self._count_drop("unknown_session")
             return
         handle._on_output(out)
 
-    def _count_drop(self, reason: str) -> None:
-        self._drops[reason] += 1
+    def _count_drop(self, reason: str, count: int = 1) -> None:
+        self._drops[reason] += count
 
     def _forget(self, handle: DuplexSessionHandle) -> None:
         if self._handles.get(handle.session_id) is handle:

@@ -5,12 +5,15 @@ to one sink, on the asyncio loop thread, as a `DuplexStageOutput`:
 
 - `"transcript"`: the ASR stage's final transcript of the turn's audio (`text`);
 - `"text"`: an LLM text delta (`text`);
-- `"audio"`: a TTS chunk, PCM16 little-endian mono at `sample_rate`, with the text it
-  speaks in `text`;
+- `"audio"`: a TTS chunk, float32 little-endian mono samples at `sample_rate`, with the
+  text it speaks in `text` (one sample format from the engine to the gateway, which
+  resamples and encodes it once for the client);
 - `"done"`: the stage request finished without further payload;
 - `"error"`: the stage request failed (`metadata["error"]` says why).
 
-`finished=True` marks the last output of a stage request (any kind may carry it).
+`session_id` names the session whose request produced the output: outputs are routed by
+it, never by decoding the request id. `finished=True` marks the last output of a stage
+request (any kind may carry it).
 `metadata` holds usage, `finish_reason`, the error message and metrics; it is frozen.
 
 A port may also work ahead: `prepare_turn` hands it the turn a session expects to start
@@ -38,6 +41,7 @@ from duplex.contracts import (
 
 __all__ = [
     "OUTPUT_KINDS",
+    "SAMPLE_BYTES",
     "DuplexPreparedTurn",
     "DuplexStageOutput",
     "DuplexStreamingStagePort",
@@ -46,12 +50,14 @@ __all__ = [
 ]
 
 OUTPUT_KINDS = frozenset({"transcript", "text", "audio", "done", "error"})
+SAMPLE_BYTES = 4  # audio is float32
 
 
 @dataclass(frozen=True)
 class DuplexStageOutput:
     """One output of one session-owned stage request (see the module docstring)."""
 
+    session_id: str
     request_id: str
     stage_id: int
     kind: str
@@ -68,8 +74,8 @@ class DuplexStageOutput:
             )
         if self.audio and self.sample_rate <= 0:
             raise ValueError("DuplexStageOutput with audio needs a positive sample_rate")
-        if len(self.audio) % 2:
-            raise ValueError("DuplexStageOutput.audio must be whole PCM16 samples (even length)")
+        if len(self.audio) % SAMPLE_BYTES:
+            raise ValueError("DuplexStageOutput.audio must be whole float32 samples")
         object.__setattr__(self, "audio", bytes(self.audio))
         object.__setattr__(self, "metadata", MappingProxyType(dict(self.metadata)))
 
@@ -78,7 +84,7 @@ class DuplexStageOutput:
         """Playback length of `audio` in milliseconds (0 without audio)."""
         if not self.audio:
             return 0.0
-        return len(self.audio) / 2 / self.sample_rate * 1000.0
+        return len(self.audio) / SAMPLE_BYTES / self.sample_rate * 1000.0
 
 
 @dataclass(frozen=True)

@@ -1,25 +1,27 @@
 """`DuplexSession`: one client session's turn-taking state, sans I/O.
 
-Methods take an event (open, a committed input, barge-in, a stage output, close) and
+Methods take an event (open, a turn to start, barge-in, a stage output, close) and
 return what must happen next as values (`duplex.actions`, `duplex.events`); the session
 never awaits, never reads a clock and never calls the stage port. Its shell
 (`duplex.manager`) carries the actions out in order.
 
 Rules:
 
-1. A turn is one response attempt. `start_turn` reserves the turn's ephemeral stage
-   requests `stage{N}-turn{T}` (one per stage from the entry to the final stage) and
-   submits the entry stage. Only one turn is active at a time.
+1. A turn is one response attempt, named by the caller's `tag`. `start_turn` reserves
+   the turn's ephemeral stage requests `stage{N}-turn{T}` (one per stage from the entry
+   to the final stage) and submits the entry stage. The conversation's turn is one at a
+   time, and it is the one a barge-in cancels; side turns (`conversation=False`: a
+   response outside the conversation, a transcription) run beside it.
 2. Every turn ends exactly once (completed, failed or cancelled). Ending it aborts each
-   of its requests that has not finished (exactly once), releases all of them, and
-   advances `turn_id`; a cancel (barge-in or client cancel) also bumps `epoch`.
-3. The fence `(epoch, turn_id)` only moves forward, so an output whose request the
-   session no longer owns is either stale (older fence) or unknown, and is dropped.
+   of its requests that has not finished (exactly once) and releases all of them;
+   cancelling the conversation's turn also bumps `epoch`.
+3. `turn_id` counts the turns started; the fence `(epoch, turn_id)` only moves forward,
+   so an output whose request the session no longer owns is either stale (older fence)
+   or unknown, and is dropped. This is the one place stale output is filtered.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -45,18 +47,15 @@ from duplex.contracts import (
 )
 from duplex.events import SessionClosed, SessionOpened, TurnDone, TurnOutput, TurnStatus
 from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput, fence_from_request_id
-from duplex.playback import PlaybackLedger
 from duplex.state import SessionState, TurnEvent, transition
 
-__all__ = ["DEFAULT_PLAYBACK_TURNS", "DuplexSession"]
-
-# Truncation refers to recent items only; older playback records are forgotten.
-DEFAULT_PLAYBACK_TURNS = 16
+__all__ = ["DuplexSession"]
 
 
 @dataclass(slots=True)
 class _StageRequest:
     stage_id: int
+    turn_id: int
     finished: bool = False
 
 
@@ -65,12 +64,14 @@ class _Turn:
     turn_id: int
     final_stage_id: int
     anchor_request_id: str  # the entry stage's id; the others are its same-turn ids
+    tag: str | None
+    conversation: bool
     usage: Mapping[str, object] = field(default_factory=dict)
     hit_length: bool = False  # some stage stopped at its token limit
 
 
 class DuplexSession:
-    """The state of one duplex session: fence, config, the active turn, playback."""
+    """The state of one duplex session: fence, config, its running turns."""
 
     def __init__(
         self,
@@ -79,7 +80,6 @@ class DuplexSession:
         stage_count: int,
         sampling_defaults: Sequence[object],
         config: Mapping[str, object] | None = None,
-        playback_turns: int = DEFAULT_PLAYBACK_TURNS,
     ) -> None:
         if stage_count < 1:
             raise ValueError(f"stage_count must be >= 1, got {stage_count}")
@@ -87,18 +87,15 @@ class DuplexSession:
             raise ValueError(
                 f"sampling_defaults has {len(sampling_defaults)} entries for {stage_count} stages"
             )
-        if playback_turns < 1:
-            raise ValueError(f"playback_turns must be >= 1, got {playback_turns}")
         self._fence = DuplexFence(session_id)
         self._stage_count = stage_count
         self._sampling_defaults = tuple(sampling_defaults)
         self._config: Mapping[str, object] = MappingProxyType(dict(config or {}))
         self._config_generation = 0
         self._state = SessionState.CREATED
-        self._turn: _Turn | None = None
+        self._turns: dict[int, _Turn] = {}
+        self._conversation_turn: int | None = None
         self._requests: dict[str, _StageRequest] = {}
-        self._playback: OrderedDict[int, PlaybackLedger] = OrderedDict()
-        self._playback_turns = playback_turns
 
     # -- read-only views --------------------------------------------------------------
 
@@ -116,6 +113,7 @@ class DuplexSession:
 
     @property
     def turn_id(self) -> int:
+        """The id the next turn will get."""
         return self._fence.turn_id
 
     @property
@@ -136,12 +134,23 @@ class DuplexSession:
 
     @property
     def active_turn_id(self) -> int | None:
-        return None if self._turn is None else self._turn.turn_id
+        """The conversation's running turn, if any."""
+        return self._conversation_turn
+
+    @property
+    def running_turn_ids(self) -> tuple[int, ...]:
+        """Every running turn, the conversation's and the side turns, oldest first."""
+        return tuple(self._turns)
 
     @property
     def owned_request_ids(self) -> tuple[str, ...]:
         """Stage requests reserved and not yet released, in reservation order."""
         return tuple(self._requests)
+
+    def turn_of(self, request_id: str) -> int | None:
+        """The running turn that owns `request_id`, if any."""
+        request = self._requests.get(request_id)
+        return None if request is None else request.turn_id
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -150,13 +159,13 @@ class DuplexSession:
         return [SessionOpened(session_id=self.session_id)]
 
     def close(self) -> list[SessionStep]:
-        """Cancel the active turn, release every owned request; idempotent."""
+        """Cancel every running turn, release every owned request; idempotent."""
         if self._state is SessionState.CLOSED:
             return []
         self._state = transition(self._state, TurnEvent.CLOSE)
         steps: list[SessionStep] = []
-        if self._turn is not None:
-            steps += self._end_turn("cancelled", reason="session_closed")
+        for turn in list(self._turns.values()):
+            steps += self._end_turn(turn, "cancelled", reason="session_closed")
         steps += self._release(list(self._requests))
         steps.append(SessionClosed(session_id=self.session_id))
         return steps
@@ -173,37 +182,55 @@ class DuplexSession:
     # -- turns ------------------------------------------------------------------------
 
     def start_turn(
-        self, plan: DuplexAppendPlan, *, entry_stage_id: int, final_stage_id: int
+        self,
+        plan: DuplexAppendPlan,
+        *,
+        entry_stage_id: int,
+        final_stage_id: int,
+        tag: str | None = None,
+        conversation: bool = True,
     ) -> list[SessionStep]:
-        """Reserve this turn's stage requests and submit `plan` to the entry stage.
+        """Reserve a new turn's stage requests and submit `plan` to the entry stage; the
+        turn's id is `turn_id` as it was before the call.
 
         A text input enters at the LLM stage (skipping ASR); a text-only response ends
         at it (skipping TTS).
 
         Raises:
             ValueError: the stage range is not `0 <= entry <= final < stage_count`.
-            DuplexStateError: a turn is already active, or the session is not open.
+            DuplexStateError: the conversation already has a running turn (for a
+                conversation turn), or the session is not open.
         """
         self._check_turn(plan, entry_stage_id, final_stage_id)
-        self._state = transition(self._state, TurnEvent.START_TURN)
+        event = TurnEvent.START_TURN if conversation else TurnEvent.START_SIDE_TURN
+        self._state = transition(self._state, event)
+        turn_id = self._next_turn_id()
         contexts = [
             self._context(n, final_stage_id) for n in range(entry_stage_id, final_stage_id + 1)
         ]
         for ctx in contexts:
-            self._requests[ctx.request_id] = _StageRequest(ctx.stage_id)
-        self._turn = _Turn(self.turn_id, final_stage_id, contexts[0].request_id)
-        self._remember_playback(self.turn_id)
+            self._requests[ctx.request_id] = _StageRequest(ctx.stage_id, turn_id)
+        turn = _Turn(turn_id, final_stage_id, contexts[0].request_id, tag, conversation)
+        self._turns[turn_id] = turn
+        if conversation:
+            self._conversation_turn = turn_id
         submission = DuplexStageSubmission(
             context=contexts[0], prompt=plan.prompt, already_submitted=False, resumable=False
         )
         return [*(EnsureRequest(ctx) for ctx in contexts), SubmitRequest(submission)]
 
+    def reject_turn(self, tag: str | None, error: str) -> list[SessionStep]:
+        """A turn the caller could not start: it gets an id and ends failed at once, so
+        whoever waits for its `TurnDone` gets one."""
+        turn_id = self._next_turn_id()
+        return [TurnDone(turn_id=turn_id, status="failed", reason="rejected", error=error, tag=tag)]
+
     def prepare_turn(
         self, plan: DuplexAppendPlan, *, entry_stage_id: int, final_stage_id: int
     ) -> DuplexPreparedTurn:
-        """The turn `start_turn(plan, ...)` would submit now, for the port to work ahead on.
-
-        Changes nothing here: the turn exists only once `start_turn` is called.
+        """The conversation turn `start_turn(plan, ...)` would submit now, for the port to
+        work ahead on. Changes nothing here: the turn exists only once `start_turn` is
+        called.
 
         Raises: as `start_turn`.
         """
@@ -228,19 +255,29 @@ class DuplexSession:
             )
 
     def barge_in(self) -> list[SessionStep]:
-        """The user started speaking: cancel the active turn (no-op when none)."""
-        return self._cancel("turn_detected")
+        """The user started speaking: cancel the conversation's turn (no-op when none)."""
+        return self.cancel(reason="turn_detected")
 
-    def cancel(self) -> list[SessionStep]:
-        """The client cancelled the response: cancel the active turn (no-op when none)."""
-        return self._cancel("client_cancelled")
+    def cancel(
+        self, *, tag: str | None = None, reason: str = "client_cancelled"
+    ) -> list[SessionStep]:
+        """Cancel the turn named `tag`, or the conversation's turn when `tag` is None;
+        a no-op when no such turn is running."""
+        turn = self._find(tag)
+        if turn is None:
+            transition(self._state, TurnEvent.CANCEL_TURN)  # raises in a state that can't
+            return []
+        if turn.conversation:
+            # The epoch bump makes every in-flight output of the turn stale at once.
+            self._fence = replace(self._fence, epoch=self._fence.epoch + 1)
+        return self._end_turn(turn, "cancelled", reason=reason)
 
     def fail_turn(self, turn_id: int, error: str, *, reason: str = "error") -> list[SessionStep]:
         """Fail turn `turn_id` (e.g. its submission failed); no-op if it already ended."""
-        if self._turn is None or self._turn.turn_id != turn_id:
+        turn = self._turns.get(turn_id)
+        if turn is None:
             return []
-        self._state = transition(self._state, TurnEvent.FAIL_TURN)
-        return self._end_turn("failed", reason=reason, error=error)
+        return self._end_turn(turn, "failed", reason=reason, error=error)
 
     # -- stage outputs ----------------------------------------------------------------
 
@@ -249,42 +286,39 @@ class DuplexSession:
         if self._state is SessionState.CLOSED:
             return OutputRouting(OutputRoute.DROP, drop_reason="closed")
         request = self._requests.get(out.request_id)
-        if request is None or self._turn is None:
+        if request is None:
             return OutputRouting(OutputRoute.DROP, drop_reason=self._why_unowned(out.request_id))
         if request.stage_id != out.stage_id:
             return OutputRouting(OutputRoute.DROP, drop_reason="stage_mismatch")
         if request.finished:
             return OutputRouting(OutputRoute.DROP, drop_reason="after_finish")
-        turn = self._turn
+        turn = self._turns[request.turn_id]
         self._note_metadata(turn, out)
         request.finished = out.finished or out.kind == "error"
         if out.kind == "error":
-            return self._route_error(turn, out)
-        if out.kind == "audio":
-            self._playback[turn.turn_id].add(out.duration_ms, out.text)
-        ends_turn = out.finished and out.stage_id == turn.final_stage_id
-        tail = self._complete_turn() if ends_turn else []
-        if out.text or out.audio or out.kind == "transcript":
-            return OutputRouting(
-                OutputRoute.FORWARD, (TurnOutput(turn_id=turn.turn_id, output=out), *tail)
+            message = out.metadata.get("error") or out.text or "stage request failed"
+            steps = self._end_turn(
+                turn, "failed", reason="error", error=f"stage {out.stage_id}: {message}"
             )
+            return OutputRouting(OutputRoute.CONSUME, tuple(steps), decision=_decision(out))
+        ends_turn = out.finished and out.stage_id == turn.final_stage_id
+        tail = self._complete_turn(turn) if ends_turn else []
+        if out.text or out.audio or out.kind == "transcript":
+            forward = TurnOutput(turn_id=turn.turn_id, output=out, tag=turn.tag)
+            return OutputRouting(OutputRoute.FORWARD, (forward, *tail))
         return OutputRouting(OutputRoute.CONSUME, tuple(tail), decision=_decision(out))
 
-    # -- playback ---------------------------------------------------------------------
-
-    def heard_text(self, audio_end_ms: float, *, turn_id: int | None = None) -> str:
-        """The assistant text the first `audio_end_ms` ms of turn `turn_id` spoke.
-
-        `turn_id` defaults to the latest turn. Raises ValueError for a turn with no
-        playback record (never started, or older than the last `playback_turns`).
-        """
-        return self._ledger(turn_id).heard_text(audio_end_ms)
-
-    def audio_duration_ms(self, *, turn_id: int | None = None) -> float:
-        """Milliseconds of audio sent to the client for turn `turn_id` (default latest)."""
-        return self._ledger(turn_id).duration_ms
-
     # -- internals --------------------------------------------------------------------
+
+    def _next_turn_id(self) -> int:
+        turn_id = self._fence.turn_id
+        self._fence = replace(self._fence, turn_id=turn_id + 1)
+        return turn_id
+
+    def _find(self, tag: str | None) -> _Turn | None:
+        if tag is None:
+            return None if self._conversation_turn is None else self._turns[self._conversation_turn]
+        return next((t for t in self._turns.values() if t.tag == tag), None)
 
     def _context(self, stage_id: int, final_stage_id: int) -> DuplexStageRequestContext:
         return DuplexStageRequestContext(
@@ -298,37 +332,33 @@ class DuplexSession:
             session_config=self._config,
         )
 
-    def _cancel(self, reason: str) -> list[SessionStep]:
-        self._state = transition(self._state, TurnEvent.CANCEL_TURN)
-        if self._turn is None:
-            return []
-        # The epoch bump makes every in-flight output of the turn stale at once.
-        self._fence = replace(self._fence, epoch=self._fence.epoch + 1)
-        return self._end_turn("cancelled", reason=reason)
-
-    def _complete_turn(self) -> list[SessionStep]:
-        assert self._turn is not None
-        self._state = transition(self._state, TurnEvent.COMPLETE_TURN)
-        if self._turn.hit_length:
-            return self._end_turn("incomplete", reason="max_output_tokens")
-        return self._end_turn("completed")
-
-    def _route_error(self, turn: _Turn, out: DuplexStageOutput) -> OutputRouting:
-        message = out.metadata.get("error") or out.text or "stage request failed"
-        self._state = transition(self._state, TurnEvent.FAIL_TURN)
-        steps = self._end_turn("failed", reason="error", error=f"stage {out.stage_id}: {message}")
-        return OutputRouting(OutputRoute.CONSUME, tuple(steps), decision=_decision(out))
+    def _complete_turn(self, turn: _Turn) -> list[SessionStep]:
+        if turn.hit_length:
+            return self._end_turn(turn, "incomplete", reason="max_output_tokens")
+        return self._end_turn(turn, "completed")
 
     def _end_turn(
-        self, status: TurnStatus, *, reason: str | None = None, error: str | None = None
+        self,
+        turn: _Turn,
+        status: TurnStatus,
+        *,
+        reason: str | None = None,
+        error: str | None = None,
     ) -> list[SessionStep]:
-        turn, self._turn = self._turn, None
-        assert turn is not None
+        del self._turns[turn.turn_id]
+        if turn.conversation:
+            self._conversation_turn = None
+            if self._state is SessionState.RESPONDING:  # not when closing
+                self._state = transition(self._state, _END_EVENTS[status])
         anchor = turn.anchor_request_id
         steps = self._release([anchor, *duplex_same_turn_request_ids(anchor, self._requests)])
-        self._fence = replace(self._fence, turn_id=turn.turn_id + 1)
         done = TurnDone(
-            turn_id=turn.turn_id, status=status, reason=reason, usage=turn.usage, error=error
+            turn_id=turn.turn_id,
+            status=status,
+            reason=reason,
+            usage=turn.usage,
+            error=error,
+            tag=turn.tag,
         )
         return [*steps, done]
 
@@ -355,20 +385,13 @@ class DuplexSession:
         if out.metadata.get("finish_reason") == "length":
             turn.hit_length = True
 
-    def _remember_playback(self, turn_id: int) -> None:
-        self._playback[turn_id] = PlaybackLedger()
-        while len(self._playback) > self._playback_turns:
-            self._playback.popitem(last=False)
 
-    def _ledger(self, turn_id: int | None) -> PlaybackLedger:
-        if turn_id is None and self._playback:
-            turn_id = next(reversed(self._playback))
-        ledger = self._playback.get(turn_id) if turn_id is not None else None
-        if ledger is None:
-            raise ValueError(
-                f"no playback record for turn {turn_id} (kept: the last {self._playback_turns})"
-            )
-        return ledger
+_END_EVENTS = {
+    "completed": TurnEvent.COMPLETE_TURN,
+    "incomplete": TurnEvent.COMPLETE_TURN,
+    "failed": TurnEvent.FAIL_TURN,
+    "cancelled": TurnEvent.CANCEL_TURN,
+}
 
 
 def _decision(out: DuplexStageOutput) -> DuplexOutputDecision:

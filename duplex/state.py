@@ -18,7 +18,7 @@ __all__ = ["SessionState", "TRANSITIONS", "TurnEvent", "transition"]
 class SessionState(enum.Enum):
     CREATED = "created"  # built, not yet opened
     IDLE = "idle"  # open, no response in flight
-    RESPONDING = "responding"  # one turn's stage requests are in flight
+    RESPONDING = "responding"  # the conversation's turn has stage requests in flight
     CLOSED = "closed"  # terminal
 
 
@@ -26,6 +26,7 @@ class TurnEvent(enum.Enum):
     OPEN = "open"
     UPDATE_CONFIG = "update_config"
     START_TURN = "start_turn"
+    START_SIDE_TURN = "start_side_turn"  # a turn beside the conversation's (any number)
     COMPLETE_TURN = "complete_turn"  # the final stage's request finished
     FAIL_TURN = "fail_turn"  # a stage request of the turn failed
     CANCEL_TURN = "cancel_turn"  # barge-in or client cancel
@@ -39,11 +40,13 @@ TRANSITIONS: dict[SessionState, dict[TurnEvent, SessionState]] = {
     _S.IDLE: {
         _E.UPDATE_CONFIG: _S.IDLE,
         _E.START_TURN: _S.RESPONDING,
+        _E.START_SIDE_TURN: _S.IDLE,
         _E.CANCEL_TURN: _S.IDLE,  # nothing to cancel: idempotent
         _E.CLOSE: _S.CLOSED,
     },
     _S.RESPONDING: {
         _E.UPDATE_CONFIG: _S.RESPONDING,  # applies from the next turn on
+        _E.START_SIDE_TURN: _S.RESPONDING,
         _E.COMPLETE_TURN: _S.IDLE,
         _E.FAIL_TURN: _S.IDLE,
         _E.CANCEL_TURN: _S.IDLE,

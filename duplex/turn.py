@@ -82,9 +82,10 @@ class TurnRequest:
     def _check_input(self) -> None:
         if self.audio is not None and self.text is not None:
             raise ValueError("a turn takes at most one of audio or text")
-        if self.audio is not None:
-            if not isinstance(self.audio, bytes) or not self.audio or len(self.audio) % 4:
-                raise ValueError("turn audio must be non-empty float32 samples (bytes)")
+        if self.audio is not None and (
+            not isinstance(self.audio, bytes) or not self.audio or len(self.audio) % 4
+        ):
+            raise ValueError("turn audio must be non-empty float32 samples (bytes)")
         if self.text is not None and not isinstance(self.text, str):
             raise ValueError("turn text must be a str")
         for i, message in enumerate(self.messages):
@@ -105,7 +106,8 @@ class TurnRequest:
             raise ValueError("voice and speed apply to spoken replies only")
         speed = self.speed
         if speed is not None and not (
-            isinstance(speed, (int, float)) and math.isfinite(speed)
+            isinstance(speed, (int, float))
+            and math.isfinite(speed)
             and MIN_SPEED <= speed <= MAX_SPEED
         ):
             raise ValueError(f"speed must be a number in [{MIN_SPEED}, {MAX_SPEED}], got {speed!r}")

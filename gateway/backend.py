@@ -120,8 +120,6 @@ class SpeechSource(Protocol):
 
 
 class Backend(Protocol):
-    models: list[str]
-
     def open_session(self, session_id: str) -> BackendSession:
         """A session for one connection."""
 

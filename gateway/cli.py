@@ -120,7 +120,7 @@ async def _start_engine(profile: dict[str, Any], config: Any, source: str) -> tu
 
     engine_config = parse_config(profile, source=source)
     bundle = await build_engine(engine_config)
-    manager = DuplexSessionManager(bundle.orchestrator, max_sessions=config.max_sessions * 4)
+    manager = DuplexSessionManager(bundle.orchestrator, max_sessions=config.max_sessions)
 
     async def stop_engine() -> None:
         await bundle.aclose()

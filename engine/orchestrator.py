@@ -1,25 +1,28 @@
 """The multi-stage pipeline (ASR → LLM → TTS) behind the duplex stage port.
 
-One submitted turn is one asyncio task on the event loop: it streams the turn's audio
-through the ASR stage (stage 0), the transcript and history through the LLM (stage 1),
-and each complete clause of the LLM's text through the TTS stage (stage 2) while the LLM
-is still decoding. The model work runs on the engine thread; this task only moves
-results between stages and hands them to the sink. Batching across sessions happens
-inside each stage, which sees every session's requests at once.
+One submitted turn (a `duplex.turn.TurnRequest`, read typed from the submission's
+prompt) is one asyncio task on the event loop: it streams the turn's audio through the
+ASR stage, the transcript and history through the LLM, and each complete clause of the
+LLM's text through the TTS stage while the LLM is still decoding. The model work runs
+on the engine thread; this task only moves results between stages and hands them to
+the sink. Batching across sessions happens inside each stage, which sees every
+session's requests at once.
 
 Rules of this module:
 1. Every output carries its own stage request id (`...r.stage{N}-turn{T}`), so the
    session core can tell its fence and drop stale ones.
 2. An id is "open" from submit until its stage's finished output, its abort, or its
    cleanup. Only open ids are emitted; abort and cleanup close ids synchronously, so
-   nothing of an aborted request reaches the sink once `abort_requests` returns.
+   nothing of an aborted request reaches the sink once `abort_requests` returns (the
+   port's contract). The duplex session filters stale outputs; this is the one guard
+   below it, for outputs a stopping turn's task could still produce.
 3. A failing stage ends its turn with one `error` output on that stage's id; the turn's
    later stages emit nothing.
 4. A prepared turn (`prepare_turn`, one per session) runs like any other under engine
    request ids of its own, but its outputs are held. A submission with an equal turn
-   adopts it: the held outputs go out first, under the submission's ids, and the rest
-   follows as it comes. Any other submission of the session, or `discard_prepared`,
-   stops it and drops what it held.
+   request (and the same session config and sampling) adopts it: the held outputs go out
+   first, under the submission's ids, and the rest follows as it comes. Any other
+   submission of the session, or `discard_prepared`, stops it and drops what it held.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from duplex.contracts import (
     duplex_turn_id_from_request_id,
 )
 from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput, DuplexStreamingStagePort
+from duplex.turn import Stage, TurnRequest
 from engine.clauses import ClauseSplitter
 from engine.config import EngineConfig
 from engine.core import AsyncEngine
@@ -51,18 +55,13 @@ from engine.llm import LlmInput
 from engine.request import RequestOutput, SamplingParams
 from engine.stage import StageOutput
 
-__all__ = ["AsrParams", "DuplexOrchestrator", "EngineLlm", "LlmBackend", "STAGE_NAMES", "TtsParams"]
+__all__ = ["AsrParams", "DuplexOrchestrator", "EngineLlm", "LlmBackend", "TtsParams"]
 
 logger = logging.getLogger(__name__)
 
-STAGE_NAMES = ("asr", "llm", "tts")
-ASR, LLM, TTS = 0, 1, 2
-PROMPT_KEYS = frozenset(
-    {"audio", "text", "messages", "output_modalities", "max_output_tokens", "voice", "speed"}
-    | {"cache_key"}
-)
-ROLES = frozenset({"system", "user", "assistant"})
-ENGINE_SAMPLE_RATE = 16000
+ASR, LLM, TTS = Stage.ASR, Stage.LLM, Stage.TTS
+# The engine stage that runs each pipeline stage.
+STAGE_ENGINES = {ASR: "asr", LLM: "llm", TTS: "tts"}
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,6 @@ class TtsParams:
     speed: float = 1.0
     noise_scale: float | None = None
     noise_w: float | None = None
-    sample_rate: int = 24000
 
 
 class LlmBackend(Protocol):
@@ -104,25 +102,12 @@ class EngineLlm:
         self._engine.abort("llm", request_id)
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """A validated `DuplexAppendPlan.prompt`."""
-
-    audio: np.ndarray | None
-    text: str | None
-    messages: tuple[Mapping[str, str], ...]
-    speak: bool
-    max_output_tokens: int | None
-    voice: str | None
-    speed: float | None
-    cache_key: str | None
-
-
 @dataclass
 class _Turn:
+    session_id: str
     ids: dict[int, str]  # stage id -> engine request id, entry stage .. final stage
     out_ids: dict[int, str]  # stage id -> the request id its outputs carry
-    plan: _Plan
+    request: TurnRequest
     params: tuple[Any, ...]
     task: asyncio.Task[None] | None = None
     marks: dict[str, float] = field(default_factory=dict)
@@ -168,7 +153,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
 
     @property
     def stage_count(self) -> int:
-        return len(STAGE_NAMES)
+        return len(Stage)
 
     def sampling_defaults(self) -> tuple[Any, ...]:
         stages = self.config.stages
@@ -176,7 +161,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         return (
             AsrParams(max_audio_s=stages.asr.max_audio_s),
             stages.llm.sampling.to_params(),
-            TtsParams(tts.voice, tts.speed, tts.noise_scale, tts.noise_w, tts.sample_rate),
+            TtsParams(tts.voice, tts.speed, tts.noise_scale, tts.noise_w),
         )
 
     def attach_output_sink(self, sink: Callable[[DuplexStageOutput], None]) -> None:
@@ -196,19 +181,11 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             )
 
     async def submit(self, submission: DuplexStageSubmission) -> DuplexStageSubmissionResult:
-        """Start a turn's pipeline; the prompt (a `DuplexAppendPlan.prompt`) holds:
+        """Start a turn's pipeline; the prompt holds its `TurnRequest` (`duplex.turn`).
 
-        - `audio` (1-D float32 16 kHz; enters at stage 0) or `text` (enters at stage 1),
-          or neither: the reply continues from `messages` alone;
-        - `messages`: the history before this turn, `{"role", "content"}` each (a
-          leading system message replaces the configured system prompt);
-        - `output_modalities`: `["audio"]` exactly when the turn ends at stage 2;
-        - `max_output_tokens`, `voice`, `speed`, `cache_key` (all optional): per-turn
-          LLM length, voice check, speaking rate, and the conversation's prompt-cache key.
-
-        A turn that ends at stage 0 only transcribes: its prompt holds `audio` alone.
-
-        Raises ValueError for an unreserved or reused id and for a malformed prompt.
+        Raises ValueError for an unreserved or reused id, a prompt without a turn
+        request, stages that do not match it, or a turn this engine cannot serve (audio
+        over the ASR limit, a voice it does not have).
         """
         context = submission.context
         rid = context.request_id
@@ -219,12 +196,14 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         if duplex_turn_id_from_request_id(rid) is None:
             raise ValueError(f"request {rid!r} is not a per-turn (stage{{N}}-turn{{T}}) id")
         params = self._sessions[context.session_id].params
-        plan = self._check_turn(submission.prompt, context.stage_id, context.final_stage_id, params)
-        prepared = self._take_prepared(context, plan, params)
+        request = self._read_turn(
+            submission.prompt, context.stage_id, context.final_stage_id, params
+        )
+        prepared = self._take_prepared(context, request, params)
         if prepared is not None:
             self._adopt(prepared, context)
         else:
-            self._start_turn(context, plan, params)
+            self._start_turn(context, request, params)
         return DuplexStageSubmissionResult(request_id=rid, stage_id=context.stage_id, replica_id=0)
 
     def prepare_turn(self, turn: DuplexPreparedTurn) -> None:
@@ -233,7 +212,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         self.discard_prepared(turn.session_id)
         try:
             _check_params(turn.sampling_params)
-            plan = self._check_turn(
+            request = self._read_turn(
                 turn.prompt, turn.entry_stage_id, turn.final_stage_id, turn.sampling_params
             )
         except ValueError as exc:
@@ -244,7 +223,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             stage: f"{turn.session_id}.prepared{serial}.stage{stage}"
             for stage in range(turn.entry_stage_id, turn.final_stage_id + 1)
         }
-        work = _Turn(ids=ids, out_ids={}, plan=plan, params=turn.sampling_params, held=[])
+        work = _Turn(turn.session_id, ids, {}, request, turn.sampling_params, held=[])
         self._prepared[turn.session_id] = _Prepared(turn, work)
         self._launch(work)
 
@@ -288,31 +267,29 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
 
     # --- turn lifecycle --------------------------------------------------------------
 
-    def _check_turn(
-        self, prompt: Mapping[str, Any], entry: int, final: int, params: tuple[Any, ...]
-    ) -> _Plan:
-        if entry not in (ASR, LLM):
-            raise ValueError(f"a turn enters at stage 0 (audio) or 1 (text), not {entry}")
-        if final not in (ASR, LLM, TTS) or final < entry:
+    def _read_turn(
+        self, prompt: Mapping[str, object], entry: int, final: int, params: tuple[Any, ...]
+    ) -> TurnRequest:
+        """The submission's turn request, once this engine can serve it as reserved."""
+        request = TurnRequest.from_plan(prompt)
+        if (entry, final) != (request.entry, request.final):
             raise ValueError(
-                "a turn ends at stage 0 (transcript only), 1 (text reply) or 2 (spoken reply)"
+                f"stages {entry}..{final} were reserved for a turn that runs "
+                f"{request.entry.name}..{request.final.name}"
             )
-        if final == ASR and set(prompt) != {"audio"}:
-            raise ValueError("a transcription turn (ending at stage 0) takes only 'audio'")
-        plan = _parse_prompt(prompt, entry, final)
-        self._check_audio_length(plan, params[ASR])
-        self._check_voice(plan, params[TTS])
-        return plan
+        self._check_audio_length(request, params[ASR])
+        self._check_voice(request, params[TTS])
+        return request
 
     def _start_turn(
-        self, context: DuplexStageRequestContext, plan: _Plan, params: tuple[Any, ...]
+        self, context: DuplexStageRequestContext, request: TurnRequest, params: tuple[Any, ...]
     ) -> _Turn:
         fence: DuplexFence = context.fence
         ids = {
             stage: duplex_ephemeral_stage_request_id(fence, stage_id=stage)
             for stage in range(context.stage_id, context.final_stage_id + 1)
         }
-        turn = _Turn(ids=ids, out_ids=dict(ids), plan=plan, params=params)
+        turn = _Turn(context.session_id, ids, dict(ids), request, params)
         self._register(turn)
         self._launch(turn)
         return turn
@@ -324,14 +301,14 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
 
     def _launch(self, turn: _Turn) -> None:
         turn.marks["submit"] = time.perf_counter()
-        if turn.plan.audio is None and ASR in turn.ids:
+        if turn.request.audio is None and ASR in turn.ids:
             # A text prompt on the audio entry: stage 0 has nothing to do.
             self._emit(turn, ASR, "done", finished=True, metadata={"skipped": True})
         turn.task = asyncio.create_task(self._run(turn), name=f"turn {turn.ids[min(turn.ids)]}")
         turn.task.add_done_callback(lambda _: self._forget(turn))
 
     def _take_prepared(
-        self, context: DuplexStageRequestContext, plan: _Plan, params: tuple[Any, ...]
+        self, context: DuplexStageRequestContext, request: TurnRequest, params: tuple[Any, ...]
     ) -> _Turn | None:
         """The session's prepared turn if it equals this submission; else it is stopped."""
         prepared = self._prepared.pop(context.session_id, None)
@@ -343,7 +320,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             and spec.entry_stage_id == context.stage_id
             and spec.final_stage_id == context.final_stage_id
             and turn.params == params
-            and _same_plan(turn.plan, plan)
+            and turn.request == request
         )
         if not same:
             self.prepare_stats["discarded"] += 1
@@ -386,7 +363,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             if stage == LLM:
                 self.llm.abort(rid)
             else:
-                self.engine.abort(STAGE_NAMES[stage], rid)
+                self.engine.abort(STAGE_ENGINES[Stage(stage)], rid)
 
     async def _wait_stopped(self, turns: list[_Turn]) -> None:
         current = asyncio.current_task()
@@ -403,15 +380,16 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
     def _session_has_requests(self, session_id: str) -> bool:
         return any(c.session_id == session_id for c in self._reserved.values())
 
-    def _check_audio_length(self, plan: _Plan, asr: AsrParams) -> None:
-        if plan.audio is not None and len(plan.audio) > asr.max_audio_s * ENGINE_SAMPLE_RATE:
-            seconds = len(plan.audio) / ENGINE_SAMPLE_RATE
-            raise ValueError(f"turn audio is {seconds:.1f} s; the limit is {asr.max_audio_s} s")
+    def _check_audio_length(self, request: TurnRequest, asr: AsrParams) -> None:
+        if request.audio_seconds > asr.max_audio_s:
+            raise ValueError(
+                f"turn audio is {request.audio_seconds:.1f} s; the limit is {asr.max_audio_s} s"
+            )
 
-    def _check_voice(self, plan: _Plan, tts: TtsParams) -> None:
+    def _check_voice(self, request: TurnRequest, tts: TtsParams) -> None:
         # One voice model is loaded; a turn or session asking for another is refused.
-        voice = plan.voice if plan.voice is not None else tts.voice
-        if plan.speak and voice != self.config.stages.tts.voice:
+        voice = request.voice if request.voice is not None else tts.voice
+        if request.final is TTS and voice != self.config.stages.tts.voice:
             raise ValueError(
                 f"unknown voice {voice!r}; this engine speaks with {self.config.stages.tts.voice!r}"
             )
@@ -432,7 +410,11 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             self._open.discard(rid)
         if self._sink is None:
             return
-        self._sink(DuplexStageOutput(request_id=rid, stage_id=stage, kind=kind, **fields))
+        self._sink(
+            DuplexStageOutput(
+                session_id=turn.session_id, request_id=rid, stage_id=stage, kind=kind, **fields
+            )
+        )
 
     def _fail(self, turn: _Turn, stage: int, error: str) -> None:
         """Rule 3: one error output on `stage`, then the whole turn is stopped."""
@@ -443,8 +425,8 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
 
     async def _run(self, turn: _Turn) -> None:
         try:
-            text = turn.plan.text
-            if turn.plan.audio is not None:
+            text = turn.request.text
+            if turn.request.audio is not None:
                 text = await self._transcribe(turn)
                 if text is None or max(turn.ids) == ASR:
                     return
@@ -465,7 +447,8 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
     async def _transcribe(self, turn: _Turn) -> str | None:
         rid = turn.ids[ASR]
         turn.marks["asr"] = time.perf_counter()
-        async for out in self.engine.stream("asr", rid, turn.plan.audio):
+        audio = np.frombuffer(turn.request.audio or b"", dtype="<f4")
+        async for out in self.engine.stream("asr", rid, audio):
             if out.error is not None:
                 self._fail(turn, ASR, out.error)
                 return None
@@ -484,7 +467,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             self._emit(turn, LLM, "done", finished=True, metadata={"skipped": True})
             self._emit(turn, TTS, "done", finished=True, metadata={"skipped": True})
             return
-        speaker = _Speaker(self, turn) if turn.plan.speak else None
+        speaker = _Speaker(self, turn) if turn.request.final is TTS else None
         speaking = asyncio.create_task(speaker.run()) if speaker else None
         try:
             final = await self._generate(turn, text, speaker)
@@ -528,24 +511,23 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         return final
 
     def _llm_inputs(self, turn: _Turn, text: str | None) -> LlmInput:
-        plan = turn.plan
-        messages = [dict(m) for m in plan.messages]
+        request = turn.request
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
         if not messages or messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.config.system_prompt})
         if text is not None:
             messages.append({"role": "user", "content": text})
         params: SamplingParams = turn.params[LLM]
-        if plan.max_output_tokens is not None:
-            params = dataclasses.replace(params, max_tokens=plan.max_output_tokens)
-        return LlmInput(messages=messages, sampling_params=params, cache_key=plan.cache_key)
+        if request.max_output_tokens is not None:
+            params = dataclasses.replace(params, max_tokens=request.max_output_tokens)
+        return LlmInput(messages=messages, sampling_params=params, cache_key=request.cache_key)
 
     def _tts_request(self, turn: _Turn) -> Any:
         from engine.tts import TtsRequest
 
         base: TtsParams = turn.params[TTS]
-        speed = turn.plan.speed if turn.plan.speed is not None else base.speed
+        speed = turn.request.speed if turn.request.speed is not None else base.speed
         return TtsRequest(
-            sample_rate=base.sample_rate,
             speed=speed,
             noise_scale=base.noise_scale,
             noise_w=base.noise_w,
@@ -602,7 +584,7 @@ class _Speaker:
                 self._orch._fail(self._turn, TTS, out.error)
                 return
             chunk = out.payload
-            if chunk is not None and len(chunk.pcm16):
+            if chunk is not None and len(chunk.samples):
                 self._emit_chunk(chunk)
             if out.finished:
                 self._orch._emit(self._turn, TTS, "done", finished=True)
@@ -618,13 +600,12 @@ class _Speaker:
                 tts_first_chunk_ms=self._turn.since("clause"),
                 llm_first_clause_ms=marks.get("llm_first_clause_ms", 0.0),
             )
-        pcm = chunk.pcm16.tobytes() if isinstance(chunk.pcm16, np.ndarray) else chunk.pcm16
         self._orch._emit(
             self._turn,
             TTS,
             "audio",
             text=chunk.text,
-            audio=pcm,
+            audio=chunk.samples.astype("<f4", copy=False).tobytes(),
             sample_rate=chunk.sample_rate,
             metadata=metadata,
         )
@@ -637,75 +618,3 @@ def _check_params(params: tuple[Any, ...]) -> None:
             raise ValueError(
                 f"sampling_params[{stage}] must be {kind.__name__}, got {type(value).__name__}"
             )
-
-
-def _parse_prompt(prompt: Mapping[str, Any], entry: int, final: int) -> _Plan:
-    """Validate a `DuplexAppendPlan.prompt`; raise ValueError naming the bad field."""
-    unknown = set(prompt) - PROMPT_KEYS
-    if unknown:
-        raise ValueError(f"unknown prompt fields: {sorted(unknown)}")
-    audio, text = prompt.get("audio"), prompt.get("text")
-    if audio is not None and text is not None:
-        raise ValueError("a turn prompt takes at most one of 'audio' or 'text'")
-    if audio is not None:
-        audio = _check_audio(audio)
-        if entry != ASR:
-            raise ValueError("an audio turn enters at stage 0 (ASR)")
-    if text is not None and not isinstance(text, str):
-        raise ValueError("'text' must be a string")
-    speak = final == TTS
-    modalities = tuple(prompt.get("output_modalities") or (("audio",) if speak else ("text",)))
-    if not set(modalities) <= {"text", "audio"}:
-        raise ValueError("'output_modalities' must be ['text'] or ['audio']")
-    if ("audio" in modalities) != speak:
-        raise ValueError("'output_modalities' must hold 'audio' exactly when the turn ends at TTS")
-    max_tokens = prompt.get("max_output_tokens")
-    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-        raise ValueError("'max_output_tokens' must be a positive int or None")
-    voice = prompt.get("voice")
-    if voice is not None and not isinstance(voice, str):
-        raise ValueError("'voice' must be a string or None")
-    speed = prompt.get("speed")
-    if speed is not None and not (isinstance(speed, (int, float)) and 0.25 <= speed <= 4.0):
-        raise ValueError("'speed' must be a number in [0.25, 4.0]")
-    cache_key = prompt.get("cache_key")
-    if cache_key is not None and not isinstance(cache_key, str):
-        raise ValueError("'cache_key' must be a string or None")
-    return _Plan(
-        audio=audio,
-        text=text,
-        messages=_check_messages(prompt.get("messages") or ()),
-        speak=speak,
-        max_output_tokens=max_tokens,
-        voice=voice,
-        speed=float(speed) if speed is not None else None,
-        cache_key=cache_key,
-    )
-
-
-def _check_audio(audio: Any) -> np.ndarray:
-    if not isinstance(audio, np.ndarray) or audio.ndim != 1 or audio.dtype != np.float32:
-        raise ValueError("'audio' must be a 1-D float32 numpy array of 16 kHz samples")
-    if audio.size == 0:
-        raise ValueError("'audio' is empty")
-    return audio
-
-
-def _check_messages(messages: Any) -> tuple[Mapping[str, str], ...]:
-    checked = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping) or set(message) != {"role", "content"}:
-            raise ValueError(f"messages[{i}] must be a mapping with 'role' and 'content'")
-        if message["role"] not in ROLES or not isinstance(message["content"], str):
-            raise ValueError(f"messages[{i}]: role must be one of {sorted(ROLES)}, content a str")
-        checked.append({"role": message["role"], "content": message["content"]})
-    return tuple(checked)
-
-
-def _same_plan(a: _Plan, b: _Plan) -> bool:
-    """Equal turns: the same audio samples and every other field equal."""
-    if (a.audio is None) != (b.audio is None):
-        return False
-    if a.audio is not None and not np.array_equal(a.audio, b.audio):
-        return False
-    return dataclasses.replace(a, audio=None) == dataclasses.replace(b, audio=None)

@@ -301,9 +301,6 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
 
     def _launch(self, turn: _Turn) -> None:
         turn.marks["submit"] = time.perf_counter()
-        if turn.request.audio is None and ASR in turn.ids:
-            # A text prompt on the audio entry: stage 0 has nothing to do.
-            self._emit(turn, ASR, "done", finished=True, metadata={"skipped": True})
         turn.task = asyncio.create_task(self._run(turn), name=f"turn {turn.ids[min(turn.ids)]}")
         turn.task.add_done_callback(lambda _: self._forget(turn))
 

@@ -259,4 +259,4 @@ async def test_stream_on_unknown_stage_raises_and_leaves_nothing(core: EngineCor
     engine = AsyncEngine(core)
     with pytest.raises(KeyError):
         engine.stream("nope", "r", 1)
-    assert engine._streams == {}
+    assert len(engine._streams) == 0

@@ -35,6 +35,7 @@ import engine  # noqa: E402,F401 - first, so MLX picks up the optimised BLAS
 
 # isort: split
 import numpy as np  # noqa: E402
+import soxr  # noqa: E402
 
 from duplex.contracts import (  # noqa: E402
     DuplexFence,
@@ -66,10 +67,12 @@ QUESTIONS = (
 
 
 async def record(bundle: EngineBundle, text: str, rid: str) -> np.ndarray:
-    stream = bundle.engine.stream("tts", rid, TtsRequest(sample_rate=16000))
+    """The question spoken by the TTS stage, as 16 kHz float audio for the ASR stage."""
+    stream = bundle.engine.stream("tts", rid, TtsRequest())
     await bundle.engine.call("tts", "feed", rid, text, True)
-    pcm = b"".join([out.payload.pcm16 async for out in stream])
-    return np.frombuffer(pcm, "<i2").astype(np.float32) / 32768
+    chunks = [out.payload async for out in stream]
+    audio = np.concatenate([c.samples for c in chunks])
+    return soxr.resample(audio, chunks[0].sample_rate, 16000).astype(np.float32)
 
 
 class Turns:

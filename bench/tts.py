@@ -9,7 +9,8 @@ The text is a three-sentence answer, spoken clause by clause as the TTS stage do
   transposed convs as polyphase convs (the first rewrite), `mx.conv1d` otherwise.
 - `rtf_before`: the same with MLX's stock dilated and transposed convolutions.
 - `onnxruntime_rtf`: onnxruntime on the same clauses' phoneme ids, same scales, same run.
-- `first_audio_ms`: from feeding the answer to a `TtsStage` to its first clause's PCM.
+  Both produce float audio at the voice rate; audio time is counted at that rate.
+- `first_audio_ms`: from feeding the answer to a `TtsStage` to its first clause's audio.
 - `first_chunk_ms`: the same for a one-clause answer of 31 characters, the size of an
   LLM's first clause: the stage's first step renders a short first chunk of it;
   `whole_clause_ms` is the time to render that clause whole, as the first step did
@@ -89,7 +90,7 @@ def first_chunk_ms(voice: Voice, text: str) -> float:
     stage.feed("bench", text, final=True)
     outputs = stage.step()
     elapsed = 1000 * (time.perf_counter() - start)
-    assert outputs and outputs[0].payload.pcm16 and not outputs[0].finished
+    assert outputs and outputs[0].payload.samples.size and not outputs[0].finished
     stage.abort("bench")
     return elapsed
 

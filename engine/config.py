@@ -147,7 +147,6 @@ class TtsConfig(_Strict):
     speed: float = Field(1.0, ge=0.25, le=4.0)
     noise_scale: float | None = Field(None, ge=0.0)
     noise_w: float | None = Field(None, ge=0.0)
-    sample_rate: int = Field(24000, ge=8000, le=48000)
     max_batch: int = Field(8, ge=1)
 
 

@@ -23,16 +23,13 @@ from typing import Any, NoReturn
 import mlx.core as mx
 
 from engine.stage import Stage, StageOutput
+from engine.streams import DEFAULT_MAX_QUEUED_OUTPUTS, OutputStreams
 
 __all__ = ["EngineCore", "AsyncEngine", "DEFAULT_MAX_QUEUED_OUTPUTS", "exit_process"]
 
 logger = logging.getLogger(__name__)
 
 OutputCallback = Callable[[str, list[StageOutput]], None]
-
-# A stream whose consumer falls this far behind is failed rather than buffered without
-# bound: for voice, growing latency is worse than a clear error.
-DEFAULT_MAX_QUEUED_OUTPUTS = 4096
 
 
 @dataclass
@@ -233,36 +230,6 @@ class EngineCore:
                 op.future.set_exception(RuntimeError("engine shut down"))
 
 
-_END = object()
-
-
-class _Stream:
-    """The event-loop side of one request: a bounded queue and a wake-up event."""
-
-    def __init__(self, limit: int) -> None:
-        self.items: deque[Any] = deque()
-        self.limit = limit
-        self.ready = asyncio.Event()
-
-    def put(self, item: Any) -> bool:
-        if len(self.items) >= self.limit:
-            return False
-        self.items.append(item)
-        self.ready.set()
-        return True
-
-    def close(self) -> None:
-        self.items.clear()
-        self.items.append(_END)
-        self.ready.set()
-
-    async def get(self) -> Any:
-        while not self.items:
-            self.ready.clear()
-            await self.ready.wait()
-        return self.items.popleft()
-
-
 class AsyncEngine:
     """Asyncio facade over `EngineCore`: the event loop never runs or waits on a model.
 
@@ -278,8 +245,10 @@ class AsyncEngine:
     ) -> None:
         self._core = core
         self._loop = loop
-        self._limit = max_queued_outputs
-        self._streams: dict[tuple[str, str], _Stream] = {}
+        # A stream whose consumer falls this far behind is failed, not buffered on.
+        self._streams: OutputStreams[tuple[str, str]] = OutputStreams(
+            self._abort_in_core, max_queued_outputs
+        )
         self._inbox: list[tuple[str, list[StageOutput]]] = []
         self._inbox_lock = threading.Lock()
         self._scheduled = False
@@ -294,23 +263,16 @@ class AsyncEngine:
         key = (stage, request_id)
         if key in self._streams:
             raise ValueError(f"request {request_id!r} is already streaming on {stage!r}")
-        stream = _Stream(self._limit)
-        self._streams[key] = stream
-        try:
-            self._core.add(stage, request_id, inputs)
-        except Exception:
-            del self._streams[key]
-            raise
-        return self._iterate(key, stream)
+        self._core.add(stage, request_id, inputs)
+        # Opened after the add, in the same loop turn: no output can be delivered before.
+        return self._streams.open(key)
 
     async def call(self, stage: str, method: str, *args: Any) -> Any:
         self._bind_loop()
         return await asyncio.wrap_future(self._core.call(stage, method, *args))
 
     def abort(self, stage: str, request_id: str) -> None:
-        stream = self._streams.pop((stage, request_id), None)
-        if stream is not None:
-            stream.close()
+        self._streams.close((stage, request_id))
         self._core.abort(stage, request_id)
 
     def pending(self) -> dict[str, int]:
@@ -320,21 +282,8 @@ class AsyncEngine:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
 
-    async def _iterate(self, key: tuple[str, str], stream: _Stream) -> AsyncIterator[StageOutput]:
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                if item is _END:
-                    finished = True
-                    return
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            if not finished and self._streams.get(key) is stream:
-                self.abort(*key)
+    def _abort_in_core(self, key: tuple[str, str]) -> None:
+        self._core.abort(*key)
 
     # --- engine thread -> loop -----------------------------------------------------
 
@@ -355,24 +304,8 @@ class AsyncEngine:
             self._scheduled = False
         for stage, outputs in batches:
             for out in outputs:
-                self._route(stage, out)
-
-    def _route(self, stage: str, out: StageOutput) -> None:
-        key = (stage, out.request_id)
-        stream = self._streams.get(key)
-        if stream is None:
-            return  # aborted or never streamed here: dropped on purpose
-        if out.finished:
-            del self._streams[key]
-        if not stream.put(out):
-            self._overflow(key, stream)
-
-    def _overflow(self, key: tuple[str, str], stream: _Stream) -> None:
-        self._streams.pop(key, None)
-        self._core.abort(*key)
-        stream.items.clear()
-        error = f"output queue overflow: consumer fell {self._limit} outputs behind"
-        stream.put(StageOutput(key[1], None, finished=True, error=error))
+                # Outputs of aborted requests, or of none streamed here, are dropped.
+                self._streams.put((stage, out.request_id), out)
 
 
 def exit_process(code: int) -> NoReturn:

@@ -12,34 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from engine.config import RemoteLlmConfig
-from engine.request import RequestOutput, SamplingParams
+from engine.request import RequestOutput
 from engine.stage import StageOutput
+from engine.streams import OutputStreams
+
+if TYPE_CHECKING:  # the local stage's module loads MLX; only its input type is needed
+    from engine.llm import LlmInput
 
 __all__ = ["RemoteLlm"]
-
-_END = object()
-
-
-class ChatInputs(Protocol):
-    """What the LLM stage takes (`engine.llm.LlmInput` has these fields)."""
-
-    messages: Sequence[Mapping[str, Any]] | None
-    prompt_token_ids: Sequence[int] | None
-    sampling_params: SamplingParams
-    cache_key: str | None
-
-
-@dataclass
-class _Stream:
-    task: asyncio.Task[None]
-    queue: asyncio.Queue[Any]
 
 
 @dataclass
@@ -66,56 +53,47 @@ class RemoteLlm:
             timeout=httpx.Timeout(config.timeout_s),
             transport=transport,
         )
-        self._streams: dict[str, _Stream] = {}
+        # The task reading each request's HTTP stream, until it has queued its last output.
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._streams: OutputStreams[str] = OutputStreams(self._cancel)
 
-    def stream(self, request_id: str, inputs: ChatInputs) -> AsyncIterator[StageOutput]:
+    def stream(self, request_id: str, inputs: LlmInput) -> AsyncIterator[StageOutput]:
         """Start the request now; iterate its outputs. Leaving early aborts it."""
         if request_id in self._streams:
             raise ValueError(f"request {request_id!r} is already streaming")
         body = chat_body(self.config.model, inputs)
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        task = asyncio.create_task(self._fetch(request_id, body, queue))
-        entry = _Stream(task, queue)
-        self._streams[request_id] = entry
-        return self._iterate(request_id, entry)
+        outputs = self._streams.open(request_id)
+        self._tasks[request_id] = asyncio.create_task(self._fetch(request_id, body))
+        return outputs
 
     def abort(self, request_id: str) -> None:
         """Close the request's HTTP stream; its iterator ends with no further output."""
-        entry = self._streams.pop(request_id, None)
-        if entry is None:
-            return
-        entry.task.cancel()
-        entry.queue.put_nowait(_END)
+        self._streams.close(request_id)
+        self._cancel(request_id)
 
     def pending(self) -> int:
         return len(self._streams)
 
     async def aclose(self) -> None:
-        for request_id in list(self._streams):
+        for request_id in list(self._tasks):
             self.abort(request_id)
         await self._client.aclose()
 
-    async def _iterate(self, request_id: str, entry: _Stream) -> AsyncIterator[StageOutput]:
-        finished = False
-        try:
-            while True:
-                item = await entry.queue.get()
-                if item is _END:
-                    finished = True
-                    return
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            if self._streams.get(request_id) is entry:
-                if finished:
-                    del self._streams[request_id]
-                else:
-                    self.abort(request_id)
+    def _cancel(self, request_id: str) -> None:
+        task = self._tasks.pop(request_id, None)
+        if task is not None:
+            task.cancel()
 
-    async def _fetch(self, request_id: str, body: dict[str, Any], queue: asyncio.Queue) -> None:
+    async def _fetch(self, request_id: str, body: dict[str, Any]) -> None:
+        try:
+            await self._read(request_id, body)
+        finally:
+            if self._tasks.get(request_id) is asyncio.current_task():
+                del self._tasks[request_id]
+
+    async def _read(self, request_id: str, body: dict[str, Any]) -> None:
         progress = _Progress()
+        put = self._streams.put  # drops outputs once the request is aborted
         try:
             async with self._client.stream("POST", "chat/completions", json=body) as resp:
                 if resp.status_code != 200:
@@ -129,20 +107,20 @@ class RemoteLlm:
                         break
                     delta = _apply_chunk(progress, json.loads(data))
                     if delta:
-                        queue.put_nowait(_delta_output(request_id, progress, delta))
-            queue.put_nowait(_final_output(request_id, progress))
+                        put(request_id, _delta_output(request_id, progress, delta))
+            put(request_id, _final_output(request_id, progress))
         except asyncio.CancelledError:
             raise
         except (httpx.HTTPError, RemoteLlmError, ValueError, KeyError, TypeError) as exc:
             error = f"remote LLM at {self.config.base_url}: {type(exc).__name__}: {exc}"
-            queue.put_nowait(StageOutput(request_id, None, finished=True, error=error))
+            put(request_id, StageOutput(request_id, None, finished=True, error=error))
 
 
 class RemoteLlmError(RuntimeError):
     """The server answered, but not with a chat-completions stream."""
 
 
-def chat_body(model: str, inputs: ChatInputs) -> dict[str, Any]:
+def chat_body(model: str, inputs: LlmInput) -> dict[str, Any]:
     """The request body for `inputs`; raises ValueError for what a server cannot take."""
     if inputs.prompt_token_ids is not None or not inputs.messages:
         raise ValueError("the remote LLM takes chat messages, not prompt token ids")

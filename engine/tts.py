@@ -1,10 +1,11 @@
 """Text to speech: a Piper voice on MLX, streamed clause by clause.
 
 `Voice` turns clauses into float audio at the voice rate (one batched forward for many
-clauses). `Synthesizer` is the plain API: text in, PCM16 chunks at any rate out, one per
-clause. `TtsStage` is the engine stage: requests are opened with `add`, text arrives
-with `feed` as the LLM produces it, and each `step` speaks the next chunk of every busy
-request in one batch.
+clauses). Every chunk leaves the engine as that audio, float32 mono at the voice's own
+rate: converting it to what a client wants is the gateway's job, done once there.
+`Synthesizer` is the plain API: text in, one chunk per clause out. `TtsStage` is the
+engine stage: requests are opened with `add`, text arrives with `feed` as the LLM
+produces it, and each `step` speaks the next chunk of every busy request in one batch.
 
 The stage renders a request's first audio in a short chunk: the clause's latents are
 computed whole (the text encoder and duration predictor need every phoneme), but the
@@ -25,7 +26,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-import soxr
 
 from engine.clauses import split_clauses
 from engine.models import vits
@@ -46,7 +46,6 @@ __all__ = [
 ]
 
 DEFAULT_VOICE = "piper-en_US-joe-medium"
-MIN_RATE, MAX_RATE = 8000, 48000
 # Clauses longer than this are cut further, so one clause never stalls a step for long.
 MAX_CLAUSE_CHARS = 300
 # A request's first clause is split at its first comma when that leaves a piece at least
@@ -72,15 +71,12 @@ class TtsRequest:
     Piper's own knob (its inverse). Give at most one of the two.
     """
 
-    sample_rate: int = 24000
     speed: float | None = None
     length_scale: float | None = None
     noise_scale: float | None = None
     noise_w: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.sample_rate, int) or not MIN_RATE <= self.sample_rate <= MAX_RATE:
-            raise ValueError(f"sample_rate must be an int in [{MIN_RATE}, {MAX_RATE}]")
         if self.speed is not None and self.length_scale is not None:
             raise ValueError("give speed or length_scale, not both")
         for name in ("speed", "length_scale"):
@@ -93,14 +89,20 @@ class TtsRequest:
                 raise ValueError(f"{name} must be within [0, 2]")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class AudioChunk:
-    """PCM16 mono little-endian audio speaking `text` (empty for a final tail)."""
+    """Float32 mono `samples` at the voice's `sample_rate`, speaking `text` (empty for a
+    final tail)."""
 
-    pcm16: bytes
+    samples: np.ndarray
     sample_rate: int
     text: str
     duration_ms: float
+
+    @classmethod
+    def of(cls, samples: np.ndarray, sample_rate: int, text: str) -> AudioChunk:
+        samples = np.asarray(samples, dtype=np.float32)
+        return cls(samples, sample_rate, text, 1000 * len(samples) / sample_rate)
 
 
 @dataclass(frozen=True)
@@ -228,26 +230,6 @@ def load_voice(name: str = DEFAULT_VOICE) -> Voice:
     return Voice.load(registry.prepare(name))
 
 
-def to_pcm16(audio: np.ndarray) -> bytes:
-    return (np.clip(audio, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
-
-
-class _Resampler:
-    """Voice rate -> output rate across chunks of one stream, with no seam at joins."""
-
-    def __init__(self, in_rate: int, out_rate: int) -> None:
-        self.stream = (
-            None
-            if in_rate == out_rate
-            else soxr.ResampleStream(in_rate, out_rate, 1, dtype="float32")
-        )
-
-    def __call__(self, audio: np.ndarray, last: bool) -> np.ndarray:
-        if self.stream is None:
-            return audio
-        return self.stream.resample_chunk(audio.astype(np.float32), last=last)
-
-
 def _clauses(text: str) -> list[str]:
     return [c for c in split_clauses(text, max_chars=MAX_CLAUSE_CHARS) if c.strip()]
 
@@ -264,32 +246,22 @@ def first_piece(clause: str) -> tuple[str, str]:
 
 
 class Synthesizer:
-    """Text in, one `AudioChunk` per clause out, at the caller's rate."""
+    """Text in, one `AudioChunk` per clause out, at the voice rate."""
 
     def __init__(self, voice: Voice) -> None:
         self.voice = voice
 
     def stream(self, text: str, request: TtsRequest | None = None) -> Iterator[AudioChunk]:
-        request = request or TtsRequest()
-        scales = self.voice.scales(request)
-        resample = _Resampler(self.voice.sample_rate, request.sample_rate)
-        clauses = _clauses(text)
-        for i, clause in enumerate(clauses):
+        scales = self.voice.scales(request or TtsRequest())
+        for clause in _clauses(text):
             (audio,) = self.voice.synthesize([clause], [scales])
-            out = resample(audio, last=i == len(clauses) - 1)
-            yield AudioChunk(
-                to_pcm16(out), request.sample_rate, clause, 1000 * len(out) / request.sample_rate
-            )
+            yield AudioChunk.of(audio, self.voice.sample_rate, clause)
 
     def synthesize(self, text: str, request: TtsRequest | None = None) -> AudioChunk:
         """The whole text as one chunk."""
-        request = request or TtsRequest()
         chunks = list(self.stream(text, request))
-        pcm = b"".join(c.pcm16 for c in chunks)
-        text_out = " ".join(c.text for c in chunks)
-        return AudioChunk(
-            pcm, request.sample_rate, text_out, 1000 * len(pcm) / 2 / request.sample_rate
-        )
+        samples = np.concatenate([c.samples for c in chunks] or [np.zeros(0, np.float32)])
+        return AudioChunk.of(samples, self.voice.sample_rate, " ".join(c.text for c in chunks))
 
 
 def spoken_text(text: str, start: float, stop: float) -> str:
@@ -325,9 +297,7 @@ class _Segment:
 
 @dataclass
 class _Stream:
-    request: TtsRequest
     scales: Scales
-    resampler: _Resampler
     pending: deque[str] = field(default_factory=deque)
     segments: deque[_Segment] = field(default_factory=deque)
     final: bool = False
@@ -370,8 +340,7 @@ class TtsStage:
             raise ValueError(f"TTS inputs must be a TtsRequest, not {type(inputs).__name__}")
         if request_id in self._streams:
             raise ValueError(f"TTS request {request_id!r} already exists")
-        resampler = _Resampler(self.voice.sample_rate, inputs.sample_rate)
-        self._streams[request_id] = _Stream(inputs, self.voice.scales(inputs), resampler)
+        self._streams[request_id] = _Stream(self.voice.scales(inputs))
 
     def feed(self, request_id: str, text: str, final: bool = False) -> bool:
         stream = self._streams.get(request_id)
@@ -455,9 +424,7 @@ class TtsStage:
         self, rid: str, s: _Stream, audio: np.ndarray, text: str, metrics: dict
     ) -> StageOutput:
         finished = s.final and not s.pending and not s.segments
-        out = s.resampler(audio, last=finished)
-        rate = s.request.sample_rate
-        chunk = AudioChunk(to_pcm16(out), rate, text, 1000 * len(out) / rate)
+        chunk = AudioChunk.of(audio, self.voice.sample_rate, text)
         if finished:
             self._streams.pop(rid, None)
         return StageOutput(rid, chunk, finished=finished, metrics=dict(metrics))

@@ -19,7 +19,7 @@ def test_default_profile_loads_with_embedded_models() -> None:
     assert config.stages.asr.model.name == "whisper-tiny.en"
     assert config.stages.tts.model.name == "piper-en_US-joe-medium"
     assert config.stages.vad.model.name == "silero-vad"
-    assert config.stages.tts.sample_rate == 24000
+    assert config.stages.tts.voice == "joe"
     assert "sentence" in config.system_prompt
     assert config.gateway == {}
 

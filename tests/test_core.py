@@ -12,6 +12,7 @@ import pytest
 
 from engine.core import AsyncEngine, EngineCore
 from engine.stage import StageOutput
+from engine.streams import OutputStreams
 
 
 class CountingStage:
@@ -259,4 +260,58 @@ async def test_stream_on_unknown_stage_raises_and_leaves_nothing(core: EngineCor
     engine = AsyncEngine(core)
     with pytest.raises(KeyError):
         engine.stream("nope", "r", 1)
-    assert engine._streams == {}
+    assert len(engine._streams) == 0
+
+
+# --- the output streams both the facade and the remote LLM use ------------------------
+
+
+async def test_output_stream_ends_after_its_finished_output() -> None:
+    aborted: list[str] = []
+    streams: OutputStreams[str] = OutputStreams(aborted.append)
+    it = streams.open("r")
+    streams.put("r", StageOutput("r", 1))
+    streams.put("r", StageOutput("r", 2, finished=True))
+    streams.put("r", StageOutput("r", 3))  # after the end: dropped
+    assert [o.payload async for o in it] == [1, 2]
+    assert len(streams) == 0 and aborted == []
+
+
+async def test_closed_output_stream_yields_nothing_more_and_aborts_nothing() -> None:
+    aborted: list[str] = []
+    streams: OutputStreams[str] = OutputStreams(aborted.append)
+    it = streams.open("r")
+    streams.put("r", StageOutput("r", 1))
+    streams.close("r")
+    streams.put("r", StageOutput("r", 2))
+    assert [o async for o in it] == []
+    assert aborted == []
+
+
+async def test_leaving_an_output_stream_early_aborts_its_request() -> None:
+    aborted: list[str] = []
+    streams: OutputStreams[str] = OutputStreams(aborted.append)
+    it = streams.open("r")
+    streams.put("r", StageOutput("r", 1))
+    async with contextlib.aclosing(it):
+        async for _ in it:
+            break
+    assert aborted == ["r"] and "r" not in streams
+
+
+async def test_output_stream_overflow_is_one_error_and_an_abort() -> None:
+    aborted: list[str] = []
+    streams: OutputStreams[str] = OutputStreams(aborted.append, limit=2)
+    it = streams.open("r")
+    for n in range(3):
+        streams.put("r", StageOutput("r", n))
+    outs = [o async for o in it]
+    assert len(outs) == 1 and outs[0].finished and "overflow" in (outs[0].error or "")
+    assert aborted == ["r"]
+
+
+def test_a_key_streams_once_at_a_time() -> None:
+    streams: OutputStreams[str] = OutputStreams(lambda key: None)
+    streams.open("r")
+    with pytest.raises(ValueError, match="already streaming"):
+        streams.open("r")

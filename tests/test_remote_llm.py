@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from duplex.contracts import (
 from duplex.outputs import DuplexStageOutput
 from engine.config import RemoteLlmConfig, parse_config
 from engine.core import AsyncEngine, EngineCore
+from engine.llm import LlmInput
 from engine.orchestrator import DuplexOrchestrator
 from engine.remote_llm import RemoteLlm, chat_body
 from engine.request import SamplingParams
@@ -35,12 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@dataclass
-class Inputs:
-    messages: list[dict[str, str]] | None = field(default_factory=lambda: list(QUESTION))
-    prompt_token_ids: list[int] | None = None
-    sampling_params: SamplingParams = field(default_factory=SamplingParams)
-    cache_key: str | None = None
+def chat_inputs(**fields: Any) -> LlmInput:
+    """What the local LLM stage takes; the question as messages unless told otherwise."""
+    return LlmInput(**{"messages": [dict(m) for m in QUESTION], **fields})
 
 
 def _config(base_url: str = "http://server.test/v1", **extra: Any) -> RemoteLlmConfig:
@@ -59,7 +56,7 @@ def test_every_sampling_field_reaches_the_body() -> None:
         stop=["\n\n"],
         seed=7,
     )
-    body = chat_body("served", Inputs(sampling_params=params, cache_key="sess-1"))
+    body = chat_body("served", chat_inputs(sampling_params=params, cache_key="sess-1"))
     assert body == {
         "model": "served",
         "messages": QUESTION,
@@ -80,9 +77,9 @@ def test_every_sampling_field_reaches_the_body() -> None:
 
 def test_what_a_server_cannot_take_is_rejected() -> None:
     with pytest.raises(ValueError, match="not prompt token ids"):
-        chat_body("m", Inputs(messages=None, prompt_token_ids=[1, 2]))
+        chat_body("m", chat_inputs(messages=None, prompt_token_ids=[1, 2]))
     with pytest.raises(ValueError, match="stop_token_ids"):
-        chat_body("m", Inputs(sampling_params=SamplingParams(stop_token_ids=[2])))
+        chat_body("m", chat_inputs(sampling_params=SamplingParams(stop_token_ids=[2])))
 
 
 def _sse(*chunks: dict[str, Any]) -> bytes:
@@ -95,7 +92,7 @@ def _choice(content: str | None, finish: str | None = None) -> dict[str, Any]:
 
 
 async def _collect(llm: RemoteLlm, request_id: str = "r1", **kw: Any) -> list[StageOutput]:
-    return [out async for out in llm.stream(request_id, Inputs(**kw))]
+    return [out async for out in llm.stream(request_id, chat_inputs(**kw))]
 
 
 async def test_stream_is_parsed_into_request_outputs() -> None:
@@ -146,9 +143,9 @@ async def test_unreachable_server_becomes_an_error_output() -> None:
 
 async def test_a_request_id_streams_once() -> None:
     llm = RemoteLlm(_config(), transport=httpx.MockTransport(lambda r: httpx.Response(200)))
-    stream = llm.stream("dup", Inputs())
+    stream = llm.stream("dup", chat_inputs())
     with pytest.raises(ValueError, match="already streaming"):
-        llm.stream("dup", Inputs())
+        llm.stream("dup", chat_inputs())
     assert [o.finished async for o in stream] == [True]
     await llm.aclose()
 
@@ -224,7 +221,7 @@ async def test_real_server_abort_mid_stream(mlx_server: str) -> None:
     llm = RemoteLlm(RemoteLlmConfig(base_url=mlx_server, model="default_model"))
     counting = [{"role": "user", "content": "Count from one to two hundred in words."}]
     params = SamplingParams(max_tokens=200, temperature=0.0)
-    stream = llm.stream("long", Inputs(messages=counting, sampling_params=params))
+    stream = llm.stream("long", chat_inputs(messages=counting, sampling_params=params))
     got: list[StageOutput] = []
     async for out in stream:
         got.append(out)

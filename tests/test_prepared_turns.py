@@ -1,5 +1,6 @@
-"""Prepared turns: the orchestrator works ahead on a turn and a matching submission
-adopts it (engine/orchestrator.py rule 4), with the fake stages of test_orchestrator."""
+"""Prepared turns: the orchestrator works ahead on a turn and a submission of an equal turn
+request adopts it (engine/orchestrator.py rule 4), with the fake stages of
+tests/fake_engine.py; then once for real, through the gateway and its embedded models."""
 
 from __future__ import annotations
 
@@ -15,26 +16,16 @@ import numpy as np
 import pytest
 import soundfile as sf
 import soxr
-from conftest import running_gateway
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
-from duplex.contracts import DuplexAppendPlan
 from duplex.errors import DuplexStateError
 from duplex.manager import DuplexSessionManager
 from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput, DuplexStreamingStagePort
+from duplex.turn import Stage, TurnRequest
 from engine.config import parse_config
-from engine.speech_detector import SpeechDetector
-from gateway.config import GatewayConfig
-from gateway.realtime import (
-    ConfigureVad,
-    DiscardPrepared,
-    PrepareResponse,
-    RealtimeSession,
-    StartResponse,
-)
-from tests.test_gateway_realtime import tone_b64
-from tests.test_orchestrator import Harness, _audio
+from tests.conftest import running_gateway
+from tests.fake_engine import Harness, audio, turn
 
 
 @pytest.fixture
@@ -44,19 +35,19 @@ async def h() -> AsyncIterator[Harness]:
     harness.core.shutdown()
 
 
-def _prompt(n: int = 1, **extra: Any) -> dict[str, Any]:
-    return {"audio": _audio(n), "messages": [], "output_modalities": ["audio"], **extra}
+def _voice(n: int = 1, **extra: Any) -> TurnRequest:
+    return turn(Stage.TTS, audio=audio(n), **extra)
 
 
-def _prepare(h: Harness, prompt: dict[str, Any], session: str = "s1", **kw: Any) -> None:
+def _prepare(h: Harness, request: TurnRequest, session: str = "s1", **kw: Any) -> None:
     h.orch.prepare_turn(
         DuplexPreparedTurn(
             session_id=session,
             config_generation=kw.get("generation", 0),
             sampling_params=h.orch.sampling_defaults(),
-            prompt=prompt,
-            entry_stage_id=0,
-            final_stage_id=2,
+            prompt=request.plan().prompt,
+            entry_stage_id=request.entry,
+            final_stage_id=request.final,
         )
     )
 
@@ -82,15 +73,14 @@ async def test_an_adopted_turn_outputs_what_a_fresh_turn_would(h: Harness) -> No
     expected = _shape(h.outputs)
     h.outputs.clear()
 
-    _prepare(h, _prompt(3))
-    # The prepared work runs in the engine but nothing reaches the sink.
-    await h.until(lambda: "s1" not in str(h.asr.waiting) and h.llm.done)
-    await asyncio.sleep(0.05)
+    _prepare(h, _voice(3))
+    # The prepared work runs in the engine to its end, but nothing reaches the sink.
+    await _prepared_turn_ended(h)
     assert h.outputs == []
     assert h.orch.prepared_turns() == 1
 
     contexts = h.reserve(turn=1)
-    await h.submit(contexts, **_prompt(3))
+    await h.submit(contexts, _voice(3))
     ids = [c.request_id for c in contexts]
     await h.until(lambda: h.finished(ids[2]))
     await h.idle()
@@ -104,12 +94,12 @@ async def test_a_turn_that_finished_while_prepared_is_delivered_whole(h: Harness
     params = h.orch.sampling_defaults()
     short = (params[0], params[1].__class__(max_tokens=4), params[2])
     h.orch.prepare_turn(
-        DuplexPreparedTurn("s1", 0, short, _prompt(2), entry_stage_id=0, final_stage_id=2)
+        DuplexPreparedTurn("s1", 0, short, _voice(2).plan().prompt, 0, 2)
     )
     await _prepared_turn_ended(h)  # the whole turn ran while held
     assert h.outputs == []
     contexts = h.reserve(params=short)
-    await h.submit(contexts, **_prompt(2))
+    await h.submit(contexts, _voice(2))
     ids = [c.request_id for c in contexts]
     assert h.finished(ids[2])  # delivered at submit, all of it
     assert h.of(ids[0])[0].text == "question 2"
@@ -120,20 +110,21 @@ async def test_a_turn_that_finished_while_prepared_is_delivered_whole(h: Harness
 @pytest.mark.parametrize(
     "change",
     [
-        {"audio": _audio(4)},
+        {"audio": audio(4)},
         {"messages": [{"role": "user", "content": "earlier"}]},
         {"max_output_tokens": 5},
         {"cache_key": "other"},
+        {"speed": 1.5},
     ],
 )
 async def test_a_different_submission_discards_the_prepared_turn(
     h: Harness, change: dict[str, Any]
 ) -> None:
     h.llm.step_s = 0.01
-    _prepare(h, _prompt(3))
+    _prepare(h, _voice(3))
     await h.until(lambda: bool(h.llm.live))
     contexts = h.reserve()
-    await h.submit(contexts, **{**_prompt(3), **change})
+    await h.submit(contexts, turn(Stage.TTS, **{"audio": audio(3), **change}))
     ids = [c.request_id for c in contexts]
     await h.until(lambda: h.finished(ids[2]))
     await h.idle()
@@ -145,9 +136,9 @@ async def test_a_different_submission_discards_the_prepared_turn(
 
 
 async def test_a_new_config_generation_is_not_adopted(h: Harness) -> None:
-    _prepare(h, _prompt(3), generation=0)
+    _prepare(h, _voice(3), generation=0)
     contexts = h.reserve(generation=1)
-    await h.submit(contexts, **_prompt(3))
+    await h.submit(contexts, _voice(3))
     await h.until(lambda: h.finished(contexts[2].request_id))
     await h.idle()
     assert h.orch.prepare_stats["discarded"] == 1
@@ -155,7 +146,7 @@ async def test_a_new_config_generation_is_not_adopted(h: Harness) -> None:
 
 async def test_discard_stops_the_work_and_emits_nothing(h: Harness) -> None:
     h.llm.step_s = 0.01
-    _prepare(h, _prompt(3))
+    _prepare(h, _voice(3))
     await h.until(lambda: bool(h.llm.live))
     h.orch.discard_prepared("s1")
     await h.idle()
@@ -170,11 +161,11 @@ async def test_discard_stops_the_work_and_emits_nothing(h: Harness) -> None:
 
 async def test_a_new_preparation_replaces_the_old_one(h: Harness) -> None:
     h.llm.step_s = 0.01
-    _prepare(h, _prompt(3))
-    _prepare(h, _prompt(5))
+    _prepare(h, _voice(3))
+    _prepare(h, _voice(5))
     assert h.orch.prepared_turns() == 1
     contexts = h.reserve()
-    await h.submit(contexts, **_prompt(5))
+    await h.submit(contexts, _voice(5))
     await h.until(lambda: h.finished(contexts[2].request_id))
     await h.idle()
     assert h.of(contexts[0].request_id)[0].text == "question 5"
@@ -183,26 +174,25 @@ async def test_a_new_preparation_replaces_the_old_one(h: Harness) -> None:
 
 async def test_barge_in_after_adoption_stops_the_adopted_work(h: Harness) -> None:
     h.llm.step_s = 0.01
-    _prepare(h, _prompt(3))
+    _prepare(h, _voice(3))
     contexts = h.reserve()
-    await h.submit(contexts, **_prompt(3))
+    await h.submit(contexts, _voice(3))
     ids = [c.request_id for c in contexts]
     await h.until(lambda: sum(o.kind == "text" for o in h.of(ids[1])) >= 3)
     await h.orch.abort_requests(ids)
     count = len(h.outputs)
-    await h.idle()
-    await asyncio.sleep(0.05)
+    await h.idle()  # a drained engine and no running turn: nothing more can come
     assert len(h.outputs) == count
     assert h.engine.pending() == {"asr": 0, "llm": 0, "tts": 0}
 
 
 async def test_a_prepared_failure_is_reported_by_the_adopting_turn(h: Harness) -> None:
     h.asr.fail = True
-    _prepare(h, _prompt(3))
+    _prepare(h, _voice(3))
     await _prepared_turn_ended(h)
     assert h.outputs == []
     contexts = h.reserve()
-    await h.submit(contexts, **_prompt(3))
+    await h.submit(contexts, _voice(3))
     errors = [o for o in h.outputs if o.kind == "error"]
     assert [(o.request_id, o.metadata["error"]) for o in errors] == [
         (contexts[0].request_id, "asr exploded")
@@ -210,16 +200,16 @@ async def test_a_prepared_failure_is_reported_by_the_adopting_turn(h: Harness) -
 
 
 async def test_a_turn_submit_would_refuse_is_not_prepared(h: Harness) -> None:
-    _prepare(h, {"audio": np.zeros(0, np.float32), "output_modalities": ["audio"]})
-    _prepare(h, _prompt(3, voice="someone-else"))
+    _prepare(h, _voice(3, voice="someone-else"))
+    h.orch.prepare_turn(DuplexPreparedTurn("s1", 0, h.orch.sampling_defaults(), {}, 1, 1))
     assert h.orch.prepared_turns() == 0
     assert h.engine.pending() == {"asr": 0, "llm": 0, "tts": 0}
 
 
 async def test_shutdown_discards_prepared_turns(h: Harness) -> None:
     h.llm.step_s = 0.01
-    _prepare(h, _prompt(3), session="a")
-    _prepare(h, _prompt(4), session="b")
+    _prepare(h, _voice(3), session="a")
+    _prepare(h, _voice(4), session="b")
     await h.orch.shutdown()
     await h.idle()
     assert h.orch.prepared_turns() == 0 and h.outputs == []
@@ -269,123 +259,20 @@ async def test_the_session_handle_prepares_what_start_turn_would_submit() -> Non
     manager = DuplexSessionManager(port, max_sessions=2)
     handle = manager.open("s1")
     handle.update_config({"voice": "joe"})
-    handle.prepare_turn(DuplexAppendPlan({"text": "hi"}), entry_stage_id=1, final_stage_id=2)
-    [turn] = port.prepared
-    assert (turn.session_id, turn.config_generation) == ("s1", 1)
-    assert turn.sampling_params == ("asr", "llm", "tts")
-    assert dict(turn.prompt) == {"text": "hi"}
-    assert (turn.entry_stage_id, turn.final_stage_id) == (1, 2)
+    request = turn(Stage.TTS, text="hi")
+    handle.prepare_turn(request.plan(), entry_stage_id=1, final_stage_id=2)
+    [prepared] = port.prepared
+    assert (prepared.session_id, prepared.config_generation) == ("s1", 1)
+    assert prepared.sampling_params == ("asr", "llm", "tts")
+    assert TurnRequest.from_plan(prepared.prompt) == request
+    assert (prepared.entry_stage_id, prepared.final_stage_id) == (1, 2)
     with pytest.raises(ValueError):
-        handle.prepare_turn(DuplexAppendPlan({}), entry_stage_id=2, final_stage_id=1)
+        handle.prepare_turn(request.plan(), entry_stage_id=2, final_stage_id=1)
     handle.discard_prepared()
     await handle.close()
     assert port.discarded == ["s1", "s1"]  # closing drops it too
     with pytest.raises(DuplexStateError):
-        handle.prepare_turn(DuplexAppendPlan({}), entry_stage_id=1, final_stage_id=2)
-
-
-# ---- the realtime session decides when to prepare ----------------------------------
-
-
-def _speaking_session(**config: Any) -> RealtimeSession:
-    session = RealtimeSession(config=GatewayConfig(**config), model="m", beta=False)
-    for _ in range(10):
-        session.receive_text(
-            json.dumps({"type": "input_audio_buffer.append", "audio": tone_b64(100)})
-        )
-    session.speech_started(200)
-    session.events_to_send()
-    return session
-
-
-def _actions(session: RealtimeSession, kind: type) -> list[Any]:
-    return [a for a in session.actions() if isinstance(a, kind)]
-
-
-def _same_prompt(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    if set(a) != set(b) or not np.array_equal(a.get("audio"), b.get("audio")):
-        return False
-    return all(a[k] == b[k] for k in a if k != "audio")
-
-
-def test_a_pause_prepares_exactly_the_response_the_stop_starts() -> None:
-    session = _speaking_session()
-    configure = [
-        a
-        for a in RealtimeSession(config=GatewayConfig(), model="m", beta=False).actions()
-        if isinstance(a, ConfigureVad)
-    ]
-    assert configure[0].pause_after_ms == GatewayConfig().prepare_after_silence_ms
-    session.speech_paused(900)
-    assert session.events_to_send() == []  # nothing the client sees
-    (prepare,) = _actions(session, PrepareResponse)
-    assert (prepare.entry_stage_id, prepare.final_stage_id) == (0, 2)
-    session.speech_stopped(900)
-    actions = session.actions()
-    (start,) = [a for a in actions if isinstance(a, StartResponse)]
-    assert not any(isinstance(a, DiscardPrepared) for a in actions)
-    assert _same_prompt(prepare.prompt, start.prompt)
-    assert start.prompt["audio"] is prepare.prompt["audio"]  # resampled once, at the pause
-    assert abs(len(start.prompt["audio"]) - 0.7 * 16000) < 100
-
-
-def test_speech_going_on_discards_the_prepared_response() -> None:
-    session = _speaking_session()
-    session.speech_paused(600)
-    assert _actions(session, PrepareResponse)
-    session.speech_resumed()
-    assert _actions(session, DiscardPrepared) == [DiscardPrepared()]
-    session.speech_paused(900)
-    (prepare,) = _actions(session, PrepareResponse)
-    session.speech_stopped(900)
-    (start,) = _actions(session, StartResponse)
-    assert _same_prompt(prepare.prompt, start.prompt)
-
-
-def test_a_stop_that_creates_no_response_discards_it() -> None:
-    session = _speaking_session()
-    update = {
-        "type": "realtime",
-        "audio": {"input": {"turn_detection": {"type": "server_vad", "create_response": False}}},
-    }
-    session.receive_text(json.dumps({"type": "session.update", "session": update}))
-    session.actions()
-    session.speech_started(1000)  # detection restarted: a new speech
-    session.speech_paused(1100)
-    assert _actions(session, PrepareResponse) == []  # the stop would not respond
-
-
-def test_clearing_the_buffer_discards_it() -> None:
-    session = _speaking_session()
-    session.speech_paused(900)
-    session.actions()
-    session.receive_text(json.dumps({"type": "input_audio_buffer.clear"}))
-    assert _actions(session, DiscardPrepared) == [DiscardPrepared()]
-
-
-def test_preparation_can_be_turned_off() -> None:
-    session = _speaking_session(prepare_after_silence_ms=None)
-    session.speech_paused(900)
-    assert _actions(session, PrepareResponse) == []
-
-
-def test_the_detector_reports_pauses_before_the_stop() -> None:
-    # 32 ms chunks: speech, 5 silent chunks (160 ms: a pause), speech, then a stop.
-    detector = SpeechDetector(prefix_padding_ms=0, silence_duration_ms=320, pause_after_ms=150)
-    events = detector.push([0.9] * 5 + [0.0] * 5 + [0.9] * 3 + [0.0] * 11)
-    assert [type(e).__name__ for e in events] == [
-        "SpeechStarted",
-        "SpeechPaused",
-        "SpeechResumed",
-        "SpeechPaused",
-        "SpeechStopped",
-    ]
-    assert events[1].audio_end_ms == 160 and events[3].audio_end_ms == events[4].audio_end_ms
-    # A pause as long as the stop's silence never comes before it.
-    late = SpeechDetector(silence_duration_ms=320, pause_after_ms=320)
-    assert late.pause_after_ms is None
-    with pytest.raises(ValueError, match="pause_after_ms"):
-        SpeechDetector(pause_after_ms=-1)
+        handle.prepare_turn(request.plan(), entry_stage_id=1, final_stage_id=2)
 
 
 # ---- for real: the gateway with its embedded models ----------------------------------
@@ -419,6 +306,7 @@ def _prepared_counts(port: int) -> dict[str, float]:
     }
 
 
+@pytest.mark.models
 async def test_a_spoken_turn_is_answered_from_its_prepared_response() -> None:
     """The turn's work starts during the silence before speech_stopped; the answer the
     client gets is the prepared one, taken over when the turn is committed."""

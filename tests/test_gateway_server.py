@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.typing import Origin, Subprotocol
 
 from duplex.turn import Stage, TurnRequest
 from engine.speech_detector import SpeechDetector, SpeechPaused, SpeechResumed, SpeechStarted
@@ -39,7 +40,9 @@ class FakeSession:
     `ResponseDone`, and nothing of that turn follows it.
     """
 
-    def __init__(self, words: list[str], chunk_ms: int, delay: float, closed: asyncio.Event):
+    def __init__(
+        self, words: list[str], chunk_ms: int, delay: float, closed: asyncio.Event
+    ) -> None:
         self.words = words
         self.chunk_ms = chunk_ms
         self.delay = delay
@@ -259,7 +262,10 @@ async def test_auth_subprotocol_echo_and_beta_detection() -> None:
             event = json.loads(await ws.recv())
             assert event["type"] == "session.created" and event["session"]["type"] == "realtime"
         # The browser's way: key and beta flag as subprotocols; `realtime` is echoed.
-        protocols = ["realtime", "openai-insecure-api-key.secret", "openai-beta.realtime-v1"]
+        protocols = [
+            Subprotocol(p)
+            for p in ("realtime", "openai-insecure-api-key.secret", "openai-beta.realtime-v1")
+        ]
         async with connect(url(server), subprotocols=protocols) as ws:
             assert ws.subprotocol == "realtime"
             event = json.loads(await ws.recv())
@@ -277,10 +283,10 @@ async def test_origin_allow_list_and_session_cap() -> None:
     server = await start_server(allowed_origins=("http://good.example",), max_sessions=1)
     try:
         with pytest.raises(InvalidStatus) as info:
-            async with connect(url(server), origin="http://evil.example"):
+            async with connect(url(server), origin=Origin("http://evil.example")):
                 pass
         assert info.value.response.status_code == 403
-        async with connect(url(server), origin="http://good.example") as ws:
+        async with connect(url(server), origin=Origin("http://good.example")) as ws:
             await ws.recv()
             with pytest.raises(InvalidStatus) as info:
                 async with connect(url(server)):

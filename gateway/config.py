@@ -21,31 +21,31 @@ class SessionLimits(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # Incoming events above this get an `error` event (the service caps appends at 15 MiB).
-    max_event_bytes: int = Field(15 * 1024 * 1024, ge=1024)
+    max_event_bytes: int = Field(default=15 * 1024 * 1024, ge=1024)
     # Frames above this are refused by the WebSocket layer itself (close 1009).
-    max_frame_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    max_frame_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
     # Outgoing audio deltas are cut to at most this much audio.
-    output_chunk_ms: int = Field(100, ge=10, le=1000)
+    output_chunk_ms: int = Field(default=100, ge=10, le=1000)
     # Uncommitted input audio kept at most (manual mode); beyond it appends are refused.
-    max_input_buffer_ms: int = Field(15 * 60 * 1000, ge=1000)
+    max_input_buffer_ms: int = Field(default=15 * 60 * 1000, ge=1000)
     # Conversation items kept at most; creating more is refused.
-    max_items: int = Field(512, ge=2)
+    max_items: int = Field(default=512, ge=2)
     # Messages of history handed to the LLM per turn when truncation is "auto".
-    max_context_messages: int = Field(64, ge=1)
+    max_context_messages: int = Field(default=64, ge=1)
     # Server events queued for a client that does not read; beyond it the session closes.
-    send_queue_events: int = Field(2048, ge=16)
+    send_queue_events: int = Field(default=2048, ge=16)
     # Wall-clock cap on one session, like the service's 60-minute limit.
-    max_session_s: float = Field(3600.0, gt=0)
+    max_session_s: float = Field(default=3600.0, gt=0)
 
 
 class GatewayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     host: str = "127.0.0.1"
-    port: int = Field(8765, ge=0, le=65535)
+    port: int = Field(default=8765, ge=0, le=65535)
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
-    max_sessions: int = Field(16, ge=1)
+    max_sessions: int = Field(default=16, ge=1)
     model_name: str = "duplex-smollm2"
     voices: tuple[str, ...] = ("joe",)
     # A new session's `instructions`; the CLI fills it from the profile's system prompt.
@@ -55,7 +55,7 @@ class GatewayConfig(BaseModel):
     # create starts in the engine with its outputs held back, so the silence the turn
     # detector waits out overlaps the model work. Speech going on discards it; None
     # turns it off. Below the session's silence_duration_ms to have any effect.
-    prepare_after_silence_ms: int | None = Field(150, ge=0)
+    prepare_after_silence_ms: int | None = Field(default=150, ge=0)
     web_root: Path | None = None
     limits: SessionLimits = SessionLimits()
 

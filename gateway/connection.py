@@ -16,25 +16,25 @@ import json
 import logging
 import time
 from collections import deque
-from typing import Any
+from typing import Any, assert_never
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from gateway.backend import Backend, SpeechEvent, TurnOutput
-from gateway.config import GatewayConfig
-from gateway.metrics import GatewayMetrics
-from gateway.realtime import (
+from gateway.actions import (
+    Action,
     CancelResponse,
     CloseSession,
     ConfigureVad,
     DiscardPrepared,
     FeedVad,
     PrepareResponse,
-    RealtimeSession,
     StartResponse,
-    TranscribeItem,
 )
+from gateway.backend import Backend, SpeechEvent
+from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
+from gateway.realtime import RealtimeSession
 
 __all__ = ["RealtimeConnection", "SEND_OVERFLOW_CODE"]
 
@@ -135,22 +135,9 @@ class RealtimeConnection:
             self._finish(None)
 
     async def _outputs(self) -> None:
-        async for output in self.session.outputs():
-            self._apply_output(output)
+        async for event in self.session.outputs():
+            self.core.receive_response_event(event)
             self._pump()
-
-    def _apply_output(self, out: TurnOutput) -> None:
-        core = self.core
-        if out.kind == "transcript":
-            core.response_transcript(out.response_id, out.text)
-        elif out.kind == "text":
-            core.response_text(out.response_id, out.text)
-        elif out.kind == "audio":
-            core.response_audio(out.response_id, out.audio, out.sample_rate, out.text)
-        elif out.kind == "done":
-            core.response_done(out.response_id, out.usage, out.finish)
-        else:
-            core.response_failed(out.response_id, out.text)
 
     async def _speech(self) -> None:
         async for event in self.speech.events():
@@ -158,18 +145,18 @@ class RealtimeConnection:
             self._pump()
 
     def _apply_speech(self, event: SpeechEvent) -> None:
-        if event.kind == "started":
-            active = self.core.active_id
-            self.core.speech_started(event.ms)
-            if active is not None and self.core.active_id is None:
-                self.metrics.barge_ins.inc()
-        elif event.kind == "paused":
-            self.core.speech_paused(event.ms)
-        elif event.kind == "resumed":
-            self.core.speech_resumed()
-        else:
-            self._speech_stopped_at = time.monotonic()
-            self.core.speech_stopped(event.ms)
+        match event.kind:
+            case "started":
+                self.core.speech_started(event.ms)
+            case "paused":
+                self.core.speech_paused(event.ms)
+            case "resumed":
+                self.core.speech_resumed()
+            case "stopped":
+                self._speech_stopped_at = time.monotonic()
+                self.core.speech_stopped(event.ms)
+            case _:
+                assert_never(event.kind)
 
     # -- outputs ------------------------------------------------------------------------
 
@@ -191,31 +178,37 @@ class RealtimeConnection:
                 CloseSession(SEND_OVERFLOW_CODE, "send queue overflow: client is not reading")
             )
 
-    def _dispatch(self, actions: list[Any]) -> None:
+    def _dispatch(self, actions: list[Action]) -> None:
         for action in actions:
-            if isinstance(action, StartResponse):
-                self._created_at[action.response_id] = time.monotonic()
-                self.session.start(action)
-            elif isinstance(action, CancelResponse):
-                self.session.cancel(action.response_id, action.reason == "turn_detected")
-            elif isinstance(action, FeedVad):
-                self.speech.feed(action.samples)
-            elif isinstance(action, TranscribeItem):
-                self.session.transcribe(action.job_id, action.audio)
-            elif isinstance(action, PrepareResponse):
-                self.session.prepare(action)
-            elif isinstance(action, DiscardPrepared):
+            self._carry_out(action)
+
+    def _carry_out(self, action: Action) -> None:
+        match action:
+            case StartResponse(response_id, turn, conversation):
+                self.session.start(response_id, turn, conversation=conversation)
+            case PrepareResponse(turn):
+                self.session.prepare(turn)
+            case DiscardPrepared():
                 self.session.discard_prepared()
-            elif isinstance(action, ConfigureVad):
-                self.speech.configure(action.settings, action.start_ms, action.pause_after_ms)
-            elif isinstance(action, CloseSession):
+            case CancelResponse(response_id, reason):
+                self.session.cancel(response_id, reason=reason)
+            case FeedVad(samples):
+                self.speech.feed(samples)
+            case ConfigureVad(settings, start_ms, pause_after_ms):
+                self.speech.configure(settings, start_ms, pause_after_ms)
+            case CloseSession():
                 self._finish(action)
+            case _:
+                assert_never(action)
 
     def _observe(self, event: dict[str, Any]) -> None:
+        """Count a server event about to be queued for the client."""
         kind = event["type"]
         self.metrics.events_sent.inc()
         if kind == "error":
             self.metrics.errors.labels(event["error"]["code"] or "none").inc()
+        elif kind == "response.created":
+            self._created_at[event["response"]["id"]] = time.monotonic()
         elif kind in ("response.output_audio.delta", "response.audio.delta"):
             self._first_output(event["response_id"])
             if self._speech_stopped_at is not None:
@@ -224,9 +217,14 @@ class RealtimeConnection:
         elif kind in ("response.output_text.delta", "response.text.delta"):
             self._first_output(event["response_id"])
         elif kind == "response.done":
-            response = event["response"]
-            self._created_at.pop(response["id"], None)
-            self.metrics.turns.labels(response["status"]).inc()
+            self._response_done(event["response"])
+
+    def _response_done(self, response: dict[str, Any]) -> None:
+        self._created_at.pop(response["id"], None)
+        self.metrics.turns.labels(response["status"]).inc()
+        details = response["status_details"] or {}
+        if response["status"] == "cancelled" and details.get("reason") == "turn_detected":
+            self.metrics.barge_ins.inc()
 
     def _first_output(self, response_id: str) -> None:
         created = self._created_at.pop(response_id, None)

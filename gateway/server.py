@@ -12,6 +12,7 @@ import hmac
 import json
 import logging
 import mimetypes
+from collections.abc import Sequence
 from http import HTTPStatus
 from http.cookies import CookieError, SimpleCookie
 from pathlib import Path
@@ -20,6 +21,7 @@ from urllib.parse import parse_qs, urlsplit
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
+from websockets.typing import Subprotocol
 
 from gateway.backend import Backend
 from gateway.config import GatewayConfig
@@ -33,7 +35,7 @@ logger = logging.getLogger(__name__)
 KEY_PROTOCOL_PREFIX = "openai-insecure-api-key."
 KEY_COOKIE = "duplex_gateway_key"
 BETA_PROTOCOL = "openai-beta.realtime-v1"
-REALTIME_PROTOCOL = "realtime"
+REALTIME_PROTOCOL = Subprotocol("realtime")
 DEFAULT_WEB_ROOT = Path(__file__).resolve().parent.parent / "web"
 
 
@@ -58,7 +60,8 @@ def _api_key(request: Request) -> str | None:
 
 
 def _query_key(request: Request) -> str | None:
-    return (parse_qs(urlsplit(request.path).query).get("api_key") or [None])[0]
+    values = parse_qs(urlsplit(request.path).query).get("api_key")
+    return values[0] if values else None
 
 
 def _cookie_key(request: Request) -> str | None:
@@ -88,7 +91,9 @@ class GatewayServer:
     @property
     def port(self) -> int:
         assert self._server is not None
-        return self._server.sockets[0].getsockname()[1]
+        socket = next(iter(self._server.sockets))
+        port: int = socket.getsockname()[1]
+        return port
 
     async def start(self) -> None:
         self._server = await serve(
@@ -125,7 +130,9 @@ class GatewayServer:
 
     # -- handshake ----------------------------------------------------------------------
 
-    def _select_subprotocol(self, connection: ServerConnection, offered: list[str]) -> str | None:
+    def _select_subprotocol(
+        self, connection: ServerConnection, offered: Sequence[Subprotocol]
+    ) -> Subprotocol | None:
         # Browsers require an echo of one offered value; the Python SDK offers none and
         # fails if one comes back. So: `realtime` exactly when offered.
         return REALTIME_PROTOCOL if REALTIME_PROTOCOL in offered else None

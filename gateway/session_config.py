@@ -9,6 +9,7 @@ event naming the parameter.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -133,6 +134,7 @@ def apply_update(
     voice_locked: bool,
 ) -> SessionSettings:
     """The settings after a `session.update`; raises SettingError, leaving `current` as is."""
+    update: GASessionIn | BetaSessionIn
     if beta:
         update = BetaSessionIn.model_validate(raw)
         changes = _beta_changes(update, current)
@@ -145,7 +147,9 @@ def apply_update(
     return new
 
 
-def _shared_changes(update: GASessionIn | BetaSessionIn, current: SessionSettings) -> dict:
+def _shared_changes(
+    update: GASessionIn | BetaSessionIn, current: SessionSettings
+) -> dict[str, Any]:
     given = update.model_fields_set
     changes: dict[str, Any] = {}
     if "model" in given and update.model not in (None, current.model):
@@ -244,7 +248,7 @@ def _beta_changes(update: BetaSessionIn, current: SessionSettings) -> dict[str, 
     return changes
 
 
-def _modalities(values: list[str], *, ga: bool) -> tuple[str, ...]:
+def _modalities(values: Sequence[str], *, ga: bool) -> tuple[str, ...]:
     chosen = set(values)
     if chosen == {"text"}:
         return ("text",)

@@ -13,11 +13,12 @@ import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from engine.speech_detector import SpeechDetector, SpeechPaused, SpeechResumed, SpeechStarted
+from engine.stage import StageOutput
 from gateway.backend import SpeechEvent
 from gateway.session_config import TurnDetection
 
@@ -27,13 +28,19 @@ logger = logging.getLogger(__name__)
 
 
 class VadEngine(Protocol):
-    """The part of `engine.core.AsyncEngine` server VAD uses."""
+    """The part of `engine.core.AsyncEngine` server VAD (and /metrics) uses."""
 
-    def stream(self, stage: str, request_id: str, inputs: Any) -> AsyncIterator[Any]: ...
+    def stream(self, stage: str, request_id: str, inputs: object) -> AsyncIterator[StageOutput]:
+        """Open a request on `stage`; its outputs until the finished one."""
 
-    async def call(self, stage: str, method: str, *args: Any) -> Any: ...
+    async def call(self, stage: str, method: str, *args: object) -> object:
+        """Run `method` of `stage` on the engine thread."""
 
-    def abort(self, stage: str, request_id: str) -> None: ...
+    def abort(self, stage: str, request_id: str) -> None:
+        """Stop a request; its stream ends."""
+
+    def pending(self) -> dict[str, int]:
+        """Requests accepted and not yet finished, per stage."""
 
 
 class EngineSpeechSource:
@@ -103,7 +110,7 @@ class EngineSpeechSource:
                 logger.warning("VAD feed for %s dropped: %s", stream_id, exc)
 
     async def _read(
-        self, outputs: AsyncIterator[Any], detector: SpeechDetector, start_ms: float
+        self, outputs: AsyncIterator[StageOutput], detector: SpeechDetector, start_ms: float
     ) -> None:
         async for output in outputs:
             if output.error:

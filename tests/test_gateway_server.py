@@ -9,80 +9,102 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 import pytest
-from websockets.asyncio.client import connect
+from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.typing import Origin, Subprotocol
 
-from engine.speech_detector import SpeechDetector, SpeechStarted
-from gateway.backend import SpeechEvent, TurnOutput
+from duplex.turn import Stage, TurnRequest
+from engine.speech_detector import SpeechDetector, SpeechPaused, SpeechResumed, SpeechStarted
+from gateway.backend import ResponseDone, ResponseEvent, ResponseOutput, SpeechEvent
 from gateway.config import GatewayConfig
-from gateway.realtime import StartResponse
 from gateway.server import GatewayServer
+from gateway.session_config import TurnDetection
 
-RATE = 24000
+INPUT_RATE = 24000  # the client's PCM16
+OUTPUT_RATE = 22050  # the fake engine's speech, as float32 like the real one
+USAGE = {"prompt_tokens": 5, "completion_tokens": 4, "cached_tokens": 0}
 
 
 class FakeSession:
-    """Replies with `words`, one 200 ms audio chunk (or text delta) per word."""
+    """Stands in for the duplex session: replies with `words`, one text delta and (for a
+    spoken reply) one `chunk_ms` audio chunk per word, `delay` seconds of compute apart.
 
-    def __init__(self, words: list[str], chunk_ms: int, delay: float) -> None:
+    Like the duplex fence, `cancel` ends a running turn at once with its cancelled
+    `ResponseDone`, and nothing of that turn follows it.
+    """
+
+    def __init__(
+        self, words: list[str], chunk_ms: int, delay: float, closed: asyncio.Event
+    ) -> None:
         self.words = words
         self.chunk_ms = chunk_ms
         self.delay = delay
-        self.queue: asyncio.Queue[TurnOutput | None] = asyncio.Queue()
+        self.closed = closed
+        self.queue: asyncio.Queue[ResponseEvent | None] = asyncio.Queue()
         self.tasks: dict[str, asyncio.Task[None]] = {}
-        self.prompts: list[dict[str, Any]] = []
-        self.cancelled: list[tuple[str, bool]] = []
-        self.prepared: list[dict[str, Any]] = []
+        self.turns: dict[str, TurnRequest] = {}  # every started turn, by response id
+        self.cancelled: list[tuple[str, str]] = []
+        self.prepared: TurnRequest | None = None
+        self.adopted: list[str] = []  # conversation turns that took over the prepared one
 
-    def start(self, action: StartResponse) -> None:
-        self.prompts.append(action.prompt)
-        self.tasks[action.response_id] = asyncio.create_task(self._run(action))
+    def start(self, response_id: str, turn: TurnRequest, *, conversation: bool) -> None:
+        self.turns[response_id] = turn
+        if conversation:
+            if turn == self.prepared:
+                self.adopted.append(response_id)
+            self.prepared = None
+        self.tasks[response_id] = asyncio.create_task(self._run(response_id, turn))
 
-    async def _run(self, action: StartResponse) -> None:
-        rid = action.response_id
-        if action.entry_stage_id == 0:
-            self.queue.put_nowait(TurnOutput(rid, "transcript", text="fake transcript"))
-        for word in self.words:
-            await asyncio.sleep(self.delay)
-            self.queue.put_nowait(TurnOutput(rid, "text", text=word + " "))
-            if action.final_stage_id == 2:
-                pcm = (np.ones(RATE * self.chunk_ms // 1000) * 3000).astype("<i2").tobytes()
-                self.queue.put_nowait(
-                    TurnOutput(rid, "audio", text=word, audio=pcm, sample_rate=RATE)
-                )
-        usage = {"total_tokens": 9, "input_tokens": 5, "output_tokens": 4}
-        self.queue.put_nowait(TurnOutput(rid, "done", usage=usage))
+    async def _run(self, response_id: str, turn: TurnRequest) -> None:
+        if turn.entry is Stage.ASR:
+            self.queue.put_nowait(ResponseOutput(response_id, "transcript", text="fake transcript"))
+        if turn.final is not Stage.ASR:
+            for word in self.words:
+                await asyncio.sleep(self.delay)
+                self.queue.put_nowait(ResponseOutput(response_id, "text", text=word + " "))
+                if turn.final is Stage.TTS:
+                    self.queue.put_nowait(self._speech(response_id, word))
+        self.queue.put_nowait(ResponseDone(response_id, "completed", usage=USAGE))
 
-    def transcribe(self, job_id: str, audio: np.ndarray) -> None:
-        self.queue.put_nowait(TurnOutput(job_id, "transcript", text="fake transcript"))
-        self.queue.put_nowait(TurnOutput(job_id, "done"))
+    def _speech(self, response_id: str, word: str) -> ResponseOutput:
+        samples = np.full(OUTPUT_RATE * self.chunk_ms // 1000, 0.1, dtype="<f4")
+        return ResponseOutput(
+            response_id, "audio", text=word, audio=samples.tobytes(), sample_rate=OUTPUT_RATE
+        )
 
-    def prepare(self, action: Any) -> None:
-        self.prepared.append(action.prompt)
+    def prepare(self, turn: TurnRequest) -> None:
+        self.prepared = turn
 
     def discard_prepared(self) -> None:
-        self.prepared.clear()
+        self.prepared = None
 
-    def cancel(self, response_id: str, barge_in: bool) -> None:
-        self.cancelled.append((response_id, barge_in))
-        task = self.tasks.pop(response_id, None)
-        if task is not None:
+    def cancel(self, response_id: str, *, reason: str) -> None:
+        self.cancelled.append((response_id, reason))
+        task = self.tasks.get(response_id)
+        if task is not None and not task.done():
             task.cancel()
+            self.queue.put_nowait(ResponseDone(response_id, "cancelled", reason=reason))
 
-    async def outputs(self) -> AsyncIterator[TurnOutput]:
-        while (out := await self.queue.get()) is not None:
-            yield out
+    async def ended(self, response_id: str) -> None:
+        """Return once the turn's work has stopped: nothing more of it can come."""
+        await asyncio.wait([self.tasks[response_id]])
+
+    async def outputs(self) -> AsyncIterator[ResponseEvent]:
+        while (event := await self.queue.get()) is not None:
+            yield event
 
     async def close(self) -> None:
         for task in self.tasks.values():
             task.cancel()
         self.queue.put_nowait(None)
+        self.closed.set()
 
 
 class EnergySpeech:
@@ -94,16 +116,19 @@ class EnergySpeech:
         self.start_ms = 0.0
         self.pending = np.zeros(0, np.float32)
 
-    def configure(self, settings: Any, start_ms: float, pause_after_ms: int | None = None) -> None:
+    def configure(
+        self, settings: TurnDetection | None, start_ms: float, pause_after_ms: int | None = None
+    ) -> None:
         self.pending = np.zeros(0, np.float32)
         self.start_ms = start_ms
-        self.detector = (
-            None
-            if settings is None
-            else SpeechDetector(
-                settings.threshold, settings.prefix_padding_ms, settings.silence_duration_ms
+        self.detector = None
+        if settings is not None:
+            self.detector = SpeechDetector(
+                settings.threshold,
+                settings.prefix_padding_ms,
+                settings.silence_duration_ms,
+                pause_after_ms=pause_after_ms,
             )
-        )
 
     def feed(self, samples: np.ndarray) -> None:
         if self.detector is None:
@@ -115,9 +140,14 @@ class EnergySpeech:
         probs = (np.sqrt((chunks**2).mean(axis=1)) > 0.05).astype(np.float32)
         for d in self.detector.push(probs):
             if isinstance(d, SpeechStarted):
-                self.queue.put_nowait(SpeechEvent("started", self.start_ms + d.audio_start_ms))
+                event = SpeechEvent("started", self.start_ms + d.audio_start_ms)
+            elif isinstance(d, SpeechPaused):
+                event = SpeechEvent("paused", self.start_ms + d.audio_end_ms)
+            elif isinstance(d, SpeechResumed):
+                event = SpeechEvent("resumed", self.start_ms + d.detected_ms)
             else:
-                self.queue.put_nowait(SpeechEvent("stopped", self.start_ms + d.audio_end_ms))
+                event = SpeechEvent("stopped", self.start_ms + d.audio_end_ms)
+            self.queue.put_nowait(event)
 
     async def events(self) -> AsyncIterator[SpeechEvent]:
         while (event := await self.queue.get()) is not None:
@@ -131,14 +161,16 @@ class FakeBackend:
     def __init__(
         self, words: list[str] | None = None, chunk_ms: int = 200, delay: float = 0.005
     ) -> None:
+        self.models = ["duplex-smollm2"]
         self.words = words or ["Hello", "there", "friend"]
         self.chunk_ms = chunk_ms
         self.delay = delay
         self.sessions: list[FakeSession] = []
+        self.session_closed = asyncio.Event()  # set once any session is released
         self.closed = False
 
     def open_session(self, session_id: str) -> FakeSession:
-        session = FakeSession(self.words, self.chunk_ms, self.delay)
+        session = FakeSession(self.words, self.chunk_ms, self.delay, self.session_closed)
         self.sessions.append(session)
         return session
 
@@ -165,7 +197,8 @@ def url(server: GatewayServer, path: str = "/v1/realtime?model=duplex-smollm2") 
     return f"ws://127.0.0.1:{server.port}{path}"
 
 
-async def recv(ws: Any, until: str, timeout: float = 5.0) -> list[dict]:
+async def recv(ws: ClientConnection, until: str, timeout: float = 5.0) -> list[dict[str, Any]]:
+    """Events up to and including the first of type `until`."""
     events = []
     async with asyncio.timeout(timeout):
         while True:
@@ -176,7 +209,7 @@ async def recv(ws: Any, until: str, timeout: float = 5.0) -> list[dict]:
 
 
 def speech_b64(ms: int, loud: bool) -> str:
-    t = np.arange(RATE * ms // 1000) / RATE
+    t = np.arange(INPUT_RATE * ms // 1000) / INPUT_RATE
     x = (0.3 if loud else 0.0) * np.sin(2 * np.pi * 200 * t)
     return base64.b64encode((x * 32767).astype("<i2").tobytes()).decode()
 
@@ -229,7 +262,10 @@ async def test_auth_subprotocol_echo_and_beta_detection() -> None:
             event = json.loads(await ws.recv())
             assert event["type"] == "session.created" and event["session"]["type"] == "realtime"
         # The browser's way: key and beta flag as subprotocols; `realtime` is echoed.
-        protocols = ["realtime", "openai-insecure-api-key.secret", "openai-beta.realtime-v1"]
+        protocols = [
+            Subprotocol(p)
+            for p in ("realtime", "openai-insecure-api-key.secret", "openai-beta.realtime-v1")
+        ]
         async with connect(url(server), subprotocols=protocols) as ws:
             assert ws.subprotocol == "realtime"
             event = json.loads(await ws.recv())
@@ -247,10 +283,10 @@ async def test_origin_allow_list_and_session_cap() -> None:
     server = await start_server(allowed_origins=("http://good.example",), max_sessions=1)
     try:
         with pytest.raises(InvalidStatus) as info:
-            async with connect(url(server), origin="http://evil.example"):
+            async with connect(url(server), origin=Origin("http://evil.example")):
                 pass
         assert info.value.response.status_code == 403
-        async with connect(url(server), origin="http://good.example") as ws:
+        async with connect(url(server), origin=Origin("http://good.example")) as ws:
             await ws.recv()
             with pytest.raises(InvalidStatus) as info:
                 async with connect(url(server)):
@@ -313,9 +349,17 @@ async def test_text_turn_and_errors_over_the_socket() -> None:
             text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
             assert text == "Hello there friend "
             assert events[-1]["response"]["usage"]["total_tokens"] == 9
-            assert backend.sessions[0].prompts[0]["text"] == "hi"
+            (turn,) = backend.sessions[0].turns.values()
+            assert turn.text == "hi" and turn.final is Stage.LLM
     finally:
         await server.shutdown()
+
+
+async def send_audio(ws: ClientConnection, pattern: list[bool]) -> None:
+    """One 100 ms append per entry: a loud tone (True) or silence (False)."""
+    for loud in pattern:
+        event = {"type": "input_audio_buffer.append", "audio": speech_b64(100, loud)}
+        await ws.send(json.dumps(event))
 
 
 async def test_voice_turn_and_barge_in_with_server_vad() -> None:
@@ -324,12 +368,7 @@ async def test_voice_turn_and_barge_in_with_server_vad() -> None:
     try:
         async with connect(url(server)) as ws:
             await ws.recv()
-            for loud in [False] * 3 + [True] * 5 + [False] * 8:
-                await ws.send(
-                    json.dumps(
-                        {"type": "input_audio_buffer.append", "audio": speech_b64(100, loud)}
-                    )
-                )
+            await send_audio(ws, [False] * 3 + [True] * 5 + [False] * 8)
             events = await recv(ws, "response.output_audio.delta")
             kinds = [e["type"] for e in events]
             assert (
@@ -337,29 +376,52 @@ async def test_voice_turn_and_barge_in_with_server_vad() -> None:
                 < kinds.index("input_audio_buffer.speech_stopped")
                 < kinds.index("response.created")
             )
+            session = backend.sessions[0]
+            (first_id,) = session.turns
+            turn = session.turns[first_id]
+            assert turn.entry is Stage.ASR and turn.final is Stage.TTS
+            # The pause before the stop prepared this very turn, and its start took it over.
+            assert session.adopted == [first_id]
             # Talk over the assistant: barge-in.
-            for loud in [True] * 3:
-                await ws.send(
-                    json.dumps(
-                        {"type": "input_audio_buffer.append", "audio": speech_b64(100, loud)}
-                    )
-                )
+            await send_audio(ws, [True] * 3)
             events = await recv(ws, "response.done")
             done = events[-1]["response"]
-            assert done["status"] == "cancelled"
+            assert done["id"] == first_id and done["status"] == "cancelled"
             assert done["status_details"]["reason"] == "turn_detected"
-            cancelled_id = done["id"]
-            assert (cancelled_id, True) in backend.sessions[0].cancelled
-            await asyncio.sleep(0.1)
+            assert (first_id, "turn_detected") in session.cancelled
+            await session.ended(first_id)
             # Nothing of the cancelled response follows its response.done.
-            for loud in [False] * 8:
-                await ws.send(
-                    json.dumps(
-                        {"type": "input_audio_buffer.append", "audio": speech_b64(100, loud)}
-                    )
-                )
-            events = await recv(ws, "response.created")
-            assert all(e.get("response_id") != cancelled_id for e in events)
+            await send_audio(ws, [False] * 8)
+            events = await recv(ws, "response.done")
+            assert events[-1]["response"]["id"] != first_id
+            assert all(e.get("response_id") != first_id for e in events)
+        status, body = await asyncio.to_thread(http_get, server, "/metrics")
+        assert b"duplex_gateway_barge_ins_total 1.0" in body
+        assert b'duplex_gateway_responses_total{status="cancelled"} 1.0' in body
+        assert b"duplex_gateway_first_audio_seconds_count 2.0" in body
+    finally:
+        await server.shutdown()
+
+
+async def test_transcription_job_when_server_vad_does_not_respond() -> None:
+    backend = FakeBackend()
+    server = await start_server(backend)
+    try:
+        async with connect(url(server)) as ws:
+            await ws.recv()
+            audio_input = {
+                "transcription": {"model": "whisper-1", "language": "en"},
+                "turn_detection": {"type": "server_vad", "create_response": False},
+            }
+            session_update = {"type": "realtime", "audio": {"input": audio_input}}
+            await ws.send(json.dumps({"type": "session.update", "session": session_update}))
+            await recv(ws, "session.updated")
+            await send_audio(ws, [True] * 5 + [False] * 8)
+            events = await recv(ws, "conversation.item.input_audio_transcription.completed")
+            assert events[-1]["transcript"] == "fake transcript"
+            assert not any(e["type"] == "response.created" for e in events)
+            (turn,) = backend.sessions[0].turns.values()
+            assert turn.final is Stage.ASR and turn.audio is not None
     finally:
         await server.shutdown()
 
@@ -412,7 +474,9 @@ async def test_client_that_stops_reading_is_closed_by_the_send_queue_bound() -> 
                 )
             )
             await ws.send(json.dumps({"type": "response.create"}))
-            await asyncio.sleep(1.0)  # read nothing while the server produces
+            # Read nothing until the server gives up on this client.
+            async with asyncio.timeout(10):
+                await backend.session_closed.wait()
             async with asyncio.timeout(10):
                 with pytest.raises(ConnectionClosed):
                     while True:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Literal
 
 from duplex.errors import DuplexError
 from duplex.events import TurnDone, TurnOutput
@@ -71,11 +72,19 @@ class EngineBackendSession:
 
 def _response_output(response_id: str, event: TurnOutput) -> ResponseOutput:
     out = event.output
-    if out.kind not in ("transcript", "text", "audio"):
+    kind = _FORWARDED_KINDS.get(out.kind)
+    if kind is None:
         raise RuntimeError(f"the duplex session forwarded a {out.kind!r} output")
     return ResponseOutput(
-        response_id, out.kind, text=out.text, audio=out.audio, sample_rate=out.sample_rate
+        response_id, kind, text=out.text, audio=out.audio, sample_rate=out.sample_rate
     )
+
+
+_FORWARDED_KINDS: dict[str, Literal["transcript", "text", "audio"]] = {
+    "transcript": "transcript",
+    "text": "text",
+    "audio": "audio",
+}
 
 
 def _response_done(response_id: str, event: TurnDone) -> ResponseDone:

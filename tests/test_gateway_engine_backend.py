@@ -1,9 +1,12 @@
-"""The gateway's engine backend over the real duplex session manager and a scripted port."""
+"""The gateway's engine backend over the real duplex session manager and a scripted port:
+one duplex session per connection, the response id on every output, cancels that end in
+the duplex layer."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import weakref
+from collections.abc import AsyncIterator, Callable
 
 from duplex.contracts import (
     DuplexStageRequestContext,
@@ -12,17 +15,18 @@ from duplex.contracts import (
 )
 from duplex.manager import DuplexSessionManager
 from duplex.outputs import DuplexStageOutput, DuplexStreamingStagePort
-from gateway.backend import TurnOutput
-from gateway.engine_backend import EngineBackendSession, realtime_usage
-from gateway.realtime import StartResponse
+from duplex.turn import Stage, TurnRequest
+from gateway.backend import ResponseDone, ResponseEvent, ResponseOutput
+from gateway.engine_backend import EngineBackendSession
 
 
 class ScriptedPort(DuplexStreamingStagePort):
     """Answers each final-stage request with "hi", then finishes it; a turn whose text is
-    "hold" gets no answer (it stays active until cancelled)."""
+    "hold" gets no answer (it runs until cancelled)."""
 
     def __init__(self) -> None:
         self.sink: Callable[[DuplexStageOutput], None] | None = None
+        self.contexts: dict[str, DuplexStageRequestContext] = {}
         self.aborted: list[str] = []
 
     @property
@@ -36,91 +40,126 @@ class ScriptedPort(DuplexStreamingStagePort):
         self.sink = sink
 
     def ensure_request(self, context: DuplexStageRequestContext) -> None:
-        pass
+        self.contexts[context.request_id] = context
 
     async def submit(self, submission: DuplexStageSubmission) -> DuplexStageSubmissionResult:
         ctx = submission.context
-        if ctx.stage_id == ctx.final_stage_id and submission.prompt.get("text") != "hold":
-            asyncio.get_running_loop().call_soon(self._answer, ctx)
+        if TurnRequest.from_plan(submission.prompt).text != "hold":
+            asyncio.get_running_loop().call_soon(self.answer, ctx)
         return DuplexStageSubmissionResult(
             request_id=ctx.request_id, stage_id=ctx.stage_id, replica_id=0
         )
 
-    def _answer(self, ctx: DuplexStageRequestContext) -> None:
+    def answer(self, ctx: DuplexStageRequestContext, *, finish: bool = True) -> None:
         assert self.sink is not None
-        rid, stage = ctx.request_id, ctx.stage_id
-        self.sink(DuplexStageOutput(rid, stage, "text", text="hi"))
-        usage = {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8}
-        self.sink(DuplexStageOutput(rid, stage, "done", finished=True, metadata={"usage": usage}))
+        sid, rid, stage = ctx.session_id, ctx.request_id, ctx.stage_id
+        self.sink(DuplexStageOutput(sid, rid, stage, "text", text="hi"))
+        if finish:
+            usage = {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8}
+            done = DuplexStageOutput(
+                sid, rid, stage, "done", finished=True, metadata={"usage": usage}
+            )
+            self.sink(done)
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         self.aborted += request_ids
 
     async def cleanup(self, request_ids: list[str], *, abort: bool = False) -> None:
-        pass
+        for rid in request_ids:
+            self.contexts.pop(rid, None)
 
 
-def text_turn(response_id: str, out_of_band: bool = False, text: str = "hello") -> StartResponse:
-    prompt = {
-        "text": text,
-        "messages": [],
-        "output_modalities": ["text"],
-        "max_output_tokens": None,
-        "voice": None,
-        "speed": None,
-        "cache_key": None if out_of_band else "s",
-    }
-    return StartResponse(response_id, prompt, 1, 1, out_of_band)
+def text_turn(text: str = "hello") -> TurnRequest:
+    return TurnRequest(final=Stage.LLM, text=text)
 
 
-async def collect(session: EngineBackendSession, count: int) -> list[TurnOutput]:
-    outputs = []
+_readers: weakref.WeakKeyDictionary[EngineBackendSession, AsyncIterator[ResponseEvent]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+async def collect(session: EngineBackendSession, count: int) -> list[ResponseEvent]:
+    """The next `count` events; a session's outputs have one reader for its lifetime."""
+    reader = _readers.setdefault(session, aiter(session.outputs()))
     async with asyncio.timeout(5):
-        async for out in session.outputs():
-            outputs.append(out)
-            if len(outputs) == count:
-                return outputs
-    return outputs
+        return [await anext(reader) for _ in range(count)]
 
 
-def test_usage_in_realtime_shape() -> None:
-    usage = realtime_usage({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5})
-    assert usage is not None
-    assert (usage["input_tokens"], usage["output_tokens"], usage["total_tokens"]) == (3, 2, 5)
-    assert realtime_usage({}) is None
-
-
-async def test_turns_map_to_responses_and_barge_in_drops_the_old_turn() -> None:
-    port = ScriptedPort()
+def opened(
+    port: ScriptedPort, session_id: str
+) -> tuple[DuplexSessionManager, EngineBackendSession]:
     manager = DuplexSessionManager(port, max_sessions=4)
-    session = EngineBackendSession(manager, "sess_a")
-    session.start(text_turn("resp_1"))
+    return manager, EngineBackendSession(manager.open(session_id))
+
+
+async def test_outputs_carry_the_response_id_and_a_barge_in_ends_the_turn_below() -> None:
+    port = ScriptedPort()
+    manager, session = opened(port, "sess_a")
+    session.start("resp_1", text_turn(), conversation=True)
     first = await collect(session, 2)
-    assert [(o.response_id, o.kind, o.text) for o in first] == [
-        ("resp_1", "text", "hi"),
-        ("resp_1", "done", ""),
+    assert first[0] == ResponseOutput("resp_1", "text", text="hi")
+    assert first[1] == ResponseDone(
+        "resp_1", "completed", usage={"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8}
+    )
+    session.start("resp_2", text_turn("hold"), conversation=True)
+    session.cancel("resp_2", reason="turn_detected")
+    session.start("resp_3", text_turn(), conversation=True)
+    events = await collect(session, 3)
+    assert events == [
+        ResponseDone("resp_2", "cancelled", reason="turn_detected"),
+        ResponseOutput("resp_3", "text", text="hi"),
+        ResponseDone(
+            "resp_3",
+            "completed",
+            usage={"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8},
+        ),
     ]
-    assert first[1].usage is not None and first[1].usage["input_tokens"] == 7
-    session.start(text_turn("resp_2", text="hold"))
-    session.cancel("resp_2", barge_in=True)
-    session.start(text_turn("resp_3"))
-    outputs = await collect(session, 2)
-    assert [(o.response_id, o.kind) for o in outputs] == [("resp_3", "text"), ("resp_3", "done")]
-    assert port.aborted  # the barged-in turn's requests were aborted
+    assert port.aborted  # the barged-in turn's request was aborted
     await session.close()
     assert len(manager) == 0
 
 
-async def test_out_of_band_response_runs_in_its_own_session() -> None:
+async def test_out_of_band_turns_run_beside_the_conversation_in_one_duplex_session() -> None:
     port = ScriptedPort()
-    manager = DuplexSessionManager(port, max_sessions=4)
-    session = EngineBackendSession(manager, "sess_b")
-    session.start(text_turn("resp_main", text="hold"))
-    session.start(text_turn("resp_side", out_of_band=True))
-    outputs = await collect(session, 2)
-    assert [(o.response_id, o.kind) for o in outputs] == [
-        ("resp_side", "text"),
-        ("resp_side", "done"),
+    manager, session = opened(port, "sess_b")
+    session.start("resp_main", text_turn("hold"), conversation=True)
+    session.start("resp_side", text_turn(), conversation=False)
+    events = await collect(session, 2)
+    assert [(e.response_id, type(e).__name__) for e in events] == [
+        ("resp_side", "ResponseOutput"),
+        ("resp_side", "ResponseDone"),
+    ]
+    assert len(manager) == 1
+    session.cancel("resp_main", reason="client_cancelled")
+    assert await collect(session, 1) == [
+        ResponseDone("resp_main", "cancelled", reason="client_cancelled")
     ]
     await session.close()
-    assert len(manager) == 0
+
+
+async def test_a_turn_that_cannot_start_ends_failed() -> None:
+    port = ScriptedPort()
+    _, session = opened(port, "sess_c")
+    session.start("resp_1", text_turn("hold"), conversation=True)
+    session.start("resp_2", text_turn(), conversation=True)  # the conversation is busy
+    [done] = await collect(session, 1)
+    assert isinstance(done, ResponseDone)
+    assert (done.response_id, done.status, done.reason) == ("resp_2", "failed", "rejected")
+    assert done.error is not None and "active" in done.error
+    await session.close()
+
+
+async def test_outputs_still_queued_when_a_turn_is_cancelled_never_come_out() -> None:
+    port = ScriptedPort()
+    manager, session = opened(port, "sess_d")
+    session.start("resp_1", text_turn("hold"), conversation=True)
+    await manager.get("sess_d").settled()  # type: ignore[union-attr]
+    [ctx] = port.contexts.values()
+    port.answer(ctx, finish=False)  # queued for the reader, not read yet
+    port.answer(ctx, finish=False)
+    session.cancel("resp_1", reason="turn_detected")
+    assert await collect(session, 1) == [
+        ResponseDone("resp_1", "cancelled", reason="turn_detected")
+    ]
+    assert manager.dropped_outputs["stale"] == 2
+    await session.close()

@@ -212,7 +212,9 @@ class ResponseStream:
         response.item = item
         self.voice_locked = self.voice_locked or response.spoken
         self._out.emit(
-            "response.output_item.added", response_id=response.id, output_index=0,
+            "response.output_item.added",
+            response_id=response.id,
+            output_index=0,
             item=item.public(),
         )
         if not response.options.out_of_band:

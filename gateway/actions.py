@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from duplex.turn import TurnRequest
+from gateway.audio import Samples
 from gateway.session_config import TurnDetection
 
 __all__ = [
@@ -60,7 +59,7 @@ class CancelResponse:
 
 @dataclass(frozen=True)
 class FeedVad:
-    samples: np.ndarray  # float32 at 16 kHz, each appended frame resampled once
+    samples: Samples  # float32 at 16 kHz, each appended frame resampled once
 
 
 @dataclass(frozen=True)

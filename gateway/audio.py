@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import soxr
+from numpy.typing import NDArray
 
 __all__ = [
     "AudioFormat",
@@ -21,6 +22,7 @@ __all__ = [
     "PCM16",
     "PCMA",
     "PCMU",
+    "Samples",
     "StreamResampler",
     "decode_base64",
     "format_from_beta",
@@ -29,6 +31,8 @@ __all__ = [
 ]
 
 ENGINE_RATE = 16000
+# Audio as the gateway computes on it: float32 mono in [-1, 1].
+Samples = NDArray[np.float32]
 
 
 class AudioFormatError(ValueError):
@@ -53,7 +57,7 @@ class AudioFormat:
             return {"type": self.ga_type, "rate": self.rate}
         return {"type": self.ga_type}
 
-    def decode(self, data: bytes) -> np.ndarray:
+    def decode(self, data: bytes) -> Samples:
         """Wire bytes to float32 in [-1, 1] at `self.rate`."""
         if len(data) % self.sample_bytes:
             raise AudioFormatError(
@@ -61,11 +65,13 @@ class AudioFormat:
                 f"samples, got {len(data)} bytes"
             )
         if self is PCM16:
-            return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
-        table = _ULAW_DECODE if self is PCMU else _ALAW_DECODE
-        return table[np.frombuffer(data, dtype=np.uint8)].astype(np.float32) / 32768.0
+            pcm = np.frombuffer(data, dtype="<i2")
+        else:
+            table = _ULAW_DECODE if self is PCMU else _ALAW_DECODE
+            pcm = table[np.frombuffer(data, dtype=np.uint8)]
+        return pcm.astype(np.float32) / np.float32(32768.0)
 
-    def encode(self, samples: np.ndarray) -> bytes:
+    def encode(self, samples: NDArray[np.floating]) -> bytes:
         """Float32 in [-1, 1] at `self.rate` to wire bytes."""
         pcm = np.clip(np.round(samples * 32768.0), -32768, 32767).astype(np.int16)
         if self is PCM16:
@@ -109,15 +115,22 @@ def decode_base64(text: str) -> bytes:
         raise AudioFormatError(f"audio is not valid base64: {exc}") from None
 
 
-def resample(samples: np.ndarray, in_rate: int, out_rate: int) -> np.ndarray:
+def resample(samples: NDArray[np.floating], in_rate: int, out_rate: int) -> Samples:
     """One-shot resampling of a complete clip."""
     if in_rate == out_rate or samples.size == 0:
         return samples.astype(np.float32, copy=False)
-    return soxr.resample(samples, in_rate, out_rate).astype(np.float32, copy=False)
+    resampled: Samples = soxr.resample(samples, in_rate, out_rate)
+    return resampled.astype(np.float32, copy=False)
 
 
 class StreamResampler:
-    """Chunked resampling whose output equals resampling the concatenated input."""
+    """Chunked resampling whose output equals resampling the concatenated input.
+
+    The project's one streaming resampler: input audio to 16 kHz (`gateway.input_buffer`)
+    and the voice's audio to the output format (`gateway.response_stream`), each stream
+    through one instance. It holds back part of its output until more input, or
+    `last=True`, arrives.
+    """
 
     def __init__(self, in_rate: int, out_rate: int) -> None:
         self.in_rate = in_rate
@@ -128,15 +141,16 @@ class StreamResampler:
             else soxr.ResampleStream(in_rate, out_rate, 1, dtype="float32")
         )
 
-    def push(self, samples: np.ndarray, last: bool = False) -> np.ndarray:
-        samples = samples.astype(np.float32, copy=False)
+    def push(self, samples: NDArray[np.floating], last: bool = False) -> Samples:
+        chunk = samples.astype(np.float32, copy=False)
         if self._stream is None:
-            return samples
-        return self._stream.resample_chunk(samples, last=last)
+            return chunk
+        resampled: Samples = self._stream.resample_chunk(chunk, last=last)
+        return resampled
 
 
 # G.711 per ITU-T: decode tables built once, encoders vectorised with numpy.
-def _ulaw_decode_table() -> np.ndarray:
+def _ulaw_decode_table() -> NDArray[np.int16]:
     codes = ~np.arange(256, dtype=np.int32) & 0xFF
     sign = codes & 0x80
     exponent = (codes >> 4) & 0x07
@@ -145,7 +159,7 @@ def _ulaw_decode_table() -> np.ndarray:
     return np.where(sign != 0, -magnitude, magnitude).astype(np.int16)
 
 
-def _alaw_decode_table() -> np.ndarray:
+def _alaw_decode_table() -> NDArray[np.int16]:
     codes = np.arange(256, dtype=np.int32) ^ 0x55
     sign = codes & 0x80
     exponent = (codes >> 4) & 0x07
@@ -160,7 +174,7 @@ _ULAW_DECODE = _ulaw_decode_table()
 _ALAW_DECODE = _alaw_decode_table()
 
 
-def _ulaw_encode(pcm: np.ndarray) -> np.ndarray:
+def _ulaw_encode(pcm: NDArray[np.int16]) -> NDArray[np.uint8]:
     # 14-bit magnitude with the standard bias of 33; the arithmetic shift keeps the
     # reference encoder's rounding of negative samples.
     y = pcm.astype(np.int32) >> 2
@@ -169,10 +183,11 @@ def _ulaw_encode(pcm: np.ndarray) -> np.ndarray:
     segment = np.floor(np.log2(magnitude)).astype(np.int32) - 5
     mantissa = np.where(segment > 7, 0x0F, (magnitude >> (segment + 1)) & 0x0F)
     segment = np.minimum(segment, 7)
-    return (((segment << 4) | mantissa) ^ sign).astype(np.uint8)
+    codes: NDArray[np.uint8] = (((segment << 4) | mantissa) ^ sign).astype(np.uint8)
+    return codes
 
 
-def _alaw_encode(pcm: np.ndarray) -> np.ndarray:
+def _alaw_encode(pcm: NDArray[np.int16]) -> NDArray[np.uint8]:
     # 13-bit magnitude; negative samples are one's-complemented as in the reference.
     y = pcm.astype(np.int32) >> 3
     mask = np.where(y >= 0, 0xD5, 0x55)

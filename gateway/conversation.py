@@ -1,39 +1,55 @@
 """Conversation items of a realtime session, and what each contributes to the LLM context.
 
-An assistant item keeps the span of each audio chunk it spoke with that chunk's text, so
-truncating at `audio_end_ms` keeps exactly the words the client played.
+Rules of this module:
+
+1. A spoken assistant item keeps a `PlaybackLedger` of the audio chunks it sent, each
+   with the words it speaks, so truncating at `audio_end_ms` keeps exactly the words
+   the client played (`PlaybackLedger.heard_text`).
+2. A user audio item not transcribed yet keeps its audio in the turn's format
+   (`pending_audio`: float32 little-endian at 16 kHz), converted once when the item is
+   made; a turn answering it carries those bytes as they are.
 """
 
 from __future__ import annotations
 
 import base64
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
-import numpy as np
-
-from gateway.audio import ENGINE_RATE, AudioFormat, AudioFormatError, decode_base64, resample
+from duplex.playback import PlaybackLedger
+from duplex.turn import Message
+from gateway.audio import (
+    ENGINE_RATE,
+    AudioFormat,
+    AudioFormatError,
+    Samples,
+    decode_base64,
+    resample,
+)
+from gateway.input_buffer import Clip
 from gateway.protocol import ItemIn, new_id
 
-__all__ = ["Conversation", "Item", "heard_prefix"]
+__all__ = ["Conversation", "Item", "Role"]
+
+Role = Literal["user", "assistant", "system"]
 
 
 @dataclass
 class Item:
     id: str
-    role: str
+    role: Role
     status: str = "completed"
     text_value: str | None = None  # input_text / output_text / system text
     transcript: str | None = None  # of input or output audio
     audio: bytearray | None = None  # wire bytes in `audio_format`
     audio_format: AudioFormat | None = None
-    pending_audio: np.ndarray | None = None  # 16 kHz user audio not yet transcribed
-    spans: list[tuple[float, float, str]] = field(default_factory=list)
-    spoken: bool = False  # an assistant item answering with audio
+    pending_audio: bytes | None = None  # user audio not yet transcribed (rule 2)
+    ledger: PlaybackLedger | None = None  # what a spoken assistant item said when (rule 1)
 
     @classmethod
-    def user_audio(cls, item_id: str, data: bytes, fmt: AudioFormat, audio16k: np.ndarray) -> Item:
-        return cls(item_id, "user", audio=bytearray(data), audio_format=fmt, pending_audio=audio16k)
+    def user_audio(cls, item_id: str, clip: Clip) -> Item:
+        audio, pending = bytearray(clip.data), _turn_audio(clip.samples)
+        return cls(item_id, "user", audio=audio, audio_format=clip.fmt, pending_audio=pending)
 
     @classmethod
     def assistant(cls, item_id: str, modalities: tuple[str, ...]) -> Item:
@@ -45,7 +61,7 @@ class Item:
             text_value=None if spoken else "",
             transcript="" if spoken else None,
             audio=bytearray() if spoken else None,
-            spoken=spoken,
+            ledger=PlaybackLedger() if spoken else None,
         )
 
     @classmethod
@@ -93,7 +109,7 @@ class Item:
         if transcript:
             self.transcript = transcript
         else:
-            self.pending_audio = resample(samples, fmt.rate, ENGINE_RATE)
+            self.pending_audio = _turn_audio(resample(samples, fmt.rate, ENGINE_RATE))
 
     @property
     def has_audio(self) -> bool:
@@ -108,22 +124,27 @@ class Item:
     def text(self) -> str:
         return self.text_value if self.text_value is not None else (self.transcript or "")
 
-    def message(self) -> dict[str, str] | None:
+    @property
+    def spoken(self) -> bool:
+        """An assistant item answering with audio."""
+        return self.ledger is not None
+
+    def message(self) -> Message | None:
         """This item as one LLM chat message, or None if it holds no words."""
         content = self.text()
-        if not content:
-            return None
-        return {"role": self.role, "content": content}
+        return Message(self.role, content) if content else None
 
     def set_transcript(self, text: str) -> None:
         self.transcript = text
         self.pending_audio = None
 
-    def add_audio(self, data: bytes, start_ms: float, end_ms: float, text: str) -> None:
-        assert self.audio is not None
+    def add_audio(self, data: bytes, text: str) -> None:
+        """Append a chunk of spoken audio (wire bytes) and the words it speaks."""
+        assert self.audio is not None and self.audio_format is not None
+        assert self.ledger is not None
         self.audio.extend(data)
-        self.spans.append((start_ms, end_ms, text))
-        self.transcript = " ".join(t.strip() for _, _, t in self.spans if t.strip())
+        self.ledger.add(self.audio_format.duration_ms(len(data)), text)
+        self.transcript = self.ledger.text.strip()
 
     def set_output_format(self, fmt: AudioFormat) -> None:
         self.audio_format = fmt
@@ -131,11 +152,15 @@ class Item:
     def truncate(self, audio_end_ms: int) -> None:
         """Keep the audio and the words heard up to `audio_end_ms`."""
         assert self.audio is not None and self.audio_format is not None
+        assert self.ledger is not None
         keep = int(audio_end_ms * self.audio_format.bytes_per_ms)
         keep -= keep % self.audio_format.sample_bytes
         del self.audio[keep:]
-        self.transcript = heard_prefix(self.spans, audio_end_ms)
-        self.spans = [s for s in self.spans if s[0] < audio_end_ms]
+        heard = self.ledger.heard_text(audio_end_ms)
+        # What is left is one chunk: the audio kept, speaking the words heard.
+        self.ledger = PlaybackLedger()
+        self.ledger.add(self.audio_format.duration_ms(len(self.audio)), heard)
+        self.transcript = heard.strip()
 
     def part(self) -> dict[str, Any]:
         """The content part as `response.content_part.*` carries it."""
@@ -177,18 +202,9 @@ _ALLOWED_CONTENT = {
 }
 
 
-def heard_prefix(spans: list[tuple[float, float, str]], audio_end_ms: float) -> str:
-    """The words of `spans` played by `audio_end_ms`: whole chunks, plus the heard share
-    of the words of the chunk playing at that moment."""
-    words: list[str] = []
-    for start, end, text in spans:
-        chunk_words = text.split()
-        if end <= audio_end_ms:
-            words += chunk_words
-        elif start < audio_end_ms:
-            share = (audio_end_ms - start) / max(end - start, 1e-9)
-            words += chunk_words[: int(len(chunk_words) * share)]
-    return " ".join(words)
+def _turn_audio(samples: Samples) -> bytes | None:
+    """16 kHz samples as a turn carries them; None for no audio (nothing to transcribe)."""
+    return samples.astype("<f4").tobytes() if samples.size else None
 
 
 class Conversation:

@@ -2,8 +2,9 @@
 type names of both shapes.
 
 Client events are validated strictly: an unknown field is an error rather than a setting
-silently dropped. Server events are plain dicts built by `gateway.realtime` in the GA
-shape; `to_beta` renames them when the client asked for the beta shape.
+silently dropped; `gateway.realtime`'s dispatch table names the model of each event type.
+Server events are plain dicts built by the realtime session in the GA shape; `to_beta`
+renames them when the client asked for the beta shape.
 """
 
 from __future__ import annotations
@@ -17,14 +18,21 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.audio import format_from_ga
 
 __all__ = [
+    "AppendIn",
     "BetaResponseIn",
     "BetaSessionIn",
-    "CLIENT_EVENTS",
     "ContentIn",
+    "EmptyIn",
     "GAResponseIn",
     "GASessionIn",
+    "ItemCreateIn",
+    "ItemIdIn",
     "ItemIn",
     "ItemReferenceIn",
+    "ResponseCancelIn",
+    "ResponseCreateIn",
+    "SessionUpdateIn",
+    "TruncateIn",
     "TurnDetectionIn",
     "new_id",
     "to_beta",
@@ -211,21 +219,6 @@ class ResponseCreateIn(_Event):
 class ResponseCancelIn(_Event):
     response_id: str | None = None
 
-
-CLIENT_EVENTS: dict[str, type[_Event]] = {
-    "session.update": SessionUpdateIn,
-    "transcription_session.update": SessionUpdateIn,
-    "input_audio_buffer.append": AppendIn,
-    "input_audio_buffer.commit": EmptyIn,
-    "input_audio_buffer.clear": EmptyIn,
-    "output_audio_buffer.clear": EmptyIn,
-    "conversation.item.create": ItemCreateIn,
-    "conversation.item.retrieve": ItemIdIn,
-    "conversation.item.delete": ItemIdIn,
-    "conversation.item.truncate": TruncateIn,
-    "response.create": ResponseCreateIn,
-    "response.cancel": ResponseCancelIn,
-}
 
 _BETA_TYPES = {
     "response.output_text.delta": "response.text.delta",

@@ -8,7 +8,7 @@ from typing import Any
 from gateway.audio import AudioFormat
 from gateway.config import GatewayConfig
 from gateway.conversation import Item
-from gateway.protocol import BetaResponseIn, GAResponseIn, ItemReferenceIn
+from gateway.protocol import BetaResponseIn, GAResponseIn, ItemIn, ItemReferenceIn
 from gateway.session_config import (
     SessionSettings,
     SettingError,
@@ -48,7 +48,9 @@ def parse_response_options(
     raw: dict[str, Any], settings: SessionSettings, *, beta: bool, config: GatewayConfig
 ) -> ResponseOptions:
     """Raises SettingError (or pydantic's ValidationError) for what cannot be honoured."""
-    spec = BetaResponseIn.model_validate(raw) if beta else GAResponseIn.model_validate(raw)
+    spec: BetaResponseIn | GAResponseIn = (
+        BetaResponseIn.model_validate(raw) if beta else GAResponseIn.model_validate(raw)
+    )
     options = ResponseOptions.from_session(settings)
     changes: dict[str, Any] = {}
     if spec.tools:
@@ -65,7 +67,10 @@ def parse_response_options(
     changes["metadata"] = spec.metadata
     if spec.input is not None:
         changes["input"] = [_input_entry(entry, settings) for entry in spec.input]
-    changes.update(_beta_overrides(spec) if beta else _ga_overrides(spec))
+    if isinstance(spec, BetaResponseIn):
+        changes.update(_beta_overrides(spec))
+    else:
+        changes.update(_ga_overrides(spec))
     voice = changes.get("voice")
     if voice is not None and voice not in config.voices:
         raise SettingError(
@@ -78,7 +83,7 @@ def parse_response_options(
 def _ga_overrides(spec: GAResponseIn) -> dict[str, Any]:
     changes: dict[str, Any] = {}
     if spec.output_modalities is not None:
-        changes["output_modalities"] = _modalities(spec.output_modalities, ga=True)
+        changes["output_modalities"] = _modalities(list[str](spec.output_modalities), ga=True)
     if "max_output_tokens" in spec.model_fields_set:
         changes["max_output_tokens"] = _max_tokens(spec.max_output_tokens)
     output = spec.audio.output if spec.audio else None
@@ -98,7 +103,7 @@ def _ga_overrides(spec: GAResponseIn) -> dict[str, Any]:
 def _beta_overrides(spec: BetaResponseIn) -> dict[str, Any]:
     changes: dict[str, Any] = {}
     if spec.modalities is not None:
-        changes["output_modalities"] = _modalities(spec.modalities, ga=False)
+        changes["output_modalities"] = _modalities(list[str](spec.modalities), ga=False)
     if "max_response_output_tokens" in spec.model_fields_set:
         changes["max_output_tokens"] = _max_tokens(spec.max_response_output_tokens)
     if spec.output_audio_format is not None:
@@ -110,7 +115,7 @@ def _beta_overrides(spec: BetaResponseIn) -> dict[str, Any]:
     return changes
 
 
-def _input_entry(entry: Any, settings: SessionSettings) -> Item | str:
+def _input_entry(entry: ItemIn | ItemReferenceIn, settings: SessionSettings) -> Item | str:
     if isinstance(entry, ItemReferenceIn):
         return entry.id
     try:

@@ -1,14 +1,17 @@
-"""Wire audio formats: PCM16 and G.711, strict base64, streaming resampling."""
+"""Wire audio formats: PCM16 and G.711, strict base64, streaming resampling; the input
+buffer that decodes and resamples each appended frame once."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from gateway import input_buffer
 from gateway.audio import (
     PCM16,
     PCMA,
     PCMU,
+    AudioFormat,
     AudioFormatError,
     StreamResampler,
     decode_base64,
@@ -16,6 +19,7 @@ from gateway.audio import (
     format_from_ga,
     resample,
 )
+from gateway.input_buffer import BufferFullError, InputBuffer
 
 
 def test_g711_known_codes() -> None:
@@ -78,3 +82,99 @@ def test_stream_resampler_matches_one_shot() -> None:
     assert abs(len(chunked) - 16000) <= 2
     n = min(len(chunked), len(whole))
     assert np.max(np.abs(chunked[100 : n - 100] - whole[100 : n - 100])) < 1e-3
+
+
+# ---- the input buffer: each frame decoded once, resampled once --------------------------
+
+
+def tone(ms: int, fmt: AudioFormat = PCM16) -> bytes:
+    t = np.arange(int(fmt.rate * ms / 1000)) / fmt.rate
+    return fmt.encode(0.3 * np.sin(2 * np.pi * 220 * t))
+
+
+def frames(data: bytes, fmt: AudioFormat, ms: int = 20) -> list[bytes]:
+    step = int(fmt.rate * ms / 1000) * fmt.sample_bytes
+    return [data[i : i + step] for i in range(0, len(data), step)]
+
+
+def test_each_appended_frame_is_decoded_once_and_resampled_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    decoded: list[int] = []
+    pushed: list[int] = []
+    real_decode = AudioFormat.decode
+
+    def decode(fmt: AudioFormat, data: bytes) -> np.ndarray:
+        decoded.append(len(data))
+        return real_decode(fmt, data)
+
+    class CountingResampler(StreamResampler):
+        def push(self, samples: np.ndarray, last: bool = False) -> np.ndarray:
+            pushed.append(len(samples))
+            return super().push(samples, last)
+
+    monkeypatch.setattr(AudioFormat, "decode", decode)
+    monkeypatch.setattr(input_buffer, "StreamResampler", CountingResampler)
+    buffer = InputBuffer(PCM16)
+    data = tone(1000)
+    for frame in frames(data, PCM16):
+        buffer.append(frame)
+        buffer.take_fresh()
+    prepared = buffer.peek(200, 1000)  # reaches the newest audio: flushes the resampler
+    committed = buffer.take(200, 1000)
+    assert len(decoded) == len(frames(data, PCM16)) and sum(decoded) == len(data)
+    assert sum(pushed) == len(data) // 2  # every input sample went through once
+    assert prepared.data == committed.data
+    assert prepared.samples.tobytes() == committed.samples.tobytes()
+
+
+@pytest.mark.parametrize("fmt", [PCM16, PCMU])
+def test_clips_are_the_one_shot_resampling_of_their_span(fmt: AudioFormat) -> None:
+    buffer = InputBuffer(fmt)
+    data = tone(1000, fmt)
+    for frame in frames(data, fmt):
+        buffer.append(frame)
+    clip = buffer.take(200, 900)
+    assert clip.duration_ms == 700 and len(clip.samples) == 700 * 16
+    whole = resample(fmt.decode(data), fmt.rate, 16000)
+    assert np.allclose(clip.samples[50:-50], whole[3200 + 50 : 14400 - 50], atol=1e-5)
+    assert buffer.start_ms == 900 and buffer.span_ms(0, 2000) == 100
+
+
+@pytest.mark.parametrize("fmt", [PCM16, PCMU])
+def test_samples_stay_on_the_clock_across_flushes(fmt: AudioFormat) -> None:
+    buffer = InputBuffer(fmt)
+    fed = 0
+    for i, frame in enumerate(frames(tone(3000, fmt), fmt, ms=30)):
+        buffer.append(frame)
+        if i % 17 == 0:
+            buffer.settle()  # as a commit or a prepared turn at the newest audio does
+        fed += len(buffer.take_fresh())
+    buffer.settle()
+    fed += len(buffer.take_fresh())
+    assert fed == round(buffer.now_ms * 16) == 48000
+
+
+def test_trim_and_clear_drop_both_forms_of_the_audio() -> None:
+    buffer = InputBuffer(PCM16)
+    for frame in frames(tone(1000), PCM16):
+        buffer.append(frame)
+    buffer.trim(400)
+    assert buffer.start_ms == 600
+    clip = buffer.peek(0, buffer.now_ms)
+    assert clip.duration_ms == 400 and len(clip.samples) == 400 * 16
+    buffer.clear()
+    assert buffer.empty and buffer.start_ms == 1000 and buffer.span_ms(0, 1000) <= 0
+    buffer.append(tone(100))
+    clip = buffer.take(0, buffer.now_ms)
+    assert clip.duration_ms == 100 and len(clip.samples) == 100 * 16
+
+
+def test_append_refuses_bad_audio_and_a_full_buffer_leaving_it_as_it_was() -> None:
+    buffer = InputBuffer(PCM16)
+    buffer.append(tone(100))
+    with pytest.raises(AudioFormatError):
+        buffer.append(b"\x00\x01\x02")
+    with pytest.raises(BufferFullError):
+        buffer.append(tone(100), limit_ms=150)
+    assert buffer.now_ms == 100 and buffer.peek(0, 100).duration_ms == 100

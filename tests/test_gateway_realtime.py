@@ -4,20 +4,27 @@ from __future__ import annotations
 
 import base64
 import json
+from typing import Any
 
 import numpy as np
 import pytest
 
-from gateway.audio import PCM16, PCMU
-from gateway.config import GatewayConfig
-from gateway.realtime import (
+from duplex.turn import Message, Stage
+from gateway.actions import (
+    Action,
     CancelResponse,
     ConfigureVad,
     FeedVad,
-    RealtimeSession,
+    PrepareResponse,
     StartResponse,
-    TranscribeItem,
 )
+from gateway.audio import PCM16, PCMA, PCMU, StreamResampler
+from gateway.backend import ResponseDone, ResponseOutput
+from gateway.config import GatewayConfig
+from gateway.realtime import RealtimeSession
+from gateway.usage import realtime_usage
+
+VOICE_RATE = 22050
 
 
 def make(beta: bool = False, **limits: object) -> RealtimeSession:
@@ -40,8 +47,36 @@ def tone_b64(ms: int, fmt=PCM16, amp: float = 0.3) -> str:
     return base64.b64encode(fmt.encode(amp * np.sin(2 * np.pi * 220 * t))).decode()
 
 
-def pcm(ms: int, rate: int = 22050) -> bytes:
-    return (np.ones(int(rate * ms / 1000)) * 1000).astype("<i2").tobytes()
+def voice(ms: int, rate: int = VOICE_RATE, amp: float = 0.03) -> np.ndarray:
+    """Engine audio: float32 samples at the voice's rate."""
+    return np.full(int(rate * ms / 1000), amp, dtype=np.float32)
+
+
+def text(rt: RealtimeSession, response_id: str, delta: str) -> None:
+    rt.receive_response_event(ResponseOutput(response_id, "text", text=delta))
+
+
+def transcript(rt: RealtimeSession, response_id: str, words: str) -> None:
+    rt.receive_response_event(ResponseOutput(response_id, "transcript", text=words))
+
+
+def audio(rt: RealtimeSession, response_id: str, ms: int, words: str = "") -> None:
+    samples = voice(ms).astype("<f4").tobytes()
+    out = ResponseOutput(response_id, "audio", text=words, audio=samples, sample_rate=VOICE_RATE)
+    rt.receive_response_event(out)
+
+
+def done(rt: RealtimeSession, response_id: str, status: Any = "completed", **fields: Any) -> None:
+    rt.receive_response_event(ResponseDone(response_id, status, **fields))
+
+
+def starts(actions: list[Action]) -> list[StartResponse]:
+    return [a for a in actions if isinstance(a, StartResponse)]
+
+
+def samples_of(turn_audio: bytes | None) -> np.ndarray:
+    assert turn_audio is not None
+    return np.frombuffer(turn_audio, dtype="<f4")
 
 
 def manual(session: RealtimeSession, modalities: list[str] | None = None) -> None:
@@ -160,7 +195,7 @@ def test_binary_frame_is_an_error() -> None:
     assert session.events_to_send()[0]["error"]["code"] == "invalid_event"
 
 
-def test_text_turn_event_order_and_plan() -> None:
+def test_text_turn_event_order_and_turn() -> None:
     session = make()
     manual(session, ["text"])
     item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}
@@ -168,13 +203,15 @@ def test_text_turn_event_order_and_plan() -> None:
     events = send(session, type="response.create")
     assert types(events) == ["response.created"]
     (start,) = session.actions()
-    assert isinstance(start, StartResponse)
-    assert start.prompt["text"] == "Hi" and start.prompt["messages"] == []
-    assert (start.entry_stage_id, start.final_stage_id) == (1, 1)
-    assert start.prompt["cache_key"] == session.settings.id
-    session.response_text(start.response_id, "Hello")
-    session.response_text(start.response_id, " there")
-    session.response_done(start.response_id, {"total_tokens": 3}, "stop")
+    assert isinstance(start, StartResponse) and start.conversation
+    turn = start.turn
+    assert turn.text == "Hi" and turn.audio is None and turn.messages == ()
+    assert (turn.entry, turn.final) == (Stage.LLM, Stage.LLM)
+    assert turn.cache_key == session.settings.id
+    assert turn.voice is None and turn.speed is None  # a text reply has no voice
+    text(session, start.response_id, "Hello")
+    text(session, start.response_id, " there")
+    done(session, start.response_id, usage={"prompt_tokens": 5, "completion_tokens": 2})
     events = session.events_to_send()
     assert types(events) == [
         "response.output_item.added",
@@ -190,16 +227,30 @@ def test_text_turn_event_order_and_plan() -> None:
     ]
     assert events[5]["text"] == "Hello there"
     assert events[-1]["response"]["status"] == "completed"
-    assert events[-1]["response"]["usage"] == {"total_tokens": 3}
-    # The next turn carries the history.
+    usage = events[-1]["response"]["usage"]
+    assert usage == realtime_usage({"prompt_tokens": 5, "completion_tokens": 2})
+    assert (usage["input_tokens"], usage["output_tokens"], usage["total_tokens"]) == (5, 2, 7)
+    # The next turn carries the history, the instructions leading it.
     send(session, type="conversation.item.create", item=item)
     send(session, type="response.create", response={"instructions": "Be brief."})
     (start,) = session.actions()
-    assert start.prompt["messages"] == [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": "Hello there"},
-    ]
+    assert start.turn.messages == (
+        Message("system", "Be brief."),
+        Message("user", "Hi"),
+        Message("assistant", "Hello there"),
+    )
+
+
+def test_usage_without_engine_counts_reports_the_deltas() -> None:
+    session = make()
+    manual(session, ["text"])
+    send(session, type="response.create")
+    (start,) = session.actions()
+    text(session, start.response_id, "a")
+    text(session, start.response_id, "b")
+    done(session, start.response_id)
+    usage = session.events_to_send()[-1]["response"]["usage"]
+    assert usage == realtime_usage({"completion_tokens": 2})
 
 
 def test_second_response_while_active_is_an_error() -> None:
@@ -232,10 +283,10 @@ def test_out_of_band_response_is_not_added_to_conversation() -> None:
         },
     )
     (start,) = session.actions()
-    assert start.out_of_band and start.prompt["cache_key"] is None
-    assert start.prompt["text"] == "Summarise"
-    session.response_text(start.response_id, "ok")
-    session.response_done(start.response_id, None, "stop")
+    assert not start.conversation and start.turn.cache_key is None
+    assert start.turn.text == "Summarise"
+    text(session, start.response_id, "ok")
+    done(session, start.response_id)
     events = session.events_to_send()
     assert "conversation.item.added" not in types(events)
     assert events[-1]["response"]["metadata"] == {"topic": "x"}
@@ -256,15 +307,23 @@ def test_manual_audio_turn_and_commit_limits() -> None:
         "conversation.item.done",
     ]
     assert events[1]["item"]["content"] == [{"type": "input_audio", "transcript": None}]
-    # The commit starts transcribing the item; a response to it takes that over.
+    # The commit starts transcribing the item: a turn of the session that ends at ASR.
     (job,) = session.actions()
-    assert isinstance(job, TranscribeItem)
+    assert isinstance(job, StartResponse) and not job.conversation
+    assert job.turn.final == Stage.ASR and job.turn.entry == Stage.ASR
+    assert job.turn.messages == () and job.turn.cache_key is None
+    # A response to the item takes the transcription over, with the same audio.
     send(session, type="response.create")
     cancel, start = session.actions()
-    assert cancel == CancelResponse(job.job_id, "superseded")
-    assert start.entry_stage_id == 0 and start.final_stage_id == 2
-    assert start.prompt["audio"].dtype == np.float32
-    assert abs(len(start.prompt["audio"]) - 2400) < 50  # 150 ms at 16 kHz
+    assert cancel == CancelResponse(job.response_id, "superseded")
+    assert isinstance(start, StartResponse) and start.conversation
+    assert (start.turn.entry, start.turn.final) == (Stage.ASR, Stage.TTS)
+    assert start.turn.audio == job.turn.audio
+    assert start.turn.voice == "joe" and start.turn.speed == 1.0
+    assert abs(len(samples_of(start.turn.audio)) - 2400) < 50  # 150 ms at 16 kHz
+    # The superseded job is known until its done event; nothing of it reaches the client.
+    done(session, job.response_id, "cancelled", reason="superseded")
+    assert session.events_to_send() == []
 
 
 def test_voice_turn_with_server_vad_transcription_and_audio_order() -> None:
@@ -276,6 +335,7 @@ def test_voice_turn_with_server_vad_transcription_and_audio_order() -> None:
         send(session, type="input_audio_buffer.append", audio=tone_b64(100))
     feeds = [a for a in session.actions() if isinstance(a, FeedVad)]
     assert sum(len(f.samples) for f in feeds) > 15000
+    assert all(f.samples.dtype == np.float32 for f in feeds)
     session.speech_started(200)
     session.speech_stopped(900)
     events = session.events_to_send()
@@ -290,12 +350,12 @@ def test_voice_turn_with_server_vad_transcription_and_audio_order() -> None:
     user_id = events[0]["item_id"]
     assert {e.get("item_id") for e in events[1:3]} == {user_id}
     assert events[3]["item"]["id"] == user_id
-    (start,) = [a for a in session.actions() if isinstance(a, StartResponse)]
-    assert abs(len(start.prompt["audio"]) - 0.7 * 16000) < 100
-    session.response_transcript(start.response_id, "hello there")
-    session.response_audio(start.response_id, pcm(250), 22050, "Hi!")
-    session.response_audio(start.response_id, pcm(100), 22050, "Bye.")
-    session.response_done(start.response_id, None, "stop")
+    (start,) = starts(session.actions())
+    assert abs(len(samples_of(start.turn.audio)) - 0.7 * 16000) < 100
+    transcript(session, start.response_id, "hello there")
+    audio(session, start.response_id, 250, "Hi!")
+    audio(session, start.response_id, 100, "Bye.")
+    done(session, start.response_id)
     events = session.events_to_send()
     kinds = types(events)
     assert kinds[:2] == [
@@ -310,7 +370,7 @@ def test_voice_turn_with_server_vad_transcription_and_audio_order() -> None:
     ]
     deltas = [e for e in events if e["type"] == "response.output_audio.delta"]
     sizes = [len(base64.b64decode(d["delta"])) for d in deltas]
-    assert max(sizes) <= 4800 and sum(sizes) > 0.34 * 48000
+    assert max(sizes) <= 4800 and sum(sizes) == pytest.approx(0.35 * 48000, abs=4)
     assert kinds[-6:] == [
         "response.output_audio.done",
         "response.output_audio_transcript.done",
@@ -321,26 +381,68 @@ def test_voice_turn_with_server_vad_transcription_and_audio_order() -> None:
     ]
     assert events[-5]["transcript"] == "Hi! Bye."
     # History: the user's transcript and the assistant's words.
-    send(session, type="input_audio_buffer.append", audio=tone_b64(100))
-    assert session.conversation.items()[0].message() == {"role": "user", "content": "hello there"}
+    items = session.conversation.items()
+    assert items[0].message() == Message("user", "hello there")
+    assert items[1].message() == Message("assistant", "Hi! Bye.")
 
 
-def test_barge_in_cancels_and_truncate_shapes_next_context() -> None:
+def test_output_audio_is_resampled_once_per_response_and_encoded_once() -> None:
+    session = make()
+    manual(session)
+    send(session, type="response.create")
+    (start,) = session.actions()
+    chunks = [voice(ms, amp=0.01 * ms / 50) for ms in (30, 170, 45, 200)]
+    for chunk in chunks:
+        out = ResponseOutput(
+            start.response_id, "audio", audio=chunk.tobytes(), sample_rate=VOICE_RATE
+        )
+        session.receive_response_event(out)
+    done(session, start.response_id)
+    sent = b"".join(
+        base64.b64decode(e["delta"])
+        for e in session.events_to_send()
+        if e["type"] == "response.output_audio.delta"
+    )
+    # One resampler over the whole response, its tail flushed at the end: the client
+    # gets exactly the resampling of the concatenated audio, encoded once.
+    resampler = StreamResampler(VOICE_RATE, PCM16.rate)
+    pieces = [resampler.push(c) for c in chunks] + [resampler.push(voice(0), last=True)]
+    assert sent == PCM16.encode(np.concatenate(pieces))
+
+
+def test_a_voice_changing_rate_mid_response_is_a_bug_below() -> None:
+    session = make()
+    manual(session)
+    send(session, type="response.create")
+    (start,) = session.actions()
+    audio(session, start.response_id, 100)
+    out = ResponseOutput(start.response_id, "audio", audio=voice(10).tobytes(), sample_rate=16000)
+    with pytest.raises(RuntimeError, match="16000 Hz"):
+        session.receive_response_event(out)
+
+
+def test_barge_in_cancels_and_finishes_on_the_cancelled_done() -> None:
     session = make()
     for _ in range(10):
         send(session, type="input_audio_buffer.append", audio=tone_b64(100))
     session.speech_started(100)
     session.speech_stopped(800)
     session.events_to_send()
-    (start,) = [a for a in session.actions() if isinstance(a, StartResponse)]
-    session.response_transcript(start.response_id, "tell me a story")
-    session.response_audio(start.response_id, pcm(1000), 22050, "one two three four")
-    session.response_audio(start.response_id, pcm(1000), 22050, "five six seven eight")
+    (start,) = starts(session.actions())
+    transcript(session, start.response_id, "tell me a story")
+    audio(session, start.response_id, 1000, "one two three four")
+    audio(session, start.response_id, 1000, "five six seven eight")
     session.events_to_send()
+    assert session.active_id == start.response_id
     session.speech_started(1000)
+    # The cancel goes down and frees the conversation at once ...
+    assert types(session.events_to_send()) == ["input_audio_buffer.speech_started"]
+    assert CancelResponse(start.response_id, "turn_detected") in session.actions()
+    assert session.active_id is None
+    # ... but the response finishes only when the layer below reports its end.
+    done(session, start.response_id, "cancelled", reason="turn_detected")
     events = session.events_to_send()
     assert types(events) == [
-        "input_audio_buffer.speech_started",
         "response.output_audio.done",
         "response.output_audio_transcript.done",
         "response.content_part.done",
@@ -348,16 +450,14 @@ def test_barge_in_cancels_and_truncate_shapes_next_context() -> None:
         "response.output_item.done",
         "response.done",
     ]
-    assert events[4]["item"]["status"] == "incomplete"
-    done = events[-1]["response"]
-    assert done["status"] == "cancelled"
-    assert done["status_details"] == {"type": "cancelled", "reason": "turn_detected"}
-    assert CancelResponse(start.response_id, "turn_detected") in session.actions()
-    # Late engine outputs of the cancelled response are dropped.
-    session.response_audio(start.response_id, pcm(100), 22050, "stale")
-    session.response_done(start.response_id, None, "stop")
-    assert session.events_to_send() == []
-    item_id = events[4]["item"]["id"]
+    assert events[3]["item"]["status"] == "incomplete"
+    finished = events[-1]["response"]
+    assert finished["status"] == "cancelled"
+    assert finished["status_details"] == {"type": "cancelled", "reason": "turn_detected"}
+    # Its id is now unknown: a later event for it is a bug below.
+    with pytest.raises(RuntimeError, match=start.response_id):
+        audio(session, start.response_id, 100, "stale")
+    item_id = events[3]["item"]["id"]
     (event,) = send(
         session,
         type="conversation.item.truncate",
@@ -378,42 +478,125 @@ def test_barge_in_cancels_and_truncate_shapes_next_context() -> None:
         send(session, type="input_audio_buffer.append", audio=tone_b64(100))
     session.speech_stopped(1400)
     session.events_to_send()
-    (start,) = [a for a in session.actions() if isinstance(a, StartResponse)]
-    assert start.prompt["messages"] == [
-        {"role": "user", "content": "tell me a story"},
-        {"role": "assistant", "content": "one two three four five six"},
-    ]
+    (start,) = starts(session.actions())
+    assert start.turn.messages == (
+        Message("user", "tell me a story"),
+        Message("assistant", "one two three four five six"),
+    )
     retrieved = send(session, type="conversation.item.retrieve", item_id=item_id)[0]
-    audio = base64.b64decode(retrieved["item"]["content"][0]["audio"])
-    assert len(audio) == 1500 * 48
+    kept = base64.b64decode(retrieved["item"]["content"][0]["audio"])
+    assert len(kept) == 1500 * 48
 
 
-def test_cancel_race_after_done_is_not_active() -> None:
+def test_a_new_response_can_start_before_the_cancelled_one_is_done() -> None:
+    session = make()
+    manual(session, ["text"])
+    send(session, type="response.create")
+    (first,) = session.actions()
+    text(session, first.response_id, "partial")
+    session.events_to_send()
+    send(session, type="response.cancel")
+    send(session, type="response.create")
+    cancel, second = session.actions()
+    # In this order below: the cancel reaches the engine before the next start.
+    assert cancel == CancelResponse(first.response_id, "client_cancelled")
+    assert isinstance(second, StartResponse) and session.active_id == second.response_id
+    # The layer below drops the cancelled turn's later output; what it had already sent
+    # is still the response's, and it finishes when its done event comes.
+    text(session, first.response_id, " more")
+    text(session, second.response_id, "fresh")
+    done(session, first.response_id, "cancelled", reason="client_cancelled")
+    events = session.events_to_send()
+    finished = [e for e in events if e["type"] == "response.done"]
+    assert [e["response"]["id"] for e in finished] == [first.response_id]
+    assert finished[0]["response"]["status_details"]["reason"] == "client_cancelled"
+    assert session.active_id == second.response_id
+
+
+def test_cancel_of_a_cancelled_or_done_response_is_not_active() -> None:
     session = make()
     manual(session, ["text"])
     send(session, type="response.create")
     (start,) = session.actions()
-    session.response_done(start.response_id, None, "stop")
+    send(session, type="response.cancel")
+    (event,) = send(session, type="response.cancel", response_id=start.response_id)
+    assert event["error"]["code"] == "response_cancel_not_active"
+    assert session.actions() == [CancelResponse(start.response_id, "client_cancelled")]
+    done(session, start.response_id, "cancelled", reason="client_cancelled")
     session.events_to_send()
     (event,) = send(session, type="response.cancel", response_id=start.response_id)
     assert event["error"]["code"] == "response_cancel_not_active"
 
 
-def test_client_cancel_and_max_tokens_status() -> None:
+def test_a_response_that_ended_before_its_cancel_arrived_reports_how_it_ended() -> None:
+    session = make()
+    manual(session, ["text"])
+    send(session, type="response.create")
+    (start,) = session.actions()
+    text(session, start.response_id, "all of it")
+    send(session, type="response.cancel")
+    done(session, start.response_id, "completed")
+    assert session.events_to_send()[-1]["response"]["status"] == "completed"
+
+
+def test_max_tokens_and_failure_statuses() -> None:
     session = make()
     manual(session, ["text"])
     send(session, type="response.create", response={"max_output_tokens": 5})
     (start,) = session.actions()
-    assert start.prompt["max_output_tokens"] == 5
-    events = send(session, type="response.cancel")
-    assert events[-1]["response"]["status_details"]["reason"] == "client_cancelled"
+    assert start.turn.max_output_tokens == 5
+    text(session, start.response_id, "a")
+    done(session, start.response_id, "incomplete", reason="max_output_tokens")
+    finished = session.events_to_send()[-1]["response"]
+    assert finished["status"] == "incomplete"
+    assert finished["status_details"] == {"type": "incomplete", "reason": "max_output_tokens"}
     send(session, type="response.create")
-    (_, start) = session.actions()
-    session.response_text(start.response_id, "a")
-    session.response_done(start.response_id, None, "length")
-    done = session.events_to_send()[-1]["response"]
-    assert done["status"] == "incomplete"
-    assert done["status_details"]["reason"] == "max_output_tokens"
+    (start,) = session.actions()
+    done(session, start.response_id, "failed", error="the LLM fell over")
+    error, response_done = session.events_to_send()
+    assert error["type"] == "error" and error["error"]["code"] == "engine_error"
+    assert error["error"]["message"] == "the LLM fell over"
+    assert response_done["response"]["status"] == "failed"
+    assert session.active_id is None
+
+
+def test_an_event_for_an_unknown_response_is_a_bug_below() -> None:
+    session = make()
+    manual(session, ["text"])
+    with pytest.raises(RuntimeError, match="resp_nobody"):
+        text(session, "resp_nobody", "hello")
+    with pytest.raises(RuntimeError, match="resp_nobody"):
+        done(session, "resp_nobody")
+
+
+def test_close_cancels_every_running_turn_and_ignores_what_follows() -> None:
+    session = make()
+    manual(session, ["text"])
+    send(session, type="input_audio_buffer.append", audio=tone_b64(200))
+    send(session, type="input_audio_buffer.commit")
+    (job,) = session.actions()
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "x"}]}
+    send(session, type="response.create", response={"conversation": "none", "input": [item]})
+    (oob,) = session.actions()
+    send(session, type="conversation.item.create", item=item)
+    send(session, type="response.create")
+    (first,) = session.actions()
+    send(session, type="response.cancel")
+    send(session, type="response.create")
+    _, second = session.actions()
+    session.events_to_send()
+    session.close()
+    # Each turn still running is cancelled; the one cancelled already is not again.
+    assert session.actions() == [
+        CancelResponse(oob.response_id, "client_cancelled"),
+        CancelResponse(second.response_id, "client_cancelled"),
+        CancelResponse(job.response_id, "client_cancelled"),
+    ]
+    assert session.active_id is None
+    text(session, first.response_id, "late")
+    done(session, first.response_id, "cancelled", reason="client_cancelled")
+    done(session, "resp_nobody")
+    assert session.events_to_send() == []
 
 
 def test_items_insert_retrieve_delete() -> None:
@@ -468,18 +651,29 @@ def test_g711_in_and_out_independent() -> None:
     assert session.audio_ms == pytest.approx(200)
     send(session, type="input_audio_buffer.commit")
     send(session, type="response.create")
-    start = [a for a in session.actions() if isinstance(a, StartResponse)][0]
-    session.response_audio(start.response_id, pcm(300), 22050, "hi")
-    session.response_done(start.response_id, None, "stop")
+    job, start = starts(session.actions())
+    assert job.turn.audio == start.turn.audio
+    # The item's 8 kHz audio reaches the turn at 16 kHz, each sample once.
+    assert len(samples_of(start.turn.audio)) == 3200
+    audio(session, start.response_id, 300, "hi")
+    done(session, start.response_id)
     deltas = [e for e in session.events_to_send() if e["type"] == "response.output_audio.delta"]
-    assert sum(len(base64.b64decode(d["delta"])) for d in deltas) == pytest.approx(2400, abs=80)
+    sent = b"".join(base64.b64decode(d["delta"]) for d in deltas)
+    assert len(sent) == pytest.approx(2400, abs=2)
+    assert np.allclose(PCMA.decode(sent[100:-100]), 0.03, atol=0.003)
 
 
 def test_server_vad_buffer_is_trimmed_and_manual_buffer_is_bounded() -> None:
     session = make()
     for _ in range(50):
         send(session, type="input_audio_buffer.append", audio=tone_b64(1000))
-    assert len(session._buffer) <= 30_000 * 48
+    assert session.audio_ms == 50_000
+    session.speech_started(0)  # speech is found only in what is kept: the last 30 s
+    session.speech_stopped(session.audio_ms)
+    committed = session.events_to_send()[2]
+    assert committed["type"] == "input_audio_buffer.committed"
+    (start,) = starts(session.actions())
+    assert len(samples_of(start.turn.audio)) == 30_000 * 16
     session = make(max_input_buffer_ms=1000)
     manual(session)
     for _ in range(10):
@@ -507,3 +701,45 @@ def test_conversation_item_limit() -> None:
     send(session, type="conversation.item.create", item=item)
     (event,) = send(session, type="conversation.item.create", item=item)
     assert event["type"] == "error" and "maximum" in event["error"]["message"]
+
+
+# ---- prepared turns: the pause's turn equals the stop's -----------------------------
+
+
+def _speaking(**config: Any) -> RealtimeSession:
+    session = RealtimeSession(config=GatewayConfig(**config), model="m", beta=False)
+    for _ in range(10):
+        send(session, type="input_audio_buffer.append", audio=tone_b64(100))
+    session.speech_started(200)
+    session.events_to_send()
+    session.actions()
+    return session
+
+
+def test_the_stop_starts_exactly_the_turn_its_pause_prepared() -> None:
+    session = _speaking()
+    session.speech_paused(900)
+    (prepare,) = [a for a in session.actions() if isinstance(a, PrepareResponse)]
+    session.speech_stopped(900)
+    (start,) = starts(session.actions())
+    assert start.turn == prepare.turn  # equal values: the start adopts the prepared work
+    assert abs(len(samples_of(start.turn.audio)) - 0.7 * 16000) < 100
+
+
+def test_a_pause_reaching_past_the_resampled_audio_flushes_it_for_both() -> None:
+    session = _speaking()
+    # Ending at the newest audio: the resampler still holds its last few ms back.
+    session.speech_paused(session.audio_ms)
+    (prepare,) = [a for a in session.actions() if isinstance(a, PrepareResponse)]
+    assert len(samples_of(prepare.turn.audio)) == 800 * 16
+    session.speech_stopped(session.audio_ms)
+    (start,) = starts(session.actions())
+    assert start.turn == prepare.turn
+
+
+def test_speech_going_on_discards_the_prepared_turn() -> None:
+    session = _speaking()
+    session.speech_paused(600)
+    session.speech_resumed()
+    kinds = [type(a).__name__ for a in session.actions()]
+    assert kinds == ["PrepareResponse", "DiscardPrepared"]

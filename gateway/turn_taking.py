@@ -1,0 +1,250 @@
+"""The user's side of a realtime session: input audio, commits and server VAD's decisions.
+
+Rules of this module:
+
+1. The input buffer keeps the session's clock (`now_ms`); server VAD reports its
+   decisions on that clock, and the VAD is fed each appended sample once, in order.
+2. A turn ends with a commit: the client's `input_audio_buffer.commit` (manual), VAD's
+   speech stop, or the idle timeout. The committed span becomes a user item; a response
+   answers it when the settings say so, otherwise a transcription job transcribes it.
+3. While a silence may still become the stop, the turn that the stop would start is
+   prepared (`PrepareResponse`); the stop starts an equal turn, which takes that work
+   over, and anything else discards it (`DiscardPrepared`). Both read the same stored
+   samples of the same span, so the two turns are equal values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gateway.actions import ConfigureVad, DiscardPrepared, FeedVad, PrepareResponse
+from gateway.audio import AudioFormatError, decode_base64
+from gateway.config import GatewayConfig
+from gateway.conversation import Conversation, Item
+from gateway.errors import ClientError
+from gateway.input_buffer import BufferFullError, InputBuffer
+from gateway.items import ItemEditor
+from gateway.outbox import Outbox
+from gateway.protocol import AppendIn, EmptyIn, new_id
+from gateway.response_stream import ResponseStream
+from gateway.responses import ResponseOptions
+from gateway.session_config import SessionSettings
+from gateway.transcription import TranscriptionJobs
+from gateway.turns import response_turn
+
+__all__ = ["MIN_COMMIT_MS", "TurnTaking", "VAD_KEEP_MS"]
+
+MIN_COMMIT_MS = 100
+# Without speech, server VAD keeps only this much audio before the newest. The VAD runs
+# behind the appends (a client may send seconds of audio at once), and the engine's VAD
+# stage refuses to fall more than 30 s behind, so 30 s always covers the speech start.
+VAD_KEEP_MS = 30_000
+
+
+class TurnTaking:
+    def __init__(
+        self,
+        settings: SessionSettings,
+        config: GatewayConfig,
+        *,
+        outbox: Outbox,
+        conversation: Conversation,
+        items: ItemEditor,
+        responses: ResponseStream,
+        jobs: TranscriptionJobs,
+        respond: Callable[[ResponseOptions], None],
+    ) -> None:
+        self.settings = settings
+        self._config = config
+        self._out = outbox
+        self._conversation = conversation
+        self._items = items
+        self._responses = responses
+        self._jobs = jobs
+        self._respond = respond  # creates the default conversation's response
+        self.input = InputBuffer(settings.input_format)
+        self._speech_item_id: str | None = None  # the user item of the speech under way
+        self._speech_start_ms = 0.0
+        self._prepared = False  # a PrepareResponse is out, not yet taken or discarded
+        self._idle_since_ms = 0.0
+        self._configure_vad()
+
+    @property
+    def now_ms(self) -> float:
+        return self.input.now_ms
+
+    def update(self, new: SessionSettings) -> None:
+        """The session's settings changed (a valid `session.update`)."""
+        old, self.settings = self.settings, new
+        if new.input_format != old.input_format:
+            # Buffered audio is in the old format; it cannot be reinterpreted.
+            self.input = InputBuffer(new.input_format, self.now_ms)
+        if new.turn_detection != old.turn_detection or new.input_format != old.input_format:
+            self._configure_vad()
+
+    def busy(self) -> None:
+        """The session is busy as of now (a response starts): idle time counts from here."""
+        self._idle_since_ms = self.now_ms
+
+    def _configure_vad(self) -> None:
+        detection = self.settings.turn_detection
+        self._speech_item_id = None
+        self.busy()
+        # The VAD starts over at the clock's now; what the resampler still holds is audio
+        # from before, so it goes into the buffer without being fed.
+        self.input.settle()
+        self.input.take_fresh()
+        self._discard_prepared()
+        pause = self._config.prepare_after_silence_ms if detection is not None else None
+        self._out.act(ConfigureVad(detection, self.now_ms, pause))
+
+    # -- client events ------------------------------------------------------------------
+
+    def append(self, event: AppendIn) -> None:
+        manual = self.settings.turn_detection is None
+        limit = self._config.limits.max_input_buffer_ms
+        try:
+            self.input.append(decode_base64(event.audio), limit_ms=limit if manual else None)
+        except BufferFullError:
+            raise ClientError(
+                f"the input audio buffer is full ({limit} ms); commit or clear it",
+                "input_audio_buffer_full",
+                "audio",
+            ) from None
+        except AudioFormatError as exc:
+            raise ClientError(str(exc), "invalid_value", "audio") from None
+        self._feed_vad()
+        if not manual:
+            if self._speech_item_id is None:
+                self.input.trim(VAD_KEEP_MS)
+            self._check_idle_timeout()
+
+    def commit(self, event: EmptyIn) -> None:
+        if self._speech_item_id is not None:
+            # A manual commit in the middle of detected speech ends that speech turn.
+            self._speech_item_id = None
+            self._discard_prepared()
+        item = self._commit(new_id("item"), self.input.start_ms, self.now_ms)
+        self._jobs.start(item)
+
+    def clear(self, event: EmptyIn) -> None:
+        self._discard_prepared()
+        self.input.clear()
+        self._speech_item_id = None
+        self._out.emit("input_audio_buffer.cleared")
+
+    def _feed_vad(self) -> None:
+        """Hand server VAD the 16 kHz samples made since it was last fed."""
+        fresh = self.input.take_fresh()
+        if self.settings.turn_detection is not None and fresh.size:
+            self._out.act(FeedVad(fresh))
+
+    def _check_idle_timeout(self) -> None:
+        detection = self.settings.turn_detection
+        if detection is None or detection.idle_timeout_ms is None:
+            return
+        if self._speech_item_id is not None or self._responses.active_id is not None:
+            self.busy()
+            return
+        if self.now_ms - self._idle_since_ms < detection.idle_timeout_ms:
+            return
+        item_id = new_id("item")
+        self._out.emit(
+            "input_audio_buffer.timeout_triggered",
+            audio_start_ms=int(self.input.start_ms),
+            audio_end_ms=int(self.now_ms),
+            item_id=item_id,
+        )
+        self.busy()
+        self._commit(item_id, self.input.start_ms, self.now_ms)
+        self._respond(ResponseOptions.from_session(self.settings))
+
+    def _commit(self, item_id: str, start_ms: float, end_ms: float) -> Item:
+        """Take [start_ms, end_ms) of the buffer as a new user item of the conversation."""
+        span_ms = self.input.span_ms(start_ms, end_ms)
+        if self.input.empty or span_ms < MIN_COMMIT_MS:
+            raise ClientError(
+                "Error committing input audio buffer: buffer too small. Expected at least "
+                f"{MIN_COMMIT_MS}ms of audio, but buffer only has "
+                f"{max(span_ms, 0):.2f}ms of audio.",
+                "input_audio_buffer_commit_empty",
+            )
+        item = Item.user_audio(item_id, self.input.take(start_ms, end_ms))
+        self._feed_vad()  # taking the span may have flushed the resampler
+        previous = self._conversation.last_id()
+        self._out.emit("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id)
+        self._items.add(item, previous)
+        return item
+
+    # -- server VAD decisions -----------------------------------------------------------
+
+    def speech_started(self, audio_start_ms: float) -> None:
+        detection = self.settings.turn_detection
+        if detection is None or self._speech_item_id is not None:
+            return
+        self._speech_item_id = new_id("item")
+        self._speech_start_ms = max(audio_start_ms, self.input.start_ms)
+        self._out.emit(
+            "input_audio_buffer.speech_started",
+            audio_start_ms=int(audio_start_ms),
+            item_id=self._speech_item_id,
+        )
+        active = self._responses.active_id
+        if detection.interrupt_response and active is not None:
+            self._responses.cancel(active, "turn_detected")
+
+    def speech_paused(self, audio_end_ms: float) -> None:
+        detection = self.settings.turn_detection
+        item_id = self._speech_item_id
+        if detection is None or item_id is None or self._config.prepare_after_silence_ms is None:
+            return
+        if not detection.create_response or self._responses.active_id is not None:
+            return  # the stop would not create a response
+        clip = self.input.peek(self._speech_start_ms, audio_end_ms)
+        self._feed_vad()  # peeking may have flushed the resampler
+        if clip.duration_ms < MIN_COMMIT_MS:
+            return
+        # The item the stop will commit: the same span, so the same stored samples.
+        context = [*self._conversation.items(), Item.user_audio(item_id, clip)]
+        options = ResponseOptions.from_session(self.settings)
+        turn = response_turn(
+            options,
+            context,
+            self.settings,
+            max_context_messages=self._config.limits.max_context_messages,
+        )
+        self._discard_prepared()
+        self._prepared = True
+        self._out.act(PrepareResponse(turn))
+
+    def speech_resumed(self) -> None:
+        self._discard_prepared()
+
+    def speech_stopped(self, audio_end_ms: float) -> None:
+        detection = self.settings.turn_detection
+        item_id, self._speech_item_id = self._speech_item_id, None
+        if detection is None or item_id is None:
+            self._discard_prepared()
+            return
+        self.busy()
+        self._out.emit(
+            "input_audio_buffer.speech_stopped", audio_end_ms=int(audio_end_ms), item_id=item_id
+        )
+        try:
+            item = self._commit(item_id, self._speech_start_ms, audio_end_ms)
+        except ClientError as exc:
+            self._discard_prepared()
+            self._out.error(exc, None)
+            return
+        if detection.create_response and self._responses.active_id is None:
+            # An equal turn takes the prepared work over; a different one replaces it.
+            self._prepared = False
+            self._respond(ResponseOptions.from_session(self.settings))
+        else:
+            self._jobs.start(item)
+            self._discard_prepared()
+
+    def _discard_prepared(self) -> None:
+        if self._prepared:
+            self._prepared = False
+            self._out.act(DiscardPrepared())

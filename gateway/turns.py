@@ -1,0 +1,63 @@
+"""The turns a realtime session asks the speech pipeline for, built in one place.
+
+A response's turn answers the last item of its context when that is a user item: its
+audio not transcribed yet (the turn enters at speech-to-text) or else its words; with no
+user item last, the reply follows the history alone. The turn ends in speech when the
+response's output modalities include audio, else in text. Everything before the answered
+item is the history, led by the instructions as a system message.
+
+Because a prepared turn and the response that takes it over are both built here from
+the same items and settings, equal inputs give equal turns, as adoption requires.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from duplex.turn import Message, Stage, TurnRequest
+from gateway.conversation import Item
+from gateway.responses import ResponseOptions
+from gateway.session_config import SessionSettings
+
+__all__ = ["answered_item", "response_turn", "transcription_turn"]
+
+
+def answered_item(context: Sequence[Item]) -> Item | None:
+    """The user item a response to `context` answers, if the context ends with one."""
+    return context[-1] if context and context[-1].role == "user" else None
+
+
+def response_turn(
+    options: ResponseOptions,
+    context: Sequence[Item],
+    settings: SessionSettings,
+    *,
+    max_context_messages: int,
+) -> TurnRequest:
+    """The turn of a response to `context` under `options`."""
+    answered = answered_item(context)
+    history = context[:-1] if answered is not None else context
+    audio = answered.pending_audio if answered is not None else None
+    text = answered.text() if answered is not None and audio is None else None
+    spoken = "audio" in options.output_modalities
+    messages = [m for m in (item.message() for item in history) if m is not None]
+    if settings.truncation == "auto":
+        messages = messages[-max_context_messages:]
+    if options.instructions:
+        messages.insert(0, Message("system", options.instructions))
+    return TurnRequest(
+        final=Stage.TTS if spoken else Stage.LLM,
+        audio=audio,
+        text=text,
+        messages=tuple(messages),
+        max_output_tokens=options.max_output_tokens,
+        voice=options.voice if spoken else None,
+        speed=settings.speed if spoken else None,
+        # The conversation's prompt cache; an out-of-band reply shares none of it.
+        cache_key=None if options.out_of_band else settings.id,
+    )
+
+
+def transcription_turn(item: Item) -> TurnRequest:
+    """The turn that only transcribes `item`'s pending audio."""
+    return TurnRequest(final=Stage.ASR, audio=item.pending_audio)

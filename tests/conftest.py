@@ -1,4 +1,24 @@
-"""Fixtures shared by the suites that run `duplex-gateway` for real, through its CLI."""
+"""Shared test setup, and what the `models` marker means.
+
+`models` (registered in pyproject.toml) marks each test that needs the real embedded
+models, so that `pytest -m "not models"` is a fast inner loop; CI runs everything. A test
+is marked when it:
+
+- loads the weights of an embedded model (SmolLM2, Whisper tiny.en, Piper joe, Silero
+  VAD), whether converted in the model cache (`registry.prepare`, `build_engine`) or read
+  from its pip package (the GGUF, the ONNX voice and VAD files, run by onnxruntime);
+- starts the real gateway (`running_gateway` and the CLI load all four models) or an
+  `mlx_lm.server`;
+- drives Chromium.
+
+Not models: eSpeak NG's phoneme data (a system library that answers in milliseconds),
+tiny random-weight models built inside a test, and listing the registry (it reads
+package metadata, not weights).
+
+Marks are explicit: `pytestmark = pytest.mark.models` in a module whose every test needs
+models, `@pytest.mark.models` on the tests that do in a mixed module. No hook guesses
+them from fixture names.
+"""
 
 from __future__ import annotations
 

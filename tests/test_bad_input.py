@@ -22,6 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.asyncio.client import ClientConnection, connect
 
+pytestmark = pytest.mark.models
+
 SYNC = json.dumps({"type": "input_audio_buffer.clear"})
 
 

@@ -42,6 +42,8 @@ from gateway.config import GatewayConfig, SessionLimits, load_profile
 from gateway.engine_backend import EngineBackend
 from gateway.server import GatewayServer
 
+pytestmark = pytest.mark.models
+
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = ROOT / "configs" / "default.yaml"
 SLOW_QUEUE = 16

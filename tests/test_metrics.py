@@ -13,6 +13,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 
+import pytest
 from conftest import running_gateway
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
@@ -109,6 +110,7 @@ def speech_free_audio(ms: int) -> str:
     )
 
 
+@pytest.mark.models
 async def test_real_gateway_exports_engine_pending_and_loop_lag() -> None:
     with running_gateway() as gw:
         idle = await asyncio.to_thread(scrape, gw.port)

@@ -32,7 +32,7 @@ from engine.build import EngineBundle, build_engine
 from engine.config import load_config
 from engine.tts import TtsRequest
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.models, pytest.mark.asyncio(loop_scope="module")]
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "What is the capital of France?"

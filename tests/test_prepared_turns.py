@@ -419,6 +419,7 @@ def _prepared_counts(port: int) -> dict[str, float]:
     }
 
 
+@pytest.mark.models
 async def test_a_spoken_turn_is_answered_from_its_prepared_response() -> None:
     """The turn's work starts during the silence before speech_stopped; the answer the
     client gets is the prepared one, taken over when the turn is committed."""

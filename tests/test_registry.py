@@ -415,6 +415,7 @@ def real_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.environ["DUPLEX_GATEWAY_CACHE"] = old
 
 
+@pytest.mark.models
 def test_real_llm_is_converted_once_then_loaded_from_the_cache(
     real_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -205,6 +205,7 @@ def _wait_ready(proc: subprocess.Popen, base: str) -> None:
     raise RuntimeError("mlx_lm.server did not start in 120 s")
 
 
+@pytest.mark.models
 async def test_real_server_answers_the_question(mlx_server: str) -> None:
     llm = RemoteLlm(RemoteLlmConfig(base_url=mlx_server, model="default_model"))
     params = SamplingParams(max_tokens=24, temperature=0.0)
@@ -220,6 +221,7 @@ async def test_real_server_answers_the_question(mlx_server: str) -> None:
     assert final.payload.finish_reason in ("stop", "length")
 
 
+@pytest.mark.models
 async def test_real_server_abort_mid_stream(mlx_server: str) -> None:
     llm = RemoteLlm(RemoteLlmConfig(base_url=mlx_server, model="default_model"))
     counting = [{"role": "user", "content": "Count from one to two hundred in words."}]
@@ -238,6 +240,7 @@ async def test_real_server_abort_mid_stream(mlx_server: str) -> None:
     assert outs[-1].finished and outs[-1].error is None
 
 
+@pytest.mark.models
 async def test_real_server_behind_the_stage_port(mlx_server: str) -> None:
     """A text turn through the orchestrator whose LLM stage is the remote server."""
     remote = RemoteLlm(RemoteLlmConfig(base_url=mlx_server, model="default_model"))

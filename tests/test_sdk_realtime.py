@@ -23,6 +23,8 @@ from conftest import ROOT, running_gateway
 from openai import AsyncOpenAI
 from websockets.asyncio.client import connect
 
+pytestmark = pytest.mark.models
+
 RECORDING = Path("/usr/share/sounds/alsa/Front_Center.wav")
 MODEL = "duplex-smollm2"
 RATE = 24000

@@ -25,6 +25,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from gateway.config import GatewayConfig
 
+pytestmark = pytest.mark.models
+
 KEY = "sk-test-7f3a91"
 GOOD_ORIGIN = "https://app.example"
 MAX_SESSIONS = 3

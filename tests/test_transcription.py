@@ -172,6 +172,7 @@ async def _until(ws: Any, kind: str) -> dict[str, Any]:
                 return event
 
 
+@pytest.mark.models
 async def test_a_real_manual_commit_is_transcribed_then_answered() -> None:
     update = json.loads(json.dumps(TRANSCRIBED))
     update["audio"]["input"]["turn_detection"] = None

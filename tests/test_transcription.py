@@ -14,14 +14,13 @@ import numpy as np
 import pytest
 import soundfile as sf
 import soxr
-from conftest import running_gateway
 from websockets.asyncio.client import connect
 
 from engine.config import parse_config
 from gateway.config import GatewayConfig
 from gateway.realtime import CancelResponse, RealtimeSession, StartResponse, TranscribeItem
-from tests.test_gateway_realtime import tone_b64
-from tests.test_orchestrator import Harness, _audio
+from tests.fakes import Harness, question_audio
+from tests.helpers import running_gateway, tone_b64
 
 RECORDING = Path("/usr/share/sounds/alsa/Front_Center.wav")
 TRANSCRIBED = {"type": "realtime", "audio": {"input": {"transcription": {"model": "whisper-1"}}}}
@@ -39,7 +38,7 @@ async def h() -> AsyncIterator[Harness]:
 
 async def test_a_transcription_turn_runs_only_the_asr_stage(h: Harness) -> None:
     contexts = h.reserve(final=0)
-    await h.submit(contexts, audio=_audio(6))
+    await h.submit(contexts, audio=question_audio(6))
     rid = contexts[0].request_id
     await h.until(lambda: h.finished(rid))
     assert [(o.kind, o.text, o.finished) for o in h.outputs] == [
@@ -52,7 +51,7 @@ async def test_a_transcription_turn_runs_only_the_asr_stage(h: Harness) -> None:
 
 async def test_a_transcription_turn_takes_audio_alone(h: Harness) -> None:
     with pytest.raises(ValueError, match="takes only 'audio'"):
-        await h.submit(h.reserve(final=0), audio=_audio(1), messages=[])
+        await h.submit(h.reserve(final=0), audio=question_audio(1), messages=[])
     with pytest.raises(ValueError, match="takes only 'audio'"):
         await h.submit(h.reserve(turn=1, final=0), text="hello")
 

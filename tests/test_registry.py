@@ -153,7 +153,7 @@ def test_two_processes_convert_once(cache: Path, tmp_path: Path, source: Path) -
         def slow(source_dir, out_dir, progress):
             with open("{counter}", "a") as fh:
                 fh.write("x")
-            time.sleep(1.5)
+            time.sleep(1.5)  # a conversion long enough for the other process to reach the lock
             (out_dir / "done.txt").write_text("ok")
 
         registry.register(registry.ModelSpec("slow", "vad", "path:{source}", "__main__:slow"))

@@ -166,6 +166,7 @@ def test_convert_rejects_missing_model(tmp_path: Path) -> None:
         whisper_ct2.convert(tmp_path, tmp_path / "out", lambda d, t: None)
 
 
+@pytest.mark.models
 def test_converted_directory_holds_weights_tokens_and_suppression(model_dir: Path) -> None:
     model, config = whisper.load_model(model_dir)  # strict: every parameter is present
     assert (config["n_audio_layer"], config["n_text_layer"], config["n_vocab"]) == (4, 4, 51864)
@@ -241,6 +242,7 @@ def test_split_long_audio_cuts_at_a_quiet_point() -> None:
     assert len(split_long_audio(audio[: RATE * 5])) == 1
 
 
+@pytest.mark.models
 def test_token_cap_grows_with_duration(transcriber: Transcriber) -> None:
     assert transcriber._token_cap(1.0) < transcriber._token_cap(5.0) <= transcriber.max_tokens
     assert transcriber._token_cap(300.0) == transcriber.max_tokens == 222
@@ -249,6 +251,7 @@ def test_token_cap_grows_with_duration(transcriber: Transcriber) -> None:
 # ---------------------------------------------------------------- real recordings
 
 
+@pytest.mark.models
 def test_front_center_recording(transcriber: Transcriber) -> None:
     assert normalise(transcriber.transcribe(read_16k(ALSA / "Front_Center.wav"))) == [
         "front",
@@ -256,6 +259,7 @@ def test_front_center_recording(transcriber: Transcriber) -> None:
     ]
 
 
+@pytest.mark.models
 def test_espeak_sentences_word_error_rate(trimmed: list[Transcription]) -> None:
     texts = [t.text for t in trimmed]
     errors = sum(
@@ -265,6 +269,7 @@ def test_espeak_sentences_word_error_rate(trimmed: list[Transcription]) -> None:
     assert errors / words <= 0.10, list(zip(SENTENCES, texts, strict=True))
 
 
+@pytest.mark.models
 @pytest.mark.timeout(1800)  # ten 30 s encoder windows: minutes on a busy 2-core CPU
 def test_trimmed_encoder_matches_full_window(
     full_window: Transcriber, espeak_clips: list[np.ndarray], trimmed: list[Transcription]
@@ -276,6 +281,7 @@ def test_trimmed_encoder_matches_full_window(
         assert normalise(long.text) == normalise(short.text)
 
 
+@pytest.mark.models
 def test_naive_trimming_loops_and_the_safeguards_recover(naive: Transcriber) -> None:
     for name, words in [("Front_Left", "front left"), ("Side_Left", "side left")]:
         result = naive.transcribe_detailed(read_16k(ALSA / f"{name}.wav"))
@@ -284,6 +290,7 @@ def test_naive_trimming_loops_and_the_safeguards_recover(naive: Transcriber) -> 
         assert normalise(result.text) == words.split()
 
 
+@pytest.mark.models
 def test_token_cap_stops_a_looping_decode(naive: Transcriber) -> None:
     audio = read_16k(ALSA / "Side_Left.wav")
     mel = whisper.log_mel_spectrogram(audio)
@@ -299,6 +306,7 @@ def test_token_cap_stops_a_looping_decode(naive: Transcriber) -> None:
     assert reason == "repetition" and len(tokens) < cap
 
 
+@pytest.mark.models
 def test_every_alsa_recording_ends_without_a_loop(transcriber: Transcriber) -> None:
     for path in sorted(ALSA.glob("*.wav")):
         result = transcriber.transcribe_detailed(read_16k(path))
@@ -306,18 +314,21 @@ def test_every_alsa_recording_ends_without_a_loop(transcriber: Transcriber) -> N
         assert len(result.tokens) <= transcriber._token_cap(result.duration_s)
 
 
+@pytest.mark.models
 def test_batch_matches_single(transcriber: Transcriber, espeak_clips: list[np.ndarray]) -> None:
     clips = [espeak_clips[1], read_16k(ALSA / "Rear_Left.wav"), espeak_clips[6]]
     batched = transcriber.transcribe_batch(clips)
     assert [b.text for b in batched] == [transcriber.transcribe(c) for c in clips]
 
 
+@pytest.mark.models
 def test_empty_and_too_short_audio_give_empty_text(transcriber: Transcriber) -> None:
     for audio in [np.zeros(0, np.float32), np.full(int(MIN_SECONDS * RATE) - 1, 0.2, np.float32)]:
         result = transcriber.transcribe_detailed(audio)
         assert (result.text, result.attempts) == ("", 0)
 
 
+@pytest.mark.models
 def test_bad_audio_is_rejected(transcriber: Transcriber) -> None:
     with pytest.raises(ValueError, match="mono"):
         transcriber.transcribe(np.zeros((2, 1600), np.float32))
@@ -327,6 +338,7 @@ def test_bad_audio_is_rejected(transcriber: Transcriber) -> None:
         transcriber.transcribe(np.full(1600, np.nan, np.float32))
 
 
+@pytest.mark.models
 def test_audio_longer_than_30_s_is_transcribed_in_parts(
     transcriber: Transcriber, espeak_clips: list[np.ndarray]
 ) -> None:
@@ -341,6 +353,7 @@ def test_audio_longer_than_30_s_is_transcribed_in_parts(
 # ---------------------------------------------------------------- stage
 
 
+@pytest.mark.models
 def test_stage_batches_aborts_and_reports(
     transcriber: Transcriber, espeak_clips: list[np.ndarray], trimmed: list[Transcription]
 ) -> None:
@@ -361,6 +374,7 @@ def test_stage_batches_aborts_and_reports(
         assert out.metrics["asr_ms"] > 0 and out.metrics["audio_s"] > 1.0
 
 
+@pytest.mark.models
 def test_stage_rejects_bad_requests(transcriber: Transcriber) -> None:
     stage = AsrStage(transcriber)
     stage.add("a", np.zeros(1600, np.float32))

@@ -2,7 +2,8 @@
 started through the CLI): for any sequence of well-formed and malformed client events,
 the server stays up, answers every bad event with exactly one `error` event (naming the
 event's `event_id` when it had one), answers no good event with an error, and a normal
-text turn works afterwards on the same connection.
+text turn works afterwards on the same connection. Sessions left after bad input, with
+or without a close frame, are released.
 """
 
 from __future__ import annotations
@@ -10,17 +11,19 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from conftest import running_gateway
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.asyncio.client import ClientConnection, connect
+
+from tests.helpers import GatewayProcess, running_gateway, wait_until
+
+pytestmark = pytest.mark.models
 
 SYNC = json.dumps({"type": "input_audio_buffer.clear"})
 
@@ -35,11 +38,10 @@ class Sent:
 
 
 @pytest.fixture(scope="module")
-def gateway() -> Iterator[int]:
-    """`duplex-gateway` in a subprocess; yields its port."""
+def gateway() -> Iterator[GatewayProcess]:
+    """`duplex-gateway` in a subprocess."""
     with running_gateway() as gw:
-        yield gw.port
-        assert gw.proc.poll() is None, "the gateway is still running after every example"
+        yield gw
 
 
 # -- strategies ------------------------------------------------------------------------
@@ -171,12 +173,17 @@ async def text_turn(ws: ClientConnection) -> dict[str, Any]:
                 return event["response"]
 
 
+async def open_session(port: int) -> ClientConnection:
+    """A session with server VAD off, so only the client's events cause events."""
+    ws = await connect(f"ws://127.0.0.1:{port}/v1/realtime", max_size=None)
+    assert json.loads(await ws.recv())["type"] == "session.created"
+    update = {"type": "realtime", "audio": {"input": {"turn_detection": None}}}
+    await ws.send(json.dumps({"type": "session.update", "session": update}))
+    return ws
+
+
 async def run_sequence(port: int, sequence: list[Sent]) -> None:
-    url = f"ws://127.0.0.1:{port}/v1/realtime"
-    async with connect(url, max_size=None) as ws:
-        assert json.loads(await ws.recv())["type"] == "session.created"
-        update = {"type": "realtime", "audio": {"input": {"turn_detection": None}}}
-        await ws.send(json.dumps({"type": "session.update", "session": update}))
+    async with await open_session(port) as ws:
         for sent in sequence:
             caused = await exchange_one(ws, sent)
             errors = [e for e in caused if e["type"] == "error"]
@@ -218,12 +225,35 @@ def open_sessions(port: int) -> int:
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 @given(sequence=st.lists(frames(), min_size=1, max_size=10))
-def test_any_event_sequence_is_answered_and_survived(gateway: int, sequence: list[Sent]) -> None:
-    asyncio.run(run_sequence(gateway, sequence))
+def test_any_event_sequence_is_answered_and_survived(
+    gateway: GatewayProcess, sequence: list[Sent]
+) -> None:
+    asyncio.run(run_sequence(gateway.port, sequence))
+    assert gateway.proc.poll() is None, "the gateway is still running"
 
 
-def test_sessions_are_released_after_the_examples(gateway: int) -> None:
-    deadline = time.monotonic() + 10
-    while open_sessions(gateway) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert open_sessions(gateway) == 0
+BAD_FRAMES: list[str | bytes] = [b"\x00\xff", "not json", "[" * 5000 + "]" * 5000, "{}"]
+
+
+def test_sessions_left_after_bad_input_are_released(gateway: GatewayProcess) -> None:
+    """Sessions that got bad input are counted while open, then released whether the
+    client closes or just vanishes. It opens its own sessions, so it tests alone too."""
+    port = gateway.port
+
+    async def scenario() -> None:
+        # Sessions of earlier tests may still be closing.
+        await wait_until(lambda: open_sessions(port) == 0, 30, "earlier sessions to close")
+        clients = [await open_session(port) for _ in range(3)]
+        for ws in clients:
+            for frame in BAD_FRAMES:
+                caused = await exchange_one(ws, Sent(frame, True))
+                errors = [e for e in caused if e["type"] == "error"]
+                assert len(errors) == 1, (frame, caused)
+        assert open_sessions(port) == 3
+        await clients[0].close()
+        await clients[1].close()
+        clients[2].transport.abort()  # no close frame: the peer just vanishes
+        await wait_until(lambda: open_sessions(port) == 0, 30, "every session released")
+
+    asyncio.run(scenario())
+    assert gateway.proc.poll() is None, "the gateway is still running"

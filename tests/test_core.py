@@ -13,6 +13,7 @@ import pytest
 from engine.core import AsyncEngine, EngineCore
 from engine.stage import StageOutput
 from engine.streams import OutputStreams
+from tests.helpers import wait_until
 
 
 class CountingStage:
@@ -215,8 +216,8 @@ async def test_slow_consumer_overflow_fails_the_stream() -> None:
     engine = AsyncEngine(core, max_queued_outputs=4)
     try:
         it = engine.stream("count", "flood", 100)
-        await engine.call("count", "echo", "x")
-        await asyncio.sleep(0.2)
+        # Not consuming: the fifth queued output overflows, which aborts the request.
+        await wait_until(lambda: core.pending()["count"] == 0, 5, "the flood to be aborted")
         outs = [o async for o in it]
         assert outs[-1].finished and "overflow" in outs[-1].error
         assert len(outs) <= 5
@@ -238,7 +239,10 @@ def test_idle_engine_sleeps_without_stepping() -> None:
     core = EngineCore({"count": stage})
     core.start()
     try:
-        time.sleep(0.1)
+        # Each call wakes the idle engine for one full pass; no pass steps a stage
+        # that has no work.
+        for _ in range(3):
+            assert core.call("count", "echo", 0).result(timeout=5) == 0
         assert steps == 0
         core.add("count", "a", 2)
         assert core.call("count", "echo", 0).result(timeout=5) == 0

@@ -640,6 +640,7 @@ def speech_16k() -> np.ndarray:
     return soxr.resample(pcm, rate, 16000).astype(np.float32)
 
 
+@pytest.mark.models
 @pytest.mark.asyncio(loop_scope="module")
 async def test_real_voice_turn_transcribes_and_answers(
     real: tuple[DuplexSessionManager, Any],
@@ -661,6 +662,7 @@ async def test_real_voice_turn_transcribes_and_answers(
     assert bundle.orchestrator.reserved_requests() == 0
 
 
+@pytest.mark.models
 @pytest.mark.asyncio(loop_scope="module")
 async def test_real_barge_in_stops_speech_and_leaves_nothing_behind(
     real: tuple[DuplexSessionManager, Any],

@@ -41,6 +41,9 @@ from engine.stage import Stage, StageOutput
 from gateway.config import GatewayConfig, SessionLimits, load_profile
 from gateway.engine_backend import EngineBackend
 from gateway.server import GatewayServer
+from tests.helpers import free_port
+
+pytestmark = pytest.mark.models
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = ROOT / "configs" / "default.yaml"
@@ -126,6 +129,8 @@ class InProcessGateway:
         self.slow = GatewayServer(slow, self.backend)
         await self.server.start()
         await self.slow.start()
+        # What runs for the gateway's whole life; any other task belongs to a session.
+        self.startup_tasks = asyncio.all_tasks()
 
     def url(self, server: GatewayServer) -> str:
         return f"ws://127.0.0.1:{server.port}/v1/realtime"
@@ -133,12 +138,15 @@ class InProcessGateway:
     def snapshot(self) -> dict[str, Any]:
         """Called on the server loop: what the gateway and engine still hold."""
         pending = self.core.pending()
+        tasks = asyncio.all_tasks(self.loop)
+        this_call = {asyncio.current_task(self.loop)}
         return {
             "engine_requests": sum(pending.values()),
             "pending": pending,
             "turns": self.orchestrator.running_turns(),
             "reserved": self.orchestrator.reserved_requests(),
-            "tasks": len(asyncio.all_tasks(self.loop)),
+            "tasks": len(tasks),
+            "session_tasks": len(tasks - self.startup_tasks - this_call),
             "connections": len(self.server.connections) + len(self.slow.connections),
         }
 
@@ -171,11 +179,16 @@ async def wait_for(
         await asyncio.sleep(0.02)
 
 
+def _nothing_running(snap: dict[str, Any]) -> bool:
+    return snap["connections"] == 0 and snap["engine_requests"] == 0 and snap["session_tasks"] == 0
+
+
 async def idle(gw: InProcessGateway) -> dict[str, Any]:
-    """The snapshot once nothing is running (earlier tests' sessions released)."""
-    snap, _ = await wait_for(gw, lambda s: s["connections"] == 0 and s["engine_requests"] == 0, 30)
-    await asyncio.sleep(0.5)  # handler tasks of the last connection finish
-    return await gw.arun(gw.snapshot)
+    """The snapshot once nothing is running: every session of earlier tests is released,
+    down to the last task of its connection handler."""
+    snap, _ = await wait_for(gw, _nothing_running, 30)
+    assert _nothing_running(snap), snap
+    return snap
 
 
 async def open_text_session(url: str, **kwargs: Any) -> ClientConnection:
@@ -214,6 +227,7 @@ async def test_disconnect_mid_response_releases_every_request(gw: InProcessGatew
     assert len(base64.b64decode(delta["delta"])) <= limit_ms * 24000 * 2 // 1000
     busy = await gw.arun(gw.snapshot)
     assert busy["turns"] == 1 and busy["engine_requests"] >= 1, busy
+    assert busy["session_tasks"] > 0, "the snapshot sees the session's tasks"
     ws.transport.abort()  # no close frame: the peer just vanishes
     snap, took = await wait_for(
         gw, lambda s: s["engine_requests"] == 0 and s["turns"] == 0 and s["reserved"] == 0, 5
@@ -311,12 +325,6 @@ async def test_client_that_stops_reading_is_closed_by_the_send_queue_bound(
 # -- processes: start-up failures and SIGTERM ------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", *args]
     # faulthandler prints every thread's stack if the process dies on a signal (SIGABRT).
@@ -335,7 +343,7 @@ def test_a_missing_model_stops_start_up_with_a_clear_message(tmp_path: Path) -> 
     profile["stages"]["asr"]["model"] = "no-such-model"
     path = tmp_path / "missing.yaml"
     path.write_text(yaml.safe_dump(profile))
-    proc = run_cli(["--port", str(_free_port()), "--config", str(path)])
+    proc = run_cli(["--port", str(free_port()), "--config", str(path)])
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert "listening on" not in output
@@ -350,7 +358,7 @@ def test_a_corrupt_model_cache_stops_start_up_with_a_clear_message(tmp_path: Pat
         if name != "model.safetensors":
             shutil.copy(source / name, broken / name)
     (broken / "model.safetensors").write_bytes(b"\x07" * 4096)
-    proc = run_cli(["--port", str(_free_port())], env={"DUPLEX_GATEWAY_CACHE": str(broken.parent)})
+    proc = run_cli(["--port", str(free_port())], env={"DUPLEX_GATEWAY_CACHE": str(broken.parent)})
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert "listening on" not in output
@@ -358,7 +366,7 @@ def test_a_corrupt_model_cache_stops_start_up_with_a_clear_message(tmp_path: Pat
 
 
 def test_sigterm_in_the_middle_of_a_turn() -> None:
-    port = _free_port()
+    port = free_port()
     proc = run_cli(["--port", str(port)])
     assert proc.stdout is not None
     lines = []

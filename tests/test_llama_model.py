@@ -120,6 +120,7 @@ def test_plain_llama_configs_are_supported_and_others_not() -> None:
     assert not llama.is_supported({"model_type": "llama", "rope_traditional": True})
 
 
+@pytest.mark.models
 def test_an_unsupported_config_loads_with_mlx_lms_class(tmp_path: Path) -> None:
     # A one-layer model saved with mlx-lm's llama class and marked as scaled RoPE.
     config = TINY | {"rope_scaling": {"type": "linear", "factor": 2.0}}
@@ -142,6 +143,7 @@ def both() -> tuple[Any, Any, Any]:
     return ours, theirs, tokenizer
 
 
+@pytest.mark.models
 def test_smollm2_logits_match_mlx_lms_llama(both: tuple[Any, Any, Any]) -> None:
     ours, theirs, tokenizer = both
     assert type(ours) is llama.Model
@@ -151,6 +153,7 @@ def test_smollm2_logits_match_mlx_lms_llama(both: tuple[Any, Any, Any]) -> None:
     assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
+@pytest.mark.models
 @pytest.mark.parametrize(
     "question", ["What is the capital of France?", "Write one sentence about cats."]
 )

@@ -16,6 +16,8 @@ from engine.llm import LlmInput, LlmStage
 from engine.models.llama import load
 from engine.request import SamplingParams
 
+pytestmark = pytest.mark.models
+
 QUESTIONS = [
     "What is the capital of France?",
     "Name three colors of the rainbow.",

@@ -13,12 +13,13 @@ import time
 import urllib.request
 from collections.abc import Callable
 
-from conftest import running_gateway
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
 from gateway.config import GatewayConfig
 from gateway.server import GatewayServer
+from tests.helpers import running_gateway, wait_until
 
 PENDING = "duplex_gateway_engine_pending_requests"
 LAG = "duplex_gateway_event_loop_lag_seconds"
@@ -85,11 +86,12 @@ async def test_pending_is_read_at_scrape_and_a_blocked_loop_shows_as_lag() -> No
         samples = await asyncio.to_thread(scrape, server.port)
         assert pending(samples) == {"asr": 0, "llm": 0, "tts": 1, "vad": 4}
 
-        await asyncio.sleep(0.35)
-        # The probe's timer falls due within 0.1 s of this block and runs after it: one
-        # sample of at least 0.2 s, above the 0.1 s bucket.
+        await wait_until(lambda: lag_count(server) >= 2, 10, "two samples of the idle loop")
+        before = lag_count(server)
+        # Blocks the loop on purpose: the probe's timer falls due within 0.1 s of the
+        # block and runs after it, so the probe's next sample is at least 0.2 s.
         time.sleep(0.3)
-        await asyncio.sleep(0.25)
+        await wait_until(lambda: lag_count(server) > before, 10, "the sample after the block")
         samples = await asyncio.to_thread(scrape, server.port)
         count = lag(samples, "_count")
         assert count >= 3
@@ -102,6 +104,12 @@ async def test_pending_is_read_at_scrape_and_a_blocked_loop_shows_as_lag() -> No
     assert not [t for t in asyncio.all_tasks() if t.get_name() == "loop-lag"]
 
 
+def lag_count(server: GatewayServer) -> float:
+    """How many lag samples the server's probe has taken, read in process."""
+    families = text_string_to_metric_families(server.metrics.render().decode())
+    return next(s.value for f in families for s in f.samples if s.name == LAG + "_count")
+
+
 def speech_free_audio(ms: int) -> str:
     pcm = bytes(RATE * 2 * ms // 1000)
     return json.dumps(
@@ -109,6 +117,7 @@ def speech_free_audio(ms: int) -> str:
     )
 
 
+@pytest.mark.models
 async def test_real_gateway_exports_engine_pending_and_loop_lag() -> None:
     with running_gateway() as gw:
         idle = await asyncio.to_thread(scrape, gw.port)

@@ -8,10 +8,8 @@ each stage must leave no output and no request behind, and sessions must not mix
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import re
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -31,8 +29,9 @@ from duplex.outputs import DuplexStageOutput
 from engine.build import EngineBundle, build_engine
 from engine.config import load_config
 from engine.tts import TtsRequest
+from tests.helpers import wait_until
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.models, pytest.mark.asyncio(loop_scope="module")]
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "What is the capital of France?"
@@ -129,10 +128,7 @@ class Client:
         return "".join(o.text for o in self.of(rid, "text"))
 
     async def until(self, predicate: Callable[[], bool]) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while not predicate():
-            assert time.monotonic() < deadline, "timed out waiting for the pipeline"
-            await asyncio.sleep(0.01)
+        await wait_until(predicate, WAIT_S, "the pipeline")
 
     async def idle(self) -> None:
         await self.until(lambda: sum(self.bundle.engine.pending().values()) == 0)
@@ -149,8 +145,8 @@ class Client:
     async def abort_and_check(self, ids: list[str]) -> None:
         await self.orch.abort_requests(ids)
         count = len(self.outputs)
+        # Drained: no stage holds a request and no turn runs, so nothing is left to output.
         await self.idle()
-        await asyncio.sleep(0.3)
         assert len(self.outputs) == count, "output of an aborted turn after abort_requests"
         assert self.bundle.engine.pending() == {"asr": 0, "llm": 0, "tts": 0, "vad": 0}
         await self.orch.cleanup(ids)

@@ -24,8 +24,8 @@ from duplex.manager import DuplexSessionManager
 from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput, DuplexStreamingStagePort
 from duplex.turn import Stage, TurnRequest
 from engine.config import parse_config
-from tests.conftest import running_gateway
 from tests.fake_engine import Harness, audio, turn
+from tests.helpers import running_gateway
 
 
 @pytest.fixture

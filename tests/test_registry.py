@@ -153,7 +153,7 @@ def test_two_processes_convert_once(cache: Path, tmp_path: Path, source: Path) -
         def slow(source_dir, out_dir, progress):
             with open("{counter}", "a") as fh:
                 fh.write("x")
-            time.sleep(1.5)
+            time.sleep(1.5)  # a conversion long enough for the other process to reach the lock
             (out_dir / "done.txt").write_text("ok")
 
         registry.register(registry.ModelSpec("slow", "vad", "path:{source}", "__main__:slow"))
@@ -415,6 +415,7 @@ def real_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.environ["DUPLEX_GATEWAY_CACHE"] = old
 
 
+@pytest.mark.models
 def test_real_llm_is_converted_once_then_loaded_from_the_cache(
     real_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

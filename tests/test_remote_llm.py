@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import socket
@@ -30,6 +29,7 @@ from engine.orchestrator import DuplexOrchestrator
 from engine.remote_llm import RemoteLlm, chat_body
 from engine.request import SamplingParams
 from engine.stage import StageOutput
+from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -202,6 +202,7 @@ def _wait_ready(proc: subprocess.Popen, base: str) -> None:
     raise RuntimeError("mlx_lm.server did not start in 120 s")
 
 
+@pytest.mark.models
 async def test_real_server_answers_the_question(mlx_server: str) -> None:
     llm = RemoteLlm(RemoteLlmConfig(base_url=mlx_server, model="default_model"))
     params = SamplingParams(max_tokens=24, temperature=0.0)
@@ -217,6 +218,7 @@ async def test_real_server_answers_the_question(mlx_server: str) -> None:
     assert final.payload.finish_reason in ("stop", "length")
 
 
+@pytest.mark.models
 async def test_real_server_abort_mid_stream(mlx_server: str) -> None:
     llm = RemoteLlm(RemoteLlmConfig(base_url=mlx_server, model="default_model"))
     counting = [{"role": "user", "content": "Count from one to two hundred in words."}]
@@ -235,6 +237,7 @@ async def test_real_server_abort_mid_stream(mlx_server: str) -> None:
     assert outs[-1].finished and outs[-1].error is None
 
 
+@pytest.mark.models
 async def test_real_server_behind_the_stage_port(mlx_server: str) -> None:
     """A text turn through the orchestrator whose LLM stage is the remote server."""
     remote = RemoteLlm(RemoteLlmConfig(base_url=mlx_server, model="default_model"))
@@ -262,20 +265,22 @@ async def test_real_server_behind_the_stage_port(mlx_server: str) -> None:
         return ctx.request_id
 
     rid = await text_turn(0, "What is the capital of France?")
-    while not any(o.finished for o in outputs):
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: any(o.finished for o in outputs), 120, "the answer")
     assert "Paris" in "".join(o.text for o in outputs if o.kind == "text")
     assert outputs[-1].kind == "done" and outputs[-1].metadata["usage"]["completion_tokens"] > 0
     await orch.cleanup([rid])
     # Barge-in mid-stream: abort closes the HTTP stream and nothing more is emitted.
     outputs.clear()
     rid = await text_turn(1, "Count from one to two hundred in words.")
-    while not any(o.kind == "text" for o in outputs):
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: any(o.kind == "text" for o in outputs), 120, "the first words")
     await orch.abort_requests([rid])
     count = len(outputs)
-    await asyncio.sleep(0.5)
+
+    def drained() -> bool:
+        # With its HTTP stream closed and no turn running, nothing is left to output.
+        return remote.pending() == 0 and orch.running_turns() == 0
+
+    await wait_until(drained, 5, "the aborted turn to drain")
     assert len(outputs) == count and not any(o.finished for o in outputs)
-    assert remote.pending() == 0 and orch.running_turns() == 0
     await orch.cleanup([rid])
     await remote.aclose()

@@ -19,9 +19,12 @@ import pytest
 import soundfile as sf
 import soxr
 import yaml
-from conftest import ROOT, running_gateway
 from openai import AsyncOpenAI
 from websockets.asyncio.client import connect
+
+from tests.helpers import ROOT, running_gateway
+
+pytestmark = pytest.mark.models
 
 RECORDING = Path("/usr/share/sounds/alsa/Front_Center.wav")
 MODEL = "duplex-smollm2"

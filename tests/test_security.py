@@ -19,11 +19,13 @@ from typing import Any
 import psutil
 import pytest
 import yaml
-from conftest import ROOT, running_gateway
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from gateway.config import GatewayConfig
+from tests.helpers import ROOT, running_gateway, wait_until
+
+pytestmark = pytest.mark.models
 
 KEY = "sk-test-7f3a91"
 GOOD_ORIGIN = "https://app.example"
@@ -286,9 +288,11 @@ async def test_max_sessions(gateway: Gateway) -> None:
     finally:
         for ws in open_:
             await ws.close()
-    deadline = time.monotonic() + 10
-    while json.loads(get(gateway.http + "/healthz")[1])["sessions"] and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
+
+    def released() -> bool:
+        return json.loads(get(gateway.http + "/healthz")[1])["sessions"] == 0
+
+    await wait_until(released, 10, "the closed sessions to be released")
     ws = await open_session(gateway)
     await ws.close()
 

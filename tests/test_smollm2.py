@@ -40,11 +40,13 @@ def greedy(model: Any, tokenizer: Any, max_tokens: int) -> str:
     return mlx_lm.generate(model, tokenizer, prompt, max_tokens=max_tokens)
 
 
+@pytest.mark.models
 def test_greedy_chat_answer_names_paris(loaded: tuple[Any, Any]) -> None:
     model, tokenizer = loaded
     assert "Paris" in greedy(model, tokenizer, max_tokens=24)
 
 
+@pytest.mark.models
 def test_mlx_lm_accepts_the_directory(model_dir: Path, loaded: tuple[Any, Any]) -> None:
     model, tokenizer = loaded
     config = json.loads((model_dir / "config.json").read_text())
@@ -57,6 +59,7 @@ def test_mlx_lm_accepts_the_directory(model_dir: Path, loaded: tuple[Any, Any]) 
     assert tokenizer.eos_token_id == 2 and tokenizer.eos_token == "<|im_end|>"
 
 
+@pytest.mark.models
 def test_tokenizer_round_trip_is_exact(loaded: tuple[Any, Any]) -> None:
     _, tokenizer = loaded
     ids = tokenizer.encode(MIXED_TEXT, add_special_tokens=False)
@@ -66,6 +69,7 @@ def test_tokenizer_round_trip_is_exact(loaded: tuple[Any, Any]) -> None:
     assert [tokenizer.decode([i]) for i in digits] == list("12345")
 
 
+@pytest.mark.models
 def test_special_tokens_and_chat_template(loaded: tuple[Any, Any]) -> None:
     _, tokenizer = loaded
     assert tokenizer.encode("<|im_start|>user<|im_end|>", add_special_tokens=False)[0] == 1
@@ -93,6 +97,7 @@ def test_unpermute_inverts_llama_cpp_row_order() -> None:
     assert np.array_equal(np.array(smollm2_gguf._unpermute(mx.array(permuted), 3)), rows)
 
 
+@pytest.mark.models
 def test_unpermuted_rows_match_traditional_rope_on_raw_rows(model_dir: Path) -> None:
     # Two equivalent models: our rows with half-split RoPE, and llama.cpp's rows with
     # interleaved (traditional) RoPE. Two layers are enough to see a wrong permutation.
@@ -118,6 +123,7 @@ def test_unpermuted_rows_match_traditional_rope_on_raw_rows(model_dir: Path) -> 
     assert mx.abs(a).max().item() > 1.0  # a real, non-degenerate output
 
 
+@pytest.mark.models
 def test_four_bit_keeps_quantized_weights_and_agrees_with_fp32(
     tmp_path: Path, loaded: tuple[Any, Any]
 ) -> None:

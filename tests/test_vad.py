@@ -85,6 +85,7 @@ def onnx_probs(package_dir: Path, recordings: dict[str, np.ndarray]) -> dict[str
 # ---------------------------------------------------------------- conversion
 
 
+@pytest.mark.models
 def test_converter_writes_the_16k_network(package_dir: Path, tmp_path: Path) -> None:
     calls: list[tuple[int, int]] = []
     silero_onnx.convert(package_dir, tmp_path, lambda done, total: calls.append((done, total)))
@@ -100,6 +101,7 @@ def test_converter_writes_the_16k_network(package_dir: Path, tmp_path: Path) -> 
     np.testing.assert_array_equal(np.array(model.decoder.bias), bias)
 
 
+@pytest.mark.models
 def test_converter_picks_the_branch_by_sample_rate(package_dir: Path) -> None:
     onnx_path = silero_onnx.find_onnx(package_dir)
     w8k = silero_onnx.read_branch_weights(onnx_path, 8000)
@@ -113,6 +115,7 @@ def test_converter_reports_a_missing_model(tmp_path: Path) -> None:
         silero_onnx.convert(tmp_path, tmp_path / "out", lambda done, total: None)
 
 
+@pytest.mark.models
 def test_model_rejects_a_chunk_without_context(vad: SileroVad) -> None:
     import mlx.core as mx
 
@@ -123,6 +126,7 @@ def test_model_rejects_a_chunk_without_context(vad: SileroVad) -> None:
 # ---------------------------------------------------------------- against onnxruntime
 
 
+@pytest.mark.models
 def test_decisions_agree_with_onnxruntime_on_real_speech(
     vad: SileroVad, recordings: dict[str, np.ndarray], onnx_probs: dict[str, np.ndarray]
 ) -> None:
@@ -141,6 +145,7 @@ def test_decisions_agree_with_onnxruntime_on_real_speech(
     assert worst < 1e-4
 
 
+@pytest.mark.models
 def test_recordings_contain_both_speech_and_silence(onnx_probs: dict[str, np.ndarray]) -> None:
     # Guards the agreement test against a degenerate corpus (all speech or all silence).
     every = np.concatenate(list(onnx_probs.values()))
@@ -151,6 +156,7 @@ def test_recordings_contain_both_speech_and_silence(onnx_probs: dict[str, np.nda
 # ---------------------------------------------------------------- batching
 
 
+@pytest.mark.models
 def test_batched_equals_single_stream(vad: SileroVad, recordings: dict[str, np.ndarray]) -> None:
     single = {name: vad.stream().feed(audio) for name, audio in recordings.items()}
     stage = VadStage(vad, max_chunks_per_step=3)
@@ -170,6 +176,7 @@ def test_batched_equals_single_stream(vad: SileroVad, recordings: dict[str, np.n
         np.testing.assert_array_equal(np.array(got[name], np.float32), single[name])
 
 
+@pytest.mark.models
 def test_batch_of_64_equals_batch_of_1(vad: SileroVad) -> None:
     rng = np.random.default_rng(3)
     states: list[VadState | None] = [None] * 64
@@ -183,6 +190,7 @@ def test_batch_of_64_equals_batch_of_1(vad: SileroVad) -> None:
             np.testing.assert_array_equal(one[i].hidden, states[i].hidden)
 
 
+@pytest.mark.models
 def test_unblocked_batches_stay_within_1e6(model_dir: Path) -> None:
     vad = SileroVad(model_dir, block_size=None)
     rng = np.random.default_rng(5)
@@ -192,6 +200,7 @@ def test_unblocked_batches_stay_within_1e6(model_dir: Path) -> None:
     np.testing.assert_allclose(probs, singles, atol=1e-6, rtol=0)
 
 
+@pytest.mark.models
 def test_speech_probability_validates_its_inputs(vad: SileroVad) -> None:
     with pytest.raises(ValueError, match="512"):
         vad.speech_probability(np.zeros((2, 500), np.float32), [None, None])
@@ -203,6 +212,7 @@ def test_speech_probability_validates_its_inputs(vad: SileroVad) -> None:
     assert probs.shape == (0,) and states == []
 
 
+@pytest.mark.models
 def test_state_carries_context_between_chunks(vad: SileroVad) -> None:
     chunk = np.linspace(-0.5, 0.5, CHUNK, dtype=np.float32)
     _, (state,) = vad.speech_probability(chunk[None], [None])
@@ -221,6 +231,7 @@ def _speech_bounds_ms(audio: np.ndarray) -> tuple[int, int]:
     return int(active[0]) * 10, int(active[-1] + 1) * 10
 
 
+@pytest.mark.models
 @pytest.mark.parametrize("name", ["Front_Center", "Front_Left", "Rear_Center"])
 def test_detected_bounds_within_100ms(
     vad: SileroVad, recordings: dict[str, np.ndarray], name: str
@@ -246,6 +257,7 @@ def test_detected_bounds_within_100ms(
     assert padded[0].audio_start_ms == started.audio_start_ms - 300
 
 
+@pytest.mark.models
 def test_noise_is_not_speech(vad: SileroVad, recordings: dict[str, np.ndarray]) -> None:
     probs = vad.stream().feed(recordings["Noise"])
     assert SpeechDetector().push(probs) == []
@@ -254,6 +266,7 @@ def test_noise_is_not_speech(vad: SileroVad, recordings: dict[str, np.ndarray]) 
 # ---------------------------------------------------------------- the stage
 
 
+@pytest.mark.models
 def test_stage_buffers_until_a_whole_chunk(vad: SileroVad) -> None:
     stage = VadStage(vad)
     stage.add("s", None)
@@ -268,6 +281,7 @@ def test_stage_buffers_until_a_whole_chunk(vad: SileroVad) -> None:
     assert not stage.has_work()
 
 
+@pytest.mark.models
 def test_stage_bounds_the_chunks_of_one_step(vad: SileroVad) -> None:
     stage = VadStage(vad, max_chunks_per_step=4)
     stage.add("s", None)
@@ -278,6 +292,7 @@ def test_stage_bounds_the_chunks_of_one_step(vad: SileroVad) -> None:
     assert sizes == [4, 4, 2]
 
 
+@pytest.mark.models
 def test_stage_abort_forgets_the_stream(vad: SileroVad) -> None:
     stage = VadStage(vad)
     stage.add("a", None)
@@ -294,6 +309,7 @@ def test_stage_abort_forgets_the_stream(vad: SileroVad) -> None:
     assert stage.open_streams() == ["b", "a"]
 
 
+@pytest.mark.models
 def test_stage_rejects_bad_requests(vad: SileroVad) -> None:
     stage = VadStage(vad, max_pending_ms=1000)
     with pytest.raises(ValueError, match="no inputs"):
@@ -315,6 +331,7 @@ def test_stage_rejects_bad_requests(vad: SileroVad) -> None:
         SileroVad(Path("."), block_size=0)
 
 
+@pytest.mark.models
 async def test_stage_runs_inside_the_engine(
     vad: SileroVad, recordings: dict[str, np.ndarray]
 ) -> None:

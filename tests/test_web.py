@@ -21,8 +21,11 @@ import pytest
 import soundfile as sf
 import soxr
 import yaml
-from conftest import ROOT, running_gateway
 from playwright.sync_api import Page, sync_playwright
+
+from tests.helpers import ROOT, running_gateway
+
+pytestmark = pytest.mark.models
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = ROOT / "tests" / "artifacts"
@@ -78,6 +81,8 @@ def _demo(page: Page) -> dict:
 
 
 def _wait_for(page: Page, done, timeout: float) -> dict:
+    """The page's demo state once `done(state)` holds, else the last one seen after
+    `timeout` s; the callers assert on it, so a timeout fails with the state."""
     deadline = time.monotonic() + timeout
     state = _demo(page)
     while time.monotonic() < deadline and not done(state):

@@ -18,7 +18,11 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the engine is imported only once the gateway starts
+    from gateway.config import GatewayConfig
+    from gateway.engine_backend import EngineBackend
 
 __all__ = ["main"]
 
@@ -111,7 +115,9 @@ async def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _start_engine(profile: dict[str, Any], config: Any, source: str) -> tuple[Any, str]:
+async def _start_engine(
+    profile: dict[str, Any], config: GatewayConfig, source: str
+) -> tuple[EngineBackend, str]:
     """Build the engine from the profile (preparing models first) and wrap it."""
     from duplex.manager import DuplexSessionManager
     from engine.build import build_engine

@@ -204,10 +204,12 @@ class DuplexSession:
         self._check_turn(plan, entry_stage_id, final_stage_id)
         event = TurnEvent.START_TURN if conversation else TurnEvent.START_SIDE_TURN
         self._state = transition(self._state, event)
-        turn_id = self._next_turn_id()
+        # The requests are named under the fence before it moves on: `stage{N}-turn{T}`
+        # with T this turn's id.
         contexts = [
             self._context(n, final_stage_id) for n in range(entry_stage_id, final_stage_id + 1)
         ]
+        turn_id = self._next_turn_id()
         for ctx in contexts:
             self._requests[ctx.request_id] = _StageRequest(ctx.stage_id, turn_id)
         turn = _Turn(turn_id, final_stage_id, contexts[0].request_id, tag, conversation)
@@ -221,9 +223,15 @@ class DuplexSession:
 
     def reject_turn(self, tag: str | None, error: str) -> list[SessionStep]:
         """A turn the caller could not start: it gets an id and ends failed at once, so
-        whoever waits for its `TurnDone` gets one."""
-        turn_id = self._next_turn_id()
-        return [TurnDone(turn_id=turn_id, status="failed", reason="rejected", error=error, tag=tag)]
+        whoever waits for its `TurnDone` gets one. Nothing once the session is closed:
+        `SessionClosed` is its last event."""
+        if self._state is SessionState.CLOSED:
+            return []
+        done = TurnDone(
+            turn_id=self._fence.turn_id, status="failed", reason="rejected", error=error, tag=tag
+        )
+        self._next_turn_id()
+        return [done]
 
     def prepare_turn(
         self, plan: DuplexAppendPlan, *, entry_stage_id: int, final_stage_id: int

@@ -227,10 +227,12 @@ class DuplexSessionHandle:
     # -- the shell --------------------------------------------------------------------
 
     def _on_output(self, out: DuplexStageOutput) -> None:
-        # Fail the turn before routing when the reader is behind: the output and all
-        # later ones of the turn are then stale and dropped.
+        # Fail the turn before routing when the reader is behind and the output would
+        # join the queue: it and all later ones of the turn are then stale and dropped.
+        # An output the client never sees (a turn's last "done") still ends its turn.
         turn = self._session.turn_of(out.request_id)
-        if self._outputs_queued >= self._max_events and turn is not None:
+        full = self._outputs_queued >= self._max_events
+        if full and turn is not None and out.shows_client:
             error = f"{self._outputs_queued} events waiting unread; the reader is too slow"
             self._spawn(self._session.fail_turn(turn, error, reason="backpressure"))
         routing = self._session.route_output(out)

@@ -45,7 +45,14 @@ from duplex.contracts import (
     duplex_ephemeral_stage_request_id,
     duplex_same_turn_request_ids,
 )
-from duplex.events import SessionClosed, SessionOpened, TurnDone, TurnOutput, TurnStatus
+from duplex.events import (
+    CANCEL_REASONS,
+    SessionClosed,
+    SessionOpened,
+    TurnDone,
+    TurnOutput,
+    TurnStatus,
+)
 from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput, fence_from_request_id
 from duplex.state import SessionState, TurnEvent, transition
 
@@ -270,7 +277,13 @@ class DuplexSession:
         self, *, tag: str | None = None, reason: str = "client_cancelled"
     ) -> list[SessionStep]:
         """Cancel the turn named `tag`, or the conversation's turn when `tag` is None;
-        a no-op when no such turn is running."""
+        a no-op when no such turn is running.
+
+        Raises:
+            ValueError: `reason` is not one of `duplex.events.CANCEL_REASONS`.
+        """
+        if reason not in CANCEL_REASONS:
+            raise ValueError(f"cancel reason must be one of {sorted(CANCEL_REASONS)}: {reason!r}")
         turn = self._find(tag)
         if turn is None:
             transition(self._state, TurnEvent.CANCEL_TURN)  # raises in a state that can't
@@ -311,7 +324,7 @@ class DuplexSession:
             return OutputRouting(OutputRoute.CONSUME, tuple(steps), decision=_decision(out))
         ends_turn = out.finished and out.stage_id == turn.final_stage_id
         tail = self._complete_turn(turn) if ends_turn else []
-        if out.text or out.audio or out.kind == "transcript":
+        if out.shows_client:
             forward = TurnOutput(turn_id=turn.turn_id, output=out, tag=turn.tag)
             return OutputRouting(OutputRoute.FORWARD, (forward, *tail))
         return OutputRouting(OutputRoute.CONSUME, tuple(tail), decision=_decision(out))
@@ -353,13 +366,7 @@ class DuplexSession:
         reason: str | None = None,
         error: str | None = None,
     ) -> list[SessionStep]:
-        del self._turns[turn.turn_id]
-        if turn.conversation:
-            self._conversation_turn = None
-            if self._state is SessionState.RESPONDING:  # not when closing
-                self._state = transition(self._state, _END_EVENTS[status])
-        anchor = turn.anchor_request_id
-        steps = self._release([anchor, *duplex_same_turn_request_ids(anchor, self._requests)])
+        # Built first: an invalid reason or a missing error raises before anything changed.
         done = TurnDone(
             turn_id=turn.turn_id,
             status=status,
@@ -368,6 +375,13 @@ class DuplexSession:
             error=error,
             tag=turn.tag,
         )
+        del self._turns[turn.turn_id]
+        if turn.conversation:
+            self._conversation_turn = None
+            if self._state is SessionState.RESPONDING:  # not when closing
+                self._state = transition(self._state, _END_EVENTS[status])
+        anchor = turn.anchor_request_id
+        steps = self._release([anchor, *duplex_same_turn_request_ids(anchor, self._requests)])
         return [*steps, done]
 
     def _release(self, request_ids: list[str]) -> list[SessionStep]:

@@ -397,6 +397,16 @@ def test_stage_output_validates_and_freezes() -> None:
             DuplexStageOutput("s", GOOD, 2, "audio", audio=partial, sample_rate=16000)
 
 
+def test_stage_output_shows_the_client_payload_and_transcripts() -> None:
+    def shown(kind: str, text: str = "", audio: bytes = b"") -> bool:
+        rate = 16000 if audio else 0
+        return DuplexStageOutput("s", GOOD, 1, kind, text, audio, rate).shows_client
+
+    assert shown("text", "hi") and shown("audio", audio=bytes(SAMPLE_BYTES))
+    assert shown("transcript") and shown("done", "last words")
+    assert not shown("text") and not shown("done") and not shown("error", "boom")
+
+
 def test_stage_id_from_resumable_and_other_roles() -> None:
     fence = DuplexFence("s", 0, 0)
     assert stage_id_from_request_id(duplex_resource_request_id(fence, "stage3")) == 3

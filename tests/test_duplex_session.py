@@ -386,6 +386,18 @@ def test_next_turn_after_barge_in_uses_the_new_fence() -> None:
     assert session.route_output(audio(new, "fresh", 20)).route is OutputRoute.FORWARD
 
 
+def test_a_refused_cancel_or_failure_changes_nothing() -> None:
+    session = opened()
+    ids = start(session, tag="resp_1")
+    with pytest.raises(ValueError, match="cancel reason"):
+        session.cancel(reason="bored")
+    with pytest.raises(ValueError, match="error message"):
+        session.fail_turn(0, "")
+    assert session.fence == DuplexFence(SESSION, 0, 1) and session.active_turn_id == 0
+    assert session.owned_request_ids == tuple(ids)
+    assert aborted(session.cancel()) == ids
+
+
 # -- failures and unknown outputs -----------------------------------------------------
 
 

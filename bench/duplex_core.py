@@ -80,10 +80,11 @@ async def bench_manager(turns: int, chunks_per_turn: int) -> dict[str, object]:
     to_done, to_aborted, emitted, busy = [], [], 0, 0.0
     for _ in range(turns):
         tts = await _start(handle)
+        chunks = [audio_chunk(port, tts) for _ in range(chunks_per_turn)]
         caught_up.clear()
         t0 = time.perf_counter()
-        for _ in range(chunks_per_turn):
-            port.emit(audio_chunk(port, tts))
+        for chunk in chunks:
+            port.emit(chunk)
         await caught_up.wait()
         busy += time.perf_counter() - t0
         emitted += chunks_per_turn

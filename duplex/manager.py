@@ -26,7 +26,7 @@ import asyncio
 import collections
 import logging
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from types import MappingProxyType
 
 from duplex.actions import (
@@ -206,7 +206,7 @@ class DuplexSessionHandle:
             self._close_task = asyncio.ensure_future(self._close())
         await asyncio.shield(self._close_task)
 
-    async def events(self) -> AsyncIterator[DuplexEvent]:
+    async def events(self) -> AsyncGenerator[DuplexEvent, None]:
         """Yield this session's events until (and including) `SessionClosed`."""
         if self._consuming:
             raise DuplexStateError(f"session {self.session_id} already has an events() reader")

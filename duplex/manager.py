@@ -15,8 +15,8 @@ A turn that ends early (cancel, failure) takes its outputs still waiting in the 
 with it: the reader never sees an output of a turn after that turn was cancelled.
 
 Backpressure: each session's event queue holds at most `max_events` outputs (terminal
-events always fit). When it is full, the turn of the next output fails with reason
-`"backpressure"` (its requests are aborted: producing audio nobody reads only adds
+events always fit). When it is full, the turn of the next output the client would see
+fails with reason `"backpressure"` (its requests are aborted: producing audio nobody reads only adds
 latency) and `start_turn` raises `DuplexBackpressureError` until the reader catches up.
 """
 

@@ -16,8 +16,9 @@ with it: the reader never sees an output of a turn after that turn was cancelled
 
 Backpressure: each session's event queue holds at most `max_events` outputs (terminal
 events always fit). When it is full, the turn of the next output the client would see
-fails with reason `"backpressure"` (its requests are aborted: producing audio nobody reads only adds
-latency) and `start_turn` raises `DuplexBackpressureError` until the reader catches up.
+fails with reason `"backpressure"` (its requests are aborted: producing audio nobody
+reads only adds latency) and `start_turn` raises `DuplexBackpressureError` until the
+reader catches up.
 """
 
 from __future__ import annotations

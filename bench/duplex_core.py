@@ -1,9 +1,11 @@
 """Overhead of the duplex session core, with no model behind it.
 
-Measures, over an in-process stage port that answers at once:
+Measures, over the tests' fake stage port (`tests/fakes.py`), which answers at once
+and records nothing here:
 
 - `route_us`: microseconds `DuplexSession.route_output` spends per audio chunk;
-- `manager_outputs_per_s`: stage outputs per second the manager's sink routes and queues;
+- `manager_outputs_per_s`: stage outputs per second the manager's sink routes and
+  queues and the reader takes;
 - `barge_in_to_done_us`: from `barge_in()` to the reader holding `TurnDone(cancelled)`
   (p50/p95), and `barge_in_to_aborted_us` until the port's abort has returned;
 - `stale_after_done`: outputs of the cancelled turn the reader saw after its `TurnDone`
@@ -23,59 +25,23 @@ import statistics
 import sys
 import time
 import tracemalloc
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from duplex.contracts import (  # noqa: E402
-    DuplexAppendPlan,
-    DuplexStageRequestContext,
-    DuplexStageSubmission,
-    DuplexStageSubmissionResult,
-)
+from duplex.contracts import DuplexAppendPlan  # noqa: E402
 from duplex.events import TurnDone, TurnOutput  # noqa: E402
 from duplex.manager import DuplexSessionHandle, DuplexSessionManager  # noqa: E402
-from duplex.outputs import DuplexStageOutput, DuplexStreamingStagePort  # noqa: E402
+from duplex.outputs import DuplexStageOutput  # noqa: E402
 from duplex.session import DuplexSession  # noqa: E402
+from tests.fakes import FakeStagePort  # noqa: E402
 
 PLAN = DuplexAppendPlan({"text": "hello"})
-CHUNK = b"\x00\x01" * 960  # 40 ms of 24 kHz PCM16
+CHUNK_MS = 40
 
 
-class InstantPort(DuplexStreamingStagePort):
-    """Accepts everything at once; the benchmark drives its outputs."""
-
-    def __init__(self) -> None:
-        self.sink: Callable[[DuplexStageOutput], None] | None = None
-        self.aborted = 0
-
-    @property
-    def stage_count(self) -> int:
-        return 3
-
-    def sampling_defaults(self) -> tuple[object, ...]:
-        return (None, None, None)
-
-    def attach_output_sink(self, sink: Callable[[DuplexStageOutput], None]) -> None:
-        self.sink = sink
-
-    def ensure_request(self, context: DuplexStageRequestContext) -> None:
-        return None
-
-    async def submit(self, submission: DuplexStageSubmission) -> DuplexStageSubmissionResult:
-        ctx = submission.context
-        return DuplexStageSubmissionResult(ctx.request_id, ctx.stage_id, 0)
-
-    async def abort_requests(self, request_ids: list[str]) -> None:
-        self.aborted += len(request_ids)
-
-    async def cleanup(self, request_ids: list[str], *, abort: bool = False) -> None:
-        return None
-
-
-def audio_chunk(request_id: str) -> DuplexStageOutput:
-    return DuplexStageOutput(request_id, 2, "audio", text="word ", audio=CHUNK, sample_rate=24000)
+def audio_chunk(port: FakeStagePort, request_id: str) -> DuplexStageOutput:
+    return port.output(request_id, "audio", "word ", audio_ms=CHUNK_MS)
 
 
 def bench_route(chunks: int) -> float:
@@ -83,7 +49,8 @@ def bench_route(chunks: int) -> float:
     session.open()
     steps = session.start_turn(PLAN, entry_stage_id=1, final_stage_id=2)
     tts = steps[1].context.request_id  # type: ignore[union-attr]
-    outs = [audio_chunk(tts) for _ in range(chunks)]
+    port = FakeStagePort(record=False)
+    outs = [audio_chunk(port, tts) for _ in range(chunks)]
     start = time.perf_counter()
     for out in outs:
         session.route_output(out)
@@ -91,10 +58,10 @@ def bench_route(chunks: int) -> float:
 
 
 async def bench_manager(turns: int, chunks_per_turn: int) -> dict[str, object]:
-    port = InstantPort()
+    port = FakeStagePort(record=False)
     manager = DuplexSessionManager(port, max_sessions=1, max_events=chunks_per_turn + 8)
     handle = manager.open("bench")
-    done = asyncio.Event()
+    done, caught_up = asyncio.Event(), asyncio.Event()
     seen: dict[str, int] = {"outputs": 0, "stale": 0}
     finished: set[int] = set()
 
@@ -103,6 +70,8 @@ async def bench_manager(turns: int, chunks_per_turn: int) -> dict[str, object]:
             if isinstance(event, TurnOutput):
                 seen["outputs"] += 1
                 seen["stale"] += event.turn_id in finished
+                if seen["outputs"] % chunks_per_turn == 0:
+                    caught_up.set()
             elif isinstance(event, TurnDone):
                 finished.add(event.turn_id)
                 done.set()
@@ -110,21 +79,23 @@ async def bench_manager(turns: int, chunks_per_turn: int) -> dict[str, object]:
     reader = asyncio.create_task(read())
     to_done, to_aborted, emitted, busy = [], [], 0, 0.0
     for _ in range(turns):
-        tts = await _start(handle, port)
+        tts = await _start(handle)
+        chunks = [audio_chunk(port, tts) for _ in range(chunks_per_turn)]
+        caught_up.clear()
         t0 = time.perf_counter()
-        for _ in range(chunks_per_turn):
-            port.sink(audio_chunk(tts))  # type: ignore[misc]
-        await asyncio.sleep(0)
+        for chunk in chunks:
+            port.emit(chunk)
+        await caught_up.wait()
         busy += time.perf_counter() - t0
         emitted += chunks_per_turn
         done.clear()
         start = time.perf_counter()
-        barge = asyncio.ensure_future(handle.barge_in())
+        handle.barge_in()
         await done.wait()
         to_done.append((time.perf_counter() - start) * 1e6)
-        await barge
+        await handle.settled()
         to_aborted.append((time.perf_counter() - start) * 1e6)
-        port.sink(audio_chunk(tts))  # type: ignore[misc]  # a late chunk of the old turn
+        port.emit(audio_chunk(port, tts))  # a late chunk of the old turn
     await handle.close()
     await reader
     return {
@@ -136,20 +107,22 @@ async def bench_manager(turns: int, chunks_per_turn: int) -> dict[str, object]:
     }
 
 
-async def _start(handle: DuplexSessionHandle, port: InstantPort) -> str:
-    turn = await handle.start_turn(PLAN, entry_stage_id=1, final_stage_id=2)
+async def _start(handle: DuplexSessionHandle) -> str:
+    turn = handle.start_turn(PLAN, entry_stage_id=1, final_stage_id=2)
+    await handle.settled()
     return next(r for r in handle.owned_request_ids if r.endswith(f"stage2-turn{turn}"))
 
 
 async def bench_memory(sessions: int) -> int:
-    port = InstantPort()
+    port = FakeStagePort(record=False)
     manager = DuplexSessionManager(port, max_sessions=sessions)
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     handles = [manager.open() for _ in range(sessions)]
     for handle in handles:
-        await handle.start_turn(PLAN, entry_stage_id=1, final_stage_id=2)
+        handle.start_turn(PLAN, entry_stage_id=1, final_stage_id=2)
+        await handle.settled()
     gc.collect()
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()

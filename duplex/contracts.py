@@ -76,7 +76,7 @@ def _require_count(owner: str, name: str, value: object) -> None:
 class DuplexFence:
     """Engine-internal session identity used for stage request ids and stale filtering.
 
-    `epoch` moves only on barge-in/cancel; `turn_id` moves when a turn completes. An
+    `epoch` moves when the conversation's turn is cancelled; `turn_id` when a turn starts. An
     output whose fence is older than the session's is stale.
     """
 

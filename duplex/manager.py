@@ -15,9 +15,10 @@ A turn that ends early (cancel, failure) takes its outputs still waiting in the 
 with it: the reader never sees an output of a turn after that turn was cancelled.
 
 Backpressure: each session's event queue holds at most `max_events` outputs (terminal
-events always fit). When it is full, the turn of the next output fails with reason
-`"backpressure"` (its requests are aborted: producing audio nobody reads only adds
-latency) and `start_turn` raises `DuplexBackpressureError` until the reader catches up.
+events always fit). When it is full, the turn of the next output the client would see
+fails with reason `"backpressure"` (its requests are aborted: producing audio nobody
+reads only adds latency) and `start_turn` raises `DuplexBackpressureError` until the
+reader catches up.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import asyncio
 import collections
 import logging
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from types import MappingProxyType
 
 from duplex.actions import (
@@ -206,7 +207,7 @@ class DuplexSessionHandle:
             self._close_task = asyncio.ensure_future(self._close())
         await asyncio.shield(self._close_task)
 
-    async def events(self) -> AsyncIterator[DuplexEvent]:
+    async def events(self) -> AsyncGenerator[DuplexEvent, None]:
         """Yield this session's events until (and including) `SessionClosed`."""
         if self._consuming:
             raise DuplexStateError(f"session {self.session_id} already has an events() reader")
@@ -227,10 +228,12 @@ class DuplexSessionHandle:
     # -- the shell --------------------------------------------------------------------
 
     def _on_output(self, out: DuplexStageOutput) -> None:
-        # Fail the turn before routing when the reader is behind: the output and all
-        # later ones of the turn are then stale and dropped.
+        # Fail the turn before routing when the reader is behind and the output would
+        # join the queue: it and all later ones of the turn are then stale and dropped.
+        # An output the client never sees (a turn's last "done") still ends its turn.
         turn = self._session.turn_of(out.request_id)
-        if self._outputs_queued >= self._max_events and turn is not None:
+        full = self._outputs_queued >= self._max_events
+        if full and turn is not None and out.shows_client:
             error = f"{self._outputs_queued} events waiting unread; the reader is too slow"
             self._spawn(self._session.fail_turn(turn, error, reason="backpressure"))
         routing = self._session.route_output(out)

@@ -80,6 +80,14 @@ class DuplexStageOutput:
         object.__setattr__(self, "metadata", MappingProxyType(dict(self.metadata)))
 
     @property
+    def shows_client(self) -> bool:
+        """Whether the client has something to see in it: text, audio or a transcript
+        (an empty one too: it says transcription finished); never an error."""
+        if self.kind == "error":
+            return False
+        return bool(self.text or self.audio) or self.kind == "transcript"
+
+    @property
     def duration_ms(self) -> float:
         """Playback length of `audio` in milliseconds (0 without audio)."""
         if not self.audio:

@@ -45,7 +45,14 @@ from duplex.contracts import (
     duplex_ephemeral_stage_request_id,
     duplex_same_turn_request_ids,
 )
-from duplex.events import SessionClosed, SessionOpened, TurnDone, TurnOutput, TurnStatus
+from duplex.events import (
+    CANCEL_REASONS,
+    SessionClosed,
+    SessionOpened,
+    TurnDone,
+    TurnOutput,
+    TurnStatus,
+)
 from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput, fence_from_request_id
 from duplex.state import SessionState, TurnEvent, transition
 
@@ -204,10 +211,12 @@ class DuplexSession:
         self._check_turn(plan, entry_stage_id, final_stage_id)
         event = TurnEvent.START_TURN if conversation else TurnEvent.START_SIDE_TURN
         self._state = transition(self._state, event)
-        turn_id = self._next_turn_id()
+        # The requests are named under the fence before it moves on: `stage{N}-turn{T}`
+        # with T this turn's id.
         contexts = [
             self._context(n, final_stage_id) for n in range(entry_stage_id, final_stage_id + 1)
         ]
+        turn_id = self._next_turn_id()
         for ctx in contexts:
             self._requests[ctx.request_id] = _StageRequest(ctx.stage_id, turn_id)
         turn = _Turn(turn_id, final_stage_id, contexts[0].request_id, tag, conversation)
@@ -221,9 +230,15 @@ class DuplexSession:
 
     def reject_turn(self, tag: str | None, error: str) -> list[SessionStep]:
         """A turn the caller could not start: it gets an id and ends failed at once, so
-        whoever waits for its `TurnDone` gets one."""
-        turn_id = self._next_turn_id()
-        return [TurnDone(turn_id=turn_id, status="failed", reason="rejected", error=error, tag=tag)]
+        whoever waits for its `TurnDone` gets one. Nothing once the session is closed:
+        `SessionClosed` is its last event."""
+        if self._state is SessionState.CLOSED:
+            return []
+        done = TurnDone(
+            turn_id=self._fence.turn_id, status="failed", reason="rejected", error=error, tag=tag
+        )
+        self._next_turn_id()
+        return [done]
 
     def prepare_turn(
         self, plan: DuplexAppendPlan, *, entry_stage_id: int, final_stage_id: int
@@ -262,7 +277,13 @@ class DuplexSession:
         self, *, tag: str | None = None, reason: str = "client_cancelled"
     ) -> list[SessionStep]:
         """Cancel the turn named `tag`, or the conversation's turn when `tag` is None;
-        a no-op when no such turn is running."""
+        a no-op when no such turn is running.
+
+        Raises:
+            ValueError: `reason` is not one of `duplex.events.CANCEL_REASONS`.
+        """
+        if reason not in CANCEL_REASONS:
+            raise ValueError(f"cancel reason must be one of {sorted(CANCEL_REASONS)}: {reason!r}")
         turn = self._find(tag)
         if turn is None:
             transition(self._state, TurnEvent.CANCEL_TURN)  # raises in a state that can't
@@ -303,7 +324,7 @@ class DuplexSession:
             return OutputRouting(OutputRoute.CONSUME, tuple(steps), decision=_decision(out))
         ends_turn = out.finished and out.stage_id == turn.final_stage_id
         tail = self._complete_turn(turn) if ends_turn else []
-        if out.text or out.audio or out.kind == "transcript":
+        if out.shows_client:
             forward = TurnOutput(turn_id=turn.turn_id, output=out, tag=turn.tag)
             return OutputRouting(OutputRoute.FORWARD, (forward, *tail))
         return OutputRouting(OutputRoute.CONSUME, tuple(tail), decision=_decision(out))
@@ -345,13 +366,7 @@ class DuplexSession:
         reason: str | None = None,
         error: str | None = None,
     ) -> list[SessionStep]:
-        del self._turns[turn.turn_id]
-        if turn.conversation:
-            self._conversation_turn = None
-            if self._state is SessionState.RESPONDING:  # not when closing
-                self._state = transition(self._state, _END_EVENTS[status])
-        anchor = turn.anchor_request_id
-        steps = self._release([anchor, *duplex_same_turn_request_ids(anchor, self._requests)])
+        # Built first: an invalid reason or a missing error raises before anything changed.
         done = TurnDone(
             turn_id=turn.turn_id,
             status=status,
@@ -360,6 +375,13 @@ class DuplexSession:
             error=error,
             tag=turn.tag,
         )
+        del self._turns[turn.turn_id]
+        if turn.conversation:
+            self._conversation_turn = None
+            if self._state is SessionState.RESPONDING:  # not when closing
+                self._state = transition(self._state, _END_EVENTS[status])
+        anchor = turn.anchor_request_id
+        steps = self._release([anchor, *duplex_same_turn_request_ids(anchor, self._requests)])
         return [*steps, done]
 
     def _release(self, request_ids: list[str]) -> list[SessionStep]:

@@ -30,6 +30,7 @@ from duplex.contracts import (
     duplex_turn_id_from_request_id,
 )
 from duplex.outputs import (
+    SAMPLE_BYTES,
     DuplexStageOutput,
     DuplexStreamingStagePort,
     fence_from_request_id,
@@ -373,11 +374,12 @@ def test_data_plane_request_info() -> None:
 
 def test_stage_output_validates_and_freezes() -> None:
     out = DuplexStageOutput(
+        session_id="s",
         request_id=GOOD,
         stage_id=2,
         kind="audio",
         text="Hi.",
-        audio=bytearray(b"\x01\x00" * 240),
+        audio=bytearray(b"\x00\x00\x00\x3f" * 240),  # float32 0.5
         sample_rate=24000,
         metadata={"finish_reason": "stop"},
     )
@@ -385,13 +387,24 @@ def test_stage_output_validates_and_freezes() -> None:
     assert isinstance(out.audio, bytes)
     with pytest.raises(TypeError):
         out.metadata["x"] = 1  # type: ignore[index]
-    assert DuplexStageOutput(GOOD, 1, "text", text="a").duration_ms == 0.0
+    assert DuplexStageOutput("s", GOOD, 1, "text", text="a").duration_ms == 0.0
     with pytest.raises(ValueError, match="kind"):
-        DuplexStageOutput(GOOD, 1, "token")
+        DuplexStageOutput("s", GOOD, 1, "token")
     with pytest.raises(ValueError, match="sample_rate"):
-        DuplexStageOutput(GOOD, 2, "audio", audio=b"\x00\x00")
-    with pytest.raises(ValueError, match="even"):
-        DuplexStageOutput(GOOD, 2, "audio", audio=b"\x00", sample_rate=16000)
+        DuplexStageOutput("s", GOOD, 2, "audio", audio=bytes(SAMPLE_BYTES))
+    for partial in (b"\x00", b"\x00\x00", b"\x00" * 6):  # PCM16 sizes are not float32
+        with pytest.raises(ValueError, match="whole float32 samples"):
+            DuplexStageOutput("s", GOOD, 2, "audio", audio=partial, sample_rate=16000)
+
+
+def test_stage_output_shows_the_client_payload_and_transcripts() -> None:
+    def shown(kind: str, text: str = "", audio: bytes = b"") -> bool:
+        rate = 16000 if audio else 0
+        return DuplexStageOutput("s", GOOD, 1, kind, text, audio, rate).shows_client
+
+    assert shown("text", "hi") and shown("audio", audio=bytes(SAMPLE_BYTES))
+    assert shown("transcript") and shown("done", "last words")
+    assert not shown("text") and not shown("done") and not shown("error", "boom")
 
 
 def test_stage_id_from_resumable_and_other_roles() -> None:

@@ -6,67 +6,36 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
-from duplex.contracts import (
-    DuplexStageRequestContext,
-    DuplexStageSubmission,
-    DuplexStageSubmissionResult,
-)
+from duplex.contracts import DuplexStageSubmission
 from duplex.manager import DuplexSessionManager
-from duplex.outputs import DuplexStageOutput, DuplexStreamingStagePort
 from duplex.turn import Stage, TurnRequest
 from gateway.backend import ResponseDone, ResponseEvent, ResponseOutput
 from gateway.engine_backend import EngineBackendSession
+from tests.fakes import FakeStagePort
+
+USAGE = {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8}
 
 
-class ScriptedPort(DuplexStreamingStagePort):
-    """Answers each final-stage request with "hi", then finishes it; a turn whose text is
-    "hold" gets no answer (it runs until cancelled)."""
+def scripted_port() -> FakeStagePort:
+    """Answers each turn's final-stage request with "hi", then finishes it; a turn whose
+    text is "hold" gets no answer (it runs until cancelled)."""
+    port = FakeStagePort()
 
-    def __init__(self) -> None:
-        self.sink: Callable[[DuplexStageOutput], None] | None = None
-        self.contexts: dict[str, DuplexStageRequestContext] = {}
-        self.aborted: list[str] = []
-
-    @property
-    def stage_count(self) -> int:
-        return 3
-
-    def sampling_defaults(self) -> tuple[object, ...]:
-        return (None, None, None)
-
-    def attach_output_sink(self, sink: Callable[[DuplexStageOutput], None]) -> None:
-        self.sink = sink
-
-    def ensure_request(self, context: DuplexStageRequestContext) -> None:
-        self.contexts[context.request_id] = context
-
-    async def submit(self, submission: DuplexStageSubmission) -> DuplexStageSubmissionResult:
-        ctx = submission.context
+    def answer(submission: DuplexStageSubmission) -> None:
         if TurnRequest.from_plan(submission.prompt).text != "hold":
-            asyncio.get_running_loop().call_soon(self.answer, ctx)
-        return DuplexStageSubmissionResult(
-            request_id=ctx.request_id, stage_id=ctx.stage_id, replica_id=0
-        )
+            rid = submission.context.request_id
+            asyncio.get_running_loop().call_soon(answer_now, port, rid)
 
-    def answer(self, ctx: DuplexStageRequestContext, *, finish: bool = True) -> None:
-        assert self.sink is not None
-        sid, rid, stage = ctx.session_id, ctx.request_id, ctx.stage_id
-        self.sink(DuplexStageOutput(sid, rid, stage, "text", text="hi"))
-        if finish:
-            usage = {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8}
-            done = DuplexStageOutput(
-                sid, rid, stage, "done", finished=True, metadata={"usage": usage}
-            )
-            self.sink(done)
+    port.on_submit = answer
+    return port
 
-    async def abort_requests(self, request_ids: list[str]) -> None:
-        self.aborted += request_ids
 
-    async def cleanup(self, request_ids: list[str], *, abort: bool = False) -> None:
-        for rid in request_ids:
-            self.contexts.pop(rid, None)
+def answer_now(port: FakeStagePort, rid: str, *, finish: bool = True) -> None:
+    port.push(rid, "text", "hi")
+    if finish:
+        port.push(rid, "done", finished=True, usage=USAGE)
 
 
 def text_turn(text: str = "hello") -> TurnRequest:
@@ -86,21 +55,19 @@ async def collect(session: EngineBackendSession, count: int) -> list[ResponseEve
 
 
 def opened(
-    port: ScriptedPort, session_id: str
+    port: FakeStagePort, session_id: str
 ) -> tuple[DuplexSessionManager, EngineBackendSession]:
     manager = DuplexSessionManager(port, max_sessions=4)
     return manager, EngineBackendSession(manager.open(session_id))
 
 
 async def test_outputs_carry_the_response_id_and_a_barge_in_ends_the_turn_below() -> None:
-    port = ScriptedPort()
+    port = scripted_port()
     manager, session = opened(port, "sess_a")
     session.start("resp_1", text_turn(), conversation=True)
     first = await collect(session, 2)
     assert first[0] == ResponseOutput("resp_1", "text", text="hi")
-    assert first[1] == ResponseDone(
-        "resp_1", "completed", usage={"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8}
-    )
+    assert first[1] == ResponseDone("resp_1", "completed", usage=USAGE)
     session.start("resp_2", text_turn("hold"), conversation=True)
     session.cancel("resp_2", reason="turn_detected")
     session.start("resp_3", text_turn(), conversation=True)
@@ -108,11 +75,7 @@ async def test_outputs_carry_the_response_id_and_a_barge_in_ends_the_turn_below(
     assert events == [
         ResponseDone("resp_2", "cancelled", reason="turn_detected"),
         ResponseOutput("resp_3", "text", text="hi"),
-        ResponseDone(
-            "resp_3",
-            "completed",
-            usage={"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8},
-        ),
+        ResponseDone("resp_3", "completed", usage=USAGE),
     ]
     assert port.aborted  # the barged-in turn's request was aborted
     await session.close()
@@ -120,7 +83,7 @@ async def test_outputs_carry_the_response_id_and_a_barge_in_ends_the_turn_below(
 
 
 async def test_out_of_band_turns_run_beside_the_conversation_in_one_duplex_session() -> None:
-    port = ScriptedPort()
+    port = scripted_port()
     manager, session = opened(port, "sess_b")
     session.start("resp_main", text_turn("hold"), conversation=True)
     session.start("resp_side", text_turn(), conversation=False)
@@ -138,7 +101,7 @@ async def test_out_of_band_turns_run_beside_the_conversation_in_one_duplex_sessi
 
 
 async def test_a_turn_that_cannot_start_ends_failed() -> None:
-    port = ScriptedPort()
+    port = scripted_port()
     _, session = opened(port, "sess_c")
     session.start("resp_1", text_turn("hold"), conversation=True)
     session.start("resp_2", text_turn(), conversation=True)  # the conversation is busy
@@ -150,13 +113,13 @@ async def test_a_turn_that_cannot_start_ends_failed() -> None:
 
 
 async def test_outputs_still_queued_when_a_turn_is_cancelled_never_come_out() -> None:
-    port = ScriptedPort()
+    port = scripted_port()
     manager, session = opened(port, "sess_d")
     session.start("resp_1", text_turn("hold"), conversation=True)
     await manager.get("sess_d").settled()  # type: ignore[union-attr]
-    [ctx] = port.contexts.values()
-    port.answer(ctx, finish=False)  # queued for the reader, not read yet
-    port.answer(ctx, finish=False)
+    [rid] = port.reserved
+    answer_now(port, rid, finish=False)  # queued for the reader, not read yet
+    answer_now(port, rid, finish=False)
     session.cancel("resp_1", reason="turn_detected")
     assert await collect(session, 1) == [
         ResponseDone("resp_1", "cancelled", reason="turn_detected")

@@ -21,10 +21,11 @@ from websockets.asyncio.client import connect
 
 from duplex.errors import DuplexStateError
 from duplex.manager import DuplexSessionManager
-from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput, DuplexStreamingStagePort
+from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput
 from duplex.turn import Stage, TurnRequest
 from engine.config import parse_config
 from tests.fake_engine import Harness, audio, turn
+from tests.fakes import FakeStagePort
 from tests.helpers import running_gateway
 
 
@@ -218,44 +219,8 @@ async def test_shutdown_discards_prepared_turns(h: Harness) -> None:
 # ---- through the duplex session manager ----------------------------------------------
 
 
-class RecordingPort(DuplexStreamingStagePort):
-    """Records what the session manager asks of the port; runs no turn."""
-
-    def __init__(self) -> None:
-        self.prepared: list[DuplexPreparedTurn] = []
-        self.discarded: list[str] = []
-
-    @property
-    def stage_count(self) -> int:
-        return 3
-
-    def sampling_defaults(self) -> tuple[object, ...]:
-        return ("asr", "llm", "tts")
-
-    def ensure_request(self, context: Any) -> None:
-        return None
-
-    async def submit(self, submission: Any) -> Any:
-        raise AssertionError("no turn is started here")
-
-    async def abort_requests(self, request_ids: list[str]) -> None:
-        return None
-
-    async def cleanup(self, request_ids: list[str], *, abort: bool = False) -> None:
-        return None
-
-    def attach_output_sink(self, sink: Any) -> None:
-        return None
-
-    def prepare_turn(self, turn: DuplexPreparedTurn) -> None:
-        self.prepared.append(turn)
-
-    def discard_prepared(self, session_id: str) -> None:
-        self.discarded.append(session_id)
-
-
 async def test_the_session_handle_prepares_what_start_turn_would_submit() -> None:
-    port = RecordingPort()
+    port = FakeStagePort(sampling=("asr", "llm", "tts"))
     manager = DuplexSessionManager(port, max_sessions=2)
     handle = manager.open("s1")
     handle.update_config({"voice": "joe"})

@@ -12,7 +12,6 @@ import dataclasses
 import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -26,6 +25,7 @@ from duplex.contracts import (
     duplex_ephemeral_stage_request_id,
 )
 from duplex.outputs import DuplexStageOutput
+from duplex.turn import AUDIO_RATE, Stage, TurnRequest
 from engine.build import EngineBundle, build_engine
 from engine.config import load_config
 from engine.tts import TtsRequest
@@ -36,14 +36,17 @@ pytestmark = [pytest.mark.models, pytest.mark.asyncio(loop_scope="module")]
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "What is the capital of France?"
 WAIT_S = 240.0
+VOICE_RATE = 22050  # the embedded Piper voice's own rate
 
 
-async def record(bundle: EngineBundle, text: str, rid: str) -> np.ndarray:
-    """16 kHz float32 speech of `text`, spoken by the engine's own voice on its thread."""
-    stream = bundle.engine.stream("tts", rid, TtsRequest(sample_rate=16000))
+async def record(bundle: EngineBundle, text: str, rid: str) -> bytes:
+    """16 kHz float32 speech of `text` (turn audio), spoken by the engine's own voice on
+    its thread."""
+    stream = bundle.engine.stream("tts", rid, TtsRequest())
     await bundle.engine.call("tts", "feed", rid, text, True)
-    pcm = b"".join([out.payload.pcm16 async for out in stream])
-    return np.frombuffer(pcm, "<i2").astype(np.float32) / 32768
+    chunks = [out.payload async for out in stream]
+    voice = np.concatenate([c.samples for c in chunks])
+    return soxr.resample(voice, chunks[0].sample_rate, AUDIO_RATE).astype("<f4").tobytes()
 
 
 def words(text: str) -> list[str]:
@@ -84,7 +87,7 @@ class Client:
         session: str,
         turn: int,
         *,
-        audio: np.ndarray | None = None,
+        audio: bytes | None = None,
         text: str | None = None,
         speak: bool = True,
         epoch: int = 0,
@@ -106,15 +109,17 @@ class Client:
         ]
         for ctx in contexts:
             self.orch.ensure_request(ctx)
-        prompt: dict[str, Any] = {
-            "messages": [],
-            "output_modalities": ["audio" if speak else "text"],
-            "max_output_tokens": max_output_tokens,
-            "cache_key": session,
-        }
-        prompt.update({"audio": audio} if audio is not None else {"text": text})
+        request = TurnRequest(
+            final=Stage.TTS if speak else Stage.LLM,
+            audio=audio,
+            text=None if audio is not None else text,
+            max_output_tokens=max_output_tokens,
+            cache_key=session,
+        )
         await self.orch.submit(
-            DuplexStageSubmission(contexts[0], prompt, already_submitted=False, resumable=False)
+            DuplexStageSubmission(
+                contexts[0], request.plan().prompt, already_submitted=False, resumable=False
+            )
         )
         return [c.request_id for c in contexts]
 
@@ -160,7 +165,7 @@ async def bundle() -> AsyncIterator[EngineBundle]:
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def question(bundle: EngineBundle) -> np.ndarray:
+async def question(bundle: EngineBundle) -> bytes:
     return await record(bundle, QUESTION, "record-question")
 
 
@@ -170,7 +175,7 @@ def client(bundle: EngineBundle) -> Client:
 
 
 async def test_spoken_question_gets_a_spoken_answer_that_matches_its_text(
-    client: Client, question: np.ndarray
+    client: Client, question: bytes
 ) -> None:
     asr, llm, tts = await client.turn("e2e", 0, audio=question)
     await client.until(lambda: client.finished(tts))
@@ -179,7 +184,7 @@ async def test_spoken_question_gets_a_spoken_answer_that_matches_its_text(
     done = client.of(llm, "done")[0]
     assert done.metadata["usage"]["completion_tokens"] > 0
     audio = client.of(tts, "audio")
-    assert audio and all(o.sample_rate == 24000 for o in audio)
+    assert audio and all(o.sample_rate == VOICE_RATE for o in audio)
     assert audio[0].metadata["first_audio_ms"] > 0
     # Two more replies (typed questions, spoken answers) so that one misheard word of a
     # six-word answer does not decide the word error rate on its own.
@@ -193,8 +198,8 @@ async def test_spoken_question_gets_a_spoken_answer_that_matches_its_text(
         text, chunks = client.text(llm_rid), client.of(tts_rid, "audio")
         # The chunks' texts are the reply, in order.
         assert words(" ".join(o.text for o in chunks)) == words(text)
-        pcm = np.frombuffer(b"".join(o.audio for o in chunks), "<i2").astype(np.float32)
-        audio16k = soxr.resample(pcm / 32768, 24000, 16000).astype(np.float32)
+        voice = np.frombuffer(b"".join(o.audio for o in chunks), "<f4")
+        audio16k = soxr.resample(voice, VOICE_RATE, AUDIO_RATE).astype(np.float32)
         heard = await client.transcribe(audio16k, f"check-{n}")
         errors, total = errors + word_errors(text, heard), total + len(words(text))
         print(f"said {text!r}, heard {heard!r}")
@@ -202,14 +207,14 @@ async def test_spoken_question_gets_a_spoken_answer_that_matches_its_text(
     await client.idle()
 
 
-async def test_barge_in_during_asr(client: Client, question: np.ndarray) -> None:
+async def test_barge_in_during_asr(client: Client, question: bytes) -> None:
     ids = await client.turn("asr-cut", 0, audio=question)
     await client.abort_and_check(ids)
     assert client.outputs == []
     await _next_turn_works(client, "asr-cut", question)
 
 
-async def test_barge_in_mid_llm(client: Client, question: np.ndarray) -> None:
+async def test_barge_in_mid_llm(client: Client, question: bytes) -> None:
     ids = await client.turn("llm-cut", 0, audio=question, max_output_tokens=64)
     await client.until(lambda: bool(client.of(ids[1], "text")))
     await client.abort_and_check(ids)
@@ -217,7 +222,7 @@ async def test_barge_in_mid_llm(client: Client, question: np.ndarray) -> None:
     await _next_turn_works(client, "llm-cut", question)
 
 
-async def test_barge_in_mid_tts(client: Client, question: np.ndarray) -> None:
+async def test_barge_in_mid_tts(client: Client, question: bytes) -> None:
     # A question with a long answer, so the first clause's audio leaves more to speak.
     ids = await client.turn("tts-cut", 0, text="Why is the sky blue?", max_output_tokens=64)
     await client.until(lambda: bool(client.of(ids[1], "audio")))
@@ -226,7 +231,7 @@ async def test_barge_in_mid_tts(client: Client, question: np.ndarray) -> None:
     await _next_turn_works(client, "tts-cut", question)
 
 
-async def _next_turn_works(client: Client, session: str, question: np.ndarray) -> None:
+async def _next_turn_works(client: Client, session: str, question: bytes) -> None:
     asr, llm, tts = await client.turn(session, 1, epoch=1, audio=question, max_output_tokens=24)
     await client.until(lambda: client.finished(tts))
     assert words(client.of(asr, "transcript")[0].text) == words(QUESTION)

@@ -22,6 +22,7 @@ from duplex.contracts import (
     duplex_ephemeral_stage_request_id,
 )
 from duplex.outputs import DuplexStageOutput
+from duplex.turn import Stage, TurnRequest
 from engine.config import RemoteLlmConfig, parse_config
 from engine.core import AsyncEngine, EngineCore
 from engine.llm import LlmInput
@@ -260,7 +261,7 @@ async def test_real_server_behind_the_stage_port(mlx_server: str) -> None:
             sampling_params=greedy,
         )
         orch.ensure_request(ctx)
-        prompt = {"text": text, "output_modalities": ["text"]}
+        prompt = TurnRequest(final=Stage.LLM, text=text).plan().prompt
         await orch.submit(DuplexStageSubmission(ctx, prompt, False, False))
         return ctx.request_id
 

@@ -36,9 +36,11 @@ __all__ = [
 
 DEFAULT_MODEL = "silero-vad"
 # Streams run in zero-padded blocks of this many rows. BLAS picks its kernel (and so its
-# rounding) by matrix size; a fixed block shape makes a stream's probabilities bit-identical
-# whatever the number of streams batched with it.
-DEFAULT_BLOCK = 16
+# rounding) by matrix size, and on some CPUs by a row's place in the block too: on an AMD
+# EPYC with OpenBLAS, rows 1, 3, 5-7, 9, 11, 13 and 14 of a 16-row block round differently
+# from row 0, while every row of a 4-row block rounds alike. A fixed, small block makes a
+# stream's probabilities bit-identical whatever the number of streams batched with it.
+DEFAULT_BLOCK = 4
 
 
 @dataclass(frozen=True)

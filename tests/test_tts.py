@@ -17,6 +17,7 @@ import engine  # noqa: F401  (loads the fast BLAS before MLX)
 import mlx.core as mx
 from mlx.utils import tree_map
 
+from duplex.playback import words_before
 from engine.models import vits
 from engine.models.piper_onnx import convert, find_voice, read_voice
 from engine.tts import (
@@ -469,6 +470,21 @@ def test_spoken_text_splits_a_clause_at_words(cuts: list[float]) -> None:
     assert " ".join(p for p in parts if p) == text
     assert all(p == p.strip() and (not p or p.split()[0] in text.split()) for p in parts)
     assert spoken_text(text, 0.0, 0.1) == ""  # "Hello" ends after a tenth of the clause
+
+
+def test_words_before_keeps_whole_words() -> None:
+    text = "Hello there, how are you?"
+    assert words_before(text, 0.0) == "" and words_before(text, 1.0) == text
+    assert words_before(text, 0.3) == "Hello "  # the cut falls inside "there,"
+    assert words_before(text, 0.5) == "Hello there,"  # ... or just after it
+    heard = [words_before(text, f / 100) for f in range(-10, 111)]
+    for shorter, longer in itertools.pairwise(heard):
+        assert longer.startswith(shorter)
+
+    def at_word_boundary(n: int) -> bool:
+        return n in (0, len(text)) or text[n - 1].isspace() or text[n].isspace()
+
+    assert all(at_word_boundary(len(h)) for h in heard)
 
 
 @pytest.mark.parametrize(

@@ -72,7 +72,8 @@ class SamplingParams:
     the host has read its last one, so after a finish, abort or preemption a processor
     may have been called once for a draw that is then dropped.
     `seed` gives the request its own random stream, so its samples do not depend on
-    which other requests share the batch.
+    which other requests share the batch. As in vllm-mlx, `stop` and `stop_token_ids`
+    may be given as None and `stop` as one string; after construction both are lists.
     """
 
     max_tokens: int = 256
@@ -82,8 +83,8 @@ class SamplingParams:
     min_p: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
     logits_processors: list[Callable[..., Any]] | None = None
     seed: int | None = None
 

@@ -221,8 +221,7 @@ def test_tiled_decoder_equals_untiled(resblock: str) -> None:
     tiled = run(model, seqs)
     for w, t in zip(whole, tiled, strict=True):
         assert w.shape == t.shape and w.size > 64
-        # Tiles sum their convolutions in another order: float32 rounding, nothing more.
-        np.testing.assert_allclose(t, w, atol=1e-4)
+        np.testing.assert_allclose(t, w, atol=1e-5)
 
 
 def test_scales_default_to_the_voice_config() -> None:
@@ -412,7 +411,7 @@ def test_first_chunk_arrives_before_the_clause_is_complete(voice: Voice) -> None
         assert sizes[i] <= 2 * sum(sizes[:i]) + MIN_REST_FRAMES * hop
     streamed = np.concatenate([o.payload.samples for o in outputs])
     assert streamed.shape == whole.shape
-    np.testing.assert_allclose(streamed, whole, atol=5e-5)
+    np.testing.assert_allclose(streamed, whole, atol=1e-5)
     assert " ".join(o.payload.text for o in outputs if o.payload.text) == clause
 
 
@@ -438,9 +437,8 @@ def test_rendered_spans_join_into_the_whole(voice: Voice) -> None:
     parts = voice.render(
         [(z_long, a, b) for a, b in itertools.pairwise(cuts)] + [(z_short, 0, z_short.shape[1])]
     )
-    # Windows of other lengths sum in another order: float32 rounding, nothing more.
-    np.testing.assert_allclose(np.concatenate(parts[:-1]), whole[0], atol=5e-5)
-    np.testing.assert_allclose(parts[-1], whole[1], atol=5e-5)
+    np.testing.assert_allclose(np.concatenate(parts[:-1]), whole[0], atol=1e-5)
+    np.testing.assert_allclose(parts[-1], whole[1], atol=1e-5)
 
 
 @pytest.mark.parametrize("resblock", ["1", "2"])
@@ -541,7 +539,9 @@ def test_chunks_of_several_clauses_join_into_their_audio(voice: Voice) -> None:
     assert " ".join(o.payload.text for o in outputs if o.payload.text) == " ".join(clauses)
     whole = np.concatenate(voice.synthesize(clauses, [voice.scales(QUIET)] * len(clauses)))
     assert streamed.shape == whole.shape
-    np.testing.assert_allclose(streamed, whole, atol=5e-5)
+    # The stage renders each clause in batches of its own: float32 rounding differs (the
+    # bound is about 3 steps of 16-bit audio).
+    np.testing.assert_allclose(streamed, whole, atol=1e-4)
 
 
 def test_synthesizer_speaks_every_clause_at_the_voice_rate(voice: Voice) -> None:

@@ -207,9 +207,7 @@ class AudioEncoder(nn.Module):
         self.conv1 = nn.Conv1d(args.n_mels, n, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(n, n, kernel_size=3, stride=2, padding=1)
         self.positional_embedding = mx.zeros((args.n_audio_ctx, n))
-        self.blocks = [
-            EncoderBlock(n, args.n_audio_head) for _ in range(args.n_audio_layer)
-        ]
+        self.blocks = [EncoderBlock(n, args.n_audio_head) for _ in range(args.n_audio_layer)]
         self.ln_post = nn.LayerNorm(n)
 
     def __call__(self, mel: mx.array) -> mx.array:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 import soxr
-from websockets.asyncio.client import connect
+from websockets.asyncio.client import ClientConnection, connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _gateway import RATE, gateway_process, stream_audio  # noqa: E402
@@ -52,20 +52,20 @@ class Trials:
             self.stale += event["response_id"] in self.cancelled
 
 
-async def next_event(ws: object, trials: Trials, timeout: float = 120) -> dict:
+async def next_event(ws: ClientConnection, trials: Trials, timeout: float = 120) -> dict:
     event = json.loads(await asyncio.wait_for(ws.recv(), timeout))
     trials.see(event)
     return event
 
 
-async def until_event(ws: object, trials: Trials, kind: str) -> dict:
+async def until_event(ws: ClientConnection, trials: Trials, kind: str) -> dict:
     event = await next_event(ws, trials)
     while event["type"] != kind:
         event = await next_event(ws, trials)
     return event
 
 
-async def quiet(ws: object, trials: Trials, seconds: float = 1.0) -> None:
+async def quiet(ws: ClientConnection, trials: Trials, seconds: float = 1.0) -> None:
     while True:
         try:
             await next_event(ws, trials, seconds)
@@ -73,7 +73,7 @@ async def quiet(ws: object, trials: Trials, seconds: float = 1.0) -> None:
             return
 
 
-async def until_response_done(ws: object, trials: Trials) -> None:
+async def until_response_done(ws: ClientConnection, trials: Trials) -> None:
     started = None
     while True:
         event = await next_event(ws, trials)
@@ -89,7 +89,7 @@ async def until_response_done(ws: object, trials: Trials) -> None:
             return
 
 
-async def one_trial(ws: object, trials: Trials, n: int, speech: bytes) -> None:
+async def one_trial(ws: ClientConnection, trials: Trials, n: int, speech: bytes) -> None:
     item = {
         "type": "message",
         "role": "user",

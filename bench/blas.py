@@ -19,11 +19,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def measure(size: int, seconds: float) -> dict[str, object]:
+def measure(size: int, seconds: float) -> dict[str, Any]:
     """Run in the child: GFLOPS of a float32 `size`² matmul, repeated for `seconds`."""
     sys.path.insert(0, str(ROOT))
     from engine.blas import active_blas, ensure_fast_blas
@@ -41,7 +42,11 @@ def measure(size: int, seconds: float) -> dict[str, object]:
         mx.eval(a @ b)
         runs += 1
     elapsed = time.perf_counter() - start
-    result = {"gflops": 2 * size**3 * runs / elapsed / 1e9, "blas": active_blas(), "runs": runs}
+    result: dict[str, Any] = {
+        "gflops": 2 * size**3 * runs / elapsed / 1e9,
+        "blas": active_blas(),
+        "runs": runs,
+    }
     return result | rows_product_ms(1) | rows_product_ms(8)
 
 
@@ -69,7 +74,8 @@ def rows_product_ms(rows: int, rounds: int = 15) -> dict[str, float]:
     }
 
 
-def run_child(size: int, seconds: float, blas_env: str | None) -> dict[str, object]:
+def run_child(size: int, seconds: float, blas_env: str | None) -> dict[str, Any]:
+    """The child's `measure` result, read back from its JSON."""
     env = dict(os.environ)
     env.pop("DUPLEX_GATEWAY_BLAS", None)
     if blas_env is not None:

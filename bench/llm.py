@@ -119,7 +119,7 @@ def measure(precision: str, max_tokens: int, rounds: int) -> dict[str, Any]:
         load_cold, path, _, _ = timed_load(precision)
         load_cached, _, model, tokenizer = timed_load(precision)
         start_cached = process_start_s(precision)
-        plain_model, _ = mlx_lm.load(str(path))  # mlx-lm's own model class, same weights
+        plain_model = mlx_lm.load(str(path))[0]  # mlx-lm's own model class, same weights
         stage = LlmStage(model, tokenizer)
         run_stage(stage, 8)  # warm-up: first calls compile and allocate
         run_mlx_lm(plain_model, tokenizer, 8)

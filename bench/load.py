@@ -188,9 +188,9 @@ async def run_turns(
     talking = clients[:speakers]
     for i, client in enumerate(talking):
         client.speak(utterances[i % len(utterances)])
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(TURN_TIMEOUT_S):
-            await asyncio.gather(*(c.done.wait() for c in talking))
+    # asyncio.TimeoutError: on Python 3.10 it is not yet the builtin TimeoutError.
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(asyncio.gather(*(c.done.wait() for c in talking)), TURN_TIMEOUT_S)
     return [c.turn for c in talking if c.turn is not None]
 
 

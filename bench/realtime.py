@@ -29,7 +29,7 @@ import numpy as np
 import soundfile as sf
 import soxr
 import yaml
-from websockets.asyncio.client import connect
+from websockets.asyncio.client import ClientConnection, connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _gateway import RATE, gateway_process, stream_audio  # noqa: E402
@@ -73,36 +73,41 @@ class Turn:
         self.from_speech_end_ms: float | None = None  # from the end of the spoken words
 
 
-async def one_question(ws: object, pcm: bytes, clock_ms: float) -> Turn:
+async def one_question(ws: ClientConnection, pcm: bytes, clock_ms: float) -> Turn:
     """Send one spoken question at real-time pace (`clock_ms`: the session's audio clock
     when it starts) and time its answer's first audio."""
     silence = bytes(int(RATE * 2 * TRAILING_SILENCE_S))
     sent_at = time.monotonic()
     sender = asyncio.create_task(stream_audio(ws, pcm + silence))
-    turn = Turn()
-    stopped_at = speech_end_at = None
     try:
-        async with asyncio.timeout(120):
-            while True:
-                event = json.loads(await ws.recv())
-                kind = event["type"]
-                now = time.monotonic()
-                if kind == "input_audio_buffer.speech_stopped" and stopped_at is None:
-                    stopped_at = now
-                    # The audio at session time audio_end_ms left this client then.
-                    speech_end_at = sent_at + (event["audio_end_ms"] - clock_ms) / 1000
-                elif kind == "response.output_audio.delta" and turn.first_audio_ms is None:
-                    turn.first_audio_ms = (now - (stopped_at or now)) * 1000
-                    turn.from_speech_end_ms = (now - (speech_end_at or now)) * 1000
-                elif kind == "response.done":
-                    break
-                elif kind == "error":
-                    raise RuntimeError(event["error"]["message"])
+        turn = await asyncio.wait_for(time_answer(ws, sent_at, clock_ms), 120)
     finally:
         await sender
     if turn.first_audio_ms is None:
         raise RuntimeError("the answer had no audio")
     return turn
+
+
+async def time_answer(ws: ClientConnection, sent_at: float, clock_ms: float) -> Turn:
+    """Read events until the answer is done, timing its first audio."""
+    turn = Turn()
+    stopped_at: float | None = None
+    speech_end_at: float | None = None
+    while True:
+        event = json.loads(await ws.recv())
+        kind = event["type"]
+        now = time.monotonic()
+        if kind == "input_audio_buffer.speech_stopped" and stopped_at is None:
+            stopped_at = now
+            # The audio at session time audio_end_ms left this client then.
+            speech_end_at = sent_at + (event["audio_end_ms"] - clock_ms) / 1000
+        elif kind == "response.output_audio.delta" and turn.first_audio_ms is None:
+            turn.first_audio_ms = (now - (stopped_at or now)) * 1000
+            turn.from_speech_end_ms = (now - (speech_end_at or now)) * 1000
+        elif kind == "response.done":
+            return turn
+        elif kind == "error":
+            raise RuntimeError(event["error"]["message"])
 
 
 async def run(url: str, count: int) -> dict[str, float]:

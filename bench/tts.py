@@ -26,7 +26,9 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -48,8 +50,10 @@ ANSWER = (
 
 FIRST_CLAUSE = "The capital of France is Paris."
 
+T = TypeVar("T")
 
-def timed(fn, repeats: int) -> tuple[float, float, object]:  # noqa: ANN001
+
+def timed(fn: Callable[[], T], repeats: int) -> tuple[float, float, T]:
     """Best wall and CPU seconds of `repeats` calls after one warm-up, and the last result."""
     result = fn()
     best_wall = best_cpu = float("inf")

@@ -2,14 +2,15 @@
 
 The ledger lays the turn's audio chunks end to end on a millisecond timeline, each with
 the text it speaks, so `heard_text(audio_end_ms)` can cut the assistant transcript to
-what was played when the client truncates the item.
+what was played when the client truncates the item. `words_before` is the one rule for
+how much of a text a fraction of its audio speaks; the TTS stage labels its chunks by it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PlaybackLedger"]
+__all__ = ["PlaybackLedger", "words_before"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,15 +54,21 @@ class PlaybackLedger:
                 heard.append(seg.text)
                 continue
             if audio_end_ms > seg.start_ms:
-                heard.append(_played_prefix(seg, audio_end_ms))
+                fraction = (audio_end_ms - seg.start_ms) / (seg.end_ms - seg.start_ms)
+                heard.append(words_before(seg.text, fraction))
             break
         return "".join(heard)
 
 
-def _played_prefix(seg: _Segment, audio_end_ms: float) -> str:
-    fraction = (audio_end_ms - seg.start_ms) / (seg.end_ms - seg.start_ms)
-    prefix = seg.text[: int(len(seg.text) * fraction)]
+def words_before(text: str, fraction: float) -> str:
+    """The prefix of `text` spoken by `fraction` (0 to 1) of its audio.
+
+    Speech is taken to run at an even pace over the characters; a word cut by that point
+    is dropped whole, so the prefix never ends inside a word.
+    """
+    n = int(len(text) * min(max(fraction, 0.0), 1.0))
+    head = text[:n]
     # Keep whole words only: the character cut lands mid-word more often than not.
-    if len(prefix) < len(seg.text) and not seg.text[len(prefix)].isspace():
-        prefix = prefix[: len(prefix) - len(prefix.split(" ")[-1])]
-    return prefix
+    if n < len(text) and not text[n].isspace():
+        head = head[: len(head) - len(head.split(" ")[-1])]
+    return head

@@ -219,10 +219,9 @@ class Transcriber:
         for n in sorted(set(frames)):
             idx = [i for i, f in enumerate(frames) if f == n]
             mel = np.stack([whisper.log_mel_spectrogram(jobs[i].audio, n_frames=n) for i in idx])
-            mel = mx.array(mel)
-            kv = self.model.decoder.cross_kv(self.model.encoder(mel))
+            kv = self.model.decoder.cross_kv(self.model.encoder(mx.array(mel)))
             if self._silence_kv is not None and n < whisper.N_FRAMES:
-                kv = self._with_silence(kv)
+                kv = _with_silence(kv, self._silence_kv)
             for row, i in enumerate(idx):
                 per_job[i] = [(k[row : row + 1], v[row : row + 1]) for k, v in kv]
         layers = zip(*per_job, strict=True)
@@ -230,16 +229,6 @@ class Transcriber:
             (mx.concatenate([k for k, _ in lkv]), mx.concatenate([v for _, v in lkv]))
             for lkv in layers
         ]
-
-    def _with_silence(self, kv: list[tuple[mx.array, mx.array]]) -> list:
-        # Continue each layer's keys/values with the silent window's from the same frame on.
-        out = []
-        for (k, v), (sk, sv) in zip(kv, self._silence_kv, strict=True):
-            B, H, n, D = k.shape
-            tail_k = mx.broadcast_to(sk[:, :, n:], (B, H, sk.shape[2] - n, D))
-            tail_v = mx.broadcast_to(sv[:, :, n:], (B, H, sv.shape[2] - n, D))
-            out.append((mx.concatenate([k, tail_k], 2), mx.concatenate([v, tail_v], 2)))
-        return out
 
     # --- decoder ---
 
@@ -370,3 +359,16 @@ def load_transcriber(model_dir: Path, **options) -> Transcriber:
     model, config = whisper.load_model(Path(model_dir))
     tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
     return Transcriber(model, tokenizer, config, **options)
+
+
+def _with_silence(
+    kv: list[tuple[mx.array, mx.array]], silence: list[tuple[mx.array, mx.array]]
+) -> list[tuple[mx.array, mx.array]]:
+    """Each layer's keys/values continued with the silent window's from the same frame on."""
+    out = []
+    for (k, v), (sk, sv) in zip(kv, silence, strict=True):
+        B, H, n, D = k.shape
+        tail_k = mx.broadcast_to(sk[:, :, n:], (B, H, sk.shape[2] - n, D))
+        tail_v = mx.broadcast_to(sv[:, :, n:], (B, H, sv.shape[2] - n, D))
+        out.append((mx.concatenate([k, tail_k], 2), mx.concatenate([v, tail_v], 2)))
+    return out

@@ -156,7 +156,7 @@ def warm_up(stages: dict[str, Stage]) -> None:
     """Run one tiny request through each model stage before the engine thread starts."""
     from engine.llm import LlmInput
     from engine.request import SamplingParams
-    from engine.tts import TtsRequest
+    from engine.tts import TtsRequest, TtsStage
 
     if "asr" in stages:
         stages["asr"].add(WARMUP_ID, np.zeros(16000, np.float32))
@@ -166,16 +166,20 @@ def warm_up(stages: dict[str, Stage]) -> None:
         hello = [{"role": "user", "content": "Hello"}]
         stages["llm"].add(WARMUP_ID, LlmInput(messages=hello, sampling_params=params))
         _drain(stages["llm"])
-    if "tts" in stages:
-        stages["tts"].add(WARMUP_ID, TtsRequest())
-        stages["tts"].feed(WARMUP_ID, "Hello there.", True)  # type: ignore[attr-defined]
-        _drain(stages["tts"])
+    tts = stages.get("tts")
+    if isinstance(tts, TtsStage):
+        tts.add(WARMUP_ID, TtsRequest())
+        tts.feed(WARMUP_ID, "Hello there.", True)
+        _drain(tts)
 
 
 def cache_system_prompt(stages: dict[str, Stage], system_prompt: str) -> None:
     """Prefill the configured system prompt once, so no new session pays for it."""
-    if "llm" in stages:
-        tokens = stages["llm"].cache_shared_prefix(system_prompt)  # type: ignore[attr-defined]
+    from engine.llm import LlmStage
+
+    llm = stages.get("llm")
+    if isinstance(llm, LlmStage):
+        tokens = llm.cache_shared_prefix(system_prompt)
         logger.info("system prompt prefix cached: %d tokens", tokens)
 
 

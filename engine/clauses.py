@@ -169,7 +169,7 @@ class ClauseSplitter:
         return None
 
 
-def split_clauses(text: str, **limits: int | None) -> list[str]:
+def split_clauses(text: str, **limits: int) -> list[str]:
     """Split a whole text into the clauses the streaming splitter would give."""
     splitter = ClauseSplitter(**limits)
     return splitter.push(text) + splitter.flush()

@@ -18,14 +18,20 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import mlx.core as mx
 
 from engine.stage import Stage, StageOutput
 from engine.streams import DEFAULT_MAX_QUEUED_OUTPUTS, OutputStreams
 
-__all__ = ["EngineCore", "AsyncEngine", "DEFAULT_MAX_QUEUED_OUTPUTS", "exit_process"]
+__all__ = [
+    "AsyncEngine",
+    "DEFAULT_MAX_QUEUED_OUTPUTS",
+    "EngineCore",
+    "EngineThreads",
+    "exit_process",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -230,8 +236,23 @@ class EngineCore:
                 op.future.set_exception(RuntimeError("engine shut down"))
 
 
+class EngineThreads(Protocol):
+    """What `AsyncEngine` drives: one `EngineCore`, or `engine.lanes.EngineLanes` (several
+    cores, each stage on one of them). Every method is safe to call from any thread."""
+
+    def add(self, stage: str, request_id: str, inputs: Any) -> None: ...
+
+    def abort(self, stage: str, request_id: str) -> None: ...
+
+    def call(self, stage: str, method: str, *args: Any) -> concurrent.futures.Future: ...
+
+    def set_output_callback(self, cb: OutputCallback) -> None: ...
+
+    def pending(self) -> dict[str, int]: ...
+
+
 class AsyncEngine:
-    """Asyncio facade over `EngineCore`: the event loop never runs or waits on a model.
+    """Asyncio facade over `EngineThreads`: the event loop never runs or waits on a model.
 
     Outputs of a step cross threads in one `call_soon_threadsafe`; while the loop has
     not yet run it, later steps join the same hand-over instead of scheduling more.
@@ -239,7 +260,7 @@ class AsyncEngine:
 
     def __init__(
         self,
-        core: EngineCore,
+        core: EngineThreads,
         loop: asyncio.AbstractEventLoop | None = None,
         max_queued_outputs: int = DEFAULT_MAX_QUEUED_OUTPUTS,
     ) -> None:

@@ -4,7 +4,7 @@ Voice activity detection must answer within a few tens of milliseconds, but one 
 the TTS or LLM stage can take hundreds. Putting the VAD stage on a thread of its own (a
 "lane") keeps speech-start latency independent of whatever the heavy stages are doing;
 inside each lane the `EngineCore` rules still hold (one thread per stage, aborts first).
-`AsyncEngine` takes an `EngineLanes` wherever it takes an `EngineCore`.
+`AsyncEngine` takes either: both are `engine.core.EngineThreads`.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
@@ -319,7 +319,7 @@ class LlmStage:
         mx.eval(tokens, [s.key for s in samplers], [c.state for c in cache])
         now = time.time()
         outputs = []
-        for seq, chunk, token in zip(group, chunks, tokens.tolist(), strict=True):
+        for seq, chunk, token in zip(group, chunks, _ints(tokens), strict=True):
             self._prefilling.remove(seq)
             seq.layers = []
             self._computed(seq, len(chunk))
@@ -409,6 +409,7 @@ class LlmStage:
         if seq in self._running:
             self._drop_rows([self._running.index(seq)], keep_kv=False)
             if seq.unread:  # its draw is dropped; resuming draws it again, identically
+                assert seq.rewind_key is not None  # saved before every draw
                 seq.sampler.key = seq.rewind_key
                 seq.unread = False
         else:
@@ -433,7 +434,7 @@ class LlmStage:
         logits = self.model(inputs[:, None], cache=self._batch)[:, -1, :]
         drawn = sample_batch(logits, [seq.sampler for seq in running], pending)
         mx.async_eval(drawn, [seq.sampler.key for seq in running])
-        tokens = inputs.tolist() if any(unread) else []
+        tokens = _ints(inputs) if any(unread) else []
         self._pending = drawn
         now = time.time()
         outputs, done = [], []
@@ -530,3 +531,9 @@ class LlmStage:
         kv_len = layers[0].offset
         if kv_len > 0:
             self.prompt_cache.put(seq.cache_key, seq.tokens[:kv_len], layers)
+
+
+def _ints(tokens: mx.array) -> list[int]:
+    """A 1-D array of token ids as a list."""
+    # mlx types `tolist` for arrays of any rank and dtype; this one is 1-D integers.
+    return cast("list[int]", tokens.tolist())

@@ -3,10 +3,12 @@
 Names, fields and defaults follow the vllm-mlx request module so code written against
 it reads the same here. Unlike there, every sampling field is validated on construction
 and honoured per request inside a shared batch, and `seed` makes sampling reproducible.
+A request that sets one of vllm-mlx's multimodal or paged-cache fields is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import time
@@ -14,7 +16,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RequestStatus", "SamplingParams", "Request", "RequestOutput"]
+__all__ = ["RequestStatus", "SamplingParams", "Request", "RequestOutput", "UNSUPPORTED_FIELDS"]
+
+# vllm-mlx's multimodal and paged-cache request fields. The LLM stage is text-only and
+# keeps each request's KV whole, so a request that sets any of them is refused rather
+# than served wrong.
+UNSUPPORTED_FIELDS = (
+    "block_table",
+    "shared_prefix_blocks",
+    "images",
+    "videos",
+    "pixel_values",
+    "image_grid_thw",
+    "attention_mask",
+    "multimodal_kwargs",
+    "is_multimodal",
+)
 
 
 class RequestStatus(enum.IntEnum):
@@ -55,7 +72,8 @@ class SamplingParams:
     the host has read its last one, so after a finish, abort or preemption a processor
     may have been called once for a draw that is then dropped.
     `seed` gives the request its own random stream, so its samples do not depend on
-    which other requests share the batch.
+    which other requests share the batch. As in vllm-mlx, `stop` and `stop_token_ids`
+    may be given as None and `stop` as one string; after construction both are lists.
     """
 
     max_tokens: int = 256
@@ -65,8 +83,8 @@ class SamplingParams:
     min_p: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
     logits_processors: list[Callable[..., Any]] | None = None
     seed: int | None = None
 
@@ -132,8 +150,8 @@ class Request:
     `num_computed_tokens` counts tokens whose KV is in the request's cache;
     `cached_tokens` how many of the prompt were reused from a prompt cache and
     `remaining_tokens` the ones still to prefill. The multimodal and paged-cache fields
-    are carried for compatibility; the text-only LLM stage rejects requests that set
-    them.
+    (`UNSUPPORTED_FIELDS`) are carried for compatibility; construction raises ValueError
+    naming the first one that is set, since the text-only LLM stage cannot honour it.
     """
 
     request_id: str
@@ -166,10 +184,22 @@ class Request:
     cache_hit_type: str | None = None
 
     def __post_init__(self) -> None:
+        self._reject_unsupported_fields()
         if isinstance(self.prompt, list) and self.prompt_token_ids is None:
             self.prompt_token_ids = list(self.prompt)
         if self.prompt_token_ids is not None and not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    def _reject_unsupported_fields(self) -> None:
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in UNSUPPORTED_FIELDS:
+            value, default = getattr(self, name), defaults[name]
+            is_set = value is not None if default is None else value != default
+            if is_set:
+                raise ValueError(
+                    f"Request.{name} is not supported: the LLM stage serves text-only "
+                    f"requests from a contiguous KV cache (got a {type(value).__name__})"
+                )
 
     @property
     def num_output_tokens(self) -> int:

@@ -163,7 +163,7 @@ class SpeechDetector:
 
 def _whole(name: str, value: object, *, minimum: int) -> int:
     """`value` as an int; whole floats (300.0 from JSON) are accepted, 2.5 is not."""
-    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-    if isinstance(value, bool) or not whole or value < minimum:
+    number = int(value) if isinstance(value, float) and value.is_integer() else value
+    if isinstance(number, bool) or not isinstance(number, int) or number < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
+    return number

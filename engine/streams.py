@@ -62,9 +62,7 @@ class _Queue:
 class OutputStreams(Generic[K]):
     """Open output streams by key; `abort(key)` stops a request upstream."""
 
-    def __init__(
-        self, abort: Callable[[K], None], limit: int = DEFAULT_MAX_QUEUED_OUTPUTS
-    ) -> None:
+    def __init__(self, abort: Callable[[K], None], limit: int = DEFAULT_MAX_QUEUED_OUTPUTS) -> None:
         self._abort = abort
         self.limit = limit
         self._open: dict[K, _Queue] = {}

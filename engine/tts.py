@@ -27,6 +27,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from duplex.playback import words_before
 from engine.clauses import split_clauses
 from engine.models import vits
 from engine.phonemes import get_phonemizer, phoneme_ids
@@ -267,17 +268,7 @@ class Synthesizer:
 def spoken_text(text: str, start: float, stop: float) -> str:
     """The words of `text` spoken from fraction `start` to `stop` of its audio, at an even
     pace; a word belongs to the chunk its end falls in, so chunks join to the whole."""
-    return _words_before(text, stop)[len(_words_before(text, start)) :].strip()
-
-
-def _words_before(text: str, fraction: float) -> str:
-    if fraction >= 1.0:
-        return text
-    n = int(len(text) * fraction)
-    head = text[:n]
-    if n < len(text) and not text[n].isspace():
-        head = head[: len(head) - len(head.split(" ")[-1])]
-    return head
+    return words_before(text, stop)[len(words_before(text, start)) :].strip()
 
 
 @dataclass

@@ -97,9 +97,9 @@ class SileroVad:
             raise ValueError(f"{batch} chunks but {len(states)} states")
         if batch == 0:
             return np.zeros(0, np.float32), []
-        states = [s if s is not None else self.initial_state() for s in states]
-        x = np.concatenate([np.stack([s.context for s in states]), chunks], axis=1)
-        hidden = np.stack([s.hidden for s in states], axis=1)
+        current = [s if s is not None else self.initial_state() for s in states]
+        x = np.concatenate([np.stack([s.context for s in current]), chunks], axis=1)
+        hidden = np.stack([s.hidden for s in current], axis=1)
         probs_np, hidden_np = self._forward(x, hidden)
         tails = chunks[:, -self.context_size :]
         new_states = [

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.request import Request, RequestOutput, RequestStatus, SamplingParams
+from engine.request import (
+    UNSUPPORTED_FIELDS,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+)
 
 
 def test_status_is_finished_only_after_preempted() -> None:
@@ -61,6 +67,34 @@ def test_sampling_params_rejects_invalid_values_naming_the_field(field: str, val
 
 def _request(rid: str = "r", **kw: object) -> Request:
     return Request(request_id=rid, prompt=[1, 2, 3], sampling_params=SamplingParams(), **kw)
+
+
+SET_UNSUPPORTED = {
+    "block_table": [0, 1],
+    "shared_prefix_blocks": 2,
+    "images": ["cat.png"],
+    "videos": ["clip.mp4"],
+    "pixel_values": object(),
+    "image_grid_thw": (1, 2, 2),
+    "attention_mask": [1, 1, 1],
+    "multimodal_kwargs": {"fps": 2},
+    "is_multimodal": True,
+}
+
+
+def test_every_unsupported_field_is_tried() -> None:
+    assert set(SET_UNSUPPORTED) == set(UNSUPPORTED_FIELDS)
+
+
+@pytest.mark.parametrize(("field", "value"), sorted(SET_UNSUPPORTED.items()))
+def test_request_rejects_unsupported_fields_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"Request\.{field} is not supported"):
+        _request(**{field: value})
+
+
+def test_request_accepts_unsupported_fields_left_at_their_defaults() -> None:
+    r = _request(images=None, block_table=None, shared_prefix_blocks=0, is_multimodal=False)
+    assert r.images is None and not r.is_multimodal
 
 
 def test_request_token_prompt_fills_prompt_fields() -> None:

@@ -17,6 +17,7 @@ import engine  # noqa: F401  (loads the fast BLAS before MLX)
 import mlx.core as mx
 from mlx.utils import tree_map
 
+from duplex.playback import words_before
 from engine.models import vits
 from engine.models.piper_onnx import convert, find_voice, read_voice
 from engine.tts import (
@@ -221,8 +222,7 @@ def test_tiled_decoder_equals_untiled(resblock: str) -> None:
     tiled = run(model, seqs)
     for w, t in zip(whole, tiled, strict=True):
         assert w.shape == t.shape and w.size > 64
-        # Tiles sum their convolutions in another order: float32 rounding, nothing more.
-        np.testing.assert_allclose(t, w, atol=1e-4)
+        np.testing.assert_allclose(t, w, atol=1e-5)
 
 
 def test_scales_default_to_the_voice_config() -> None:
@@ -418,7 +418,7 @@ def test_first_chunk_arrives_before_the_clause_is_complete(voice: Voice) -> None
         assert sizes[i] <= 2 * sum(sizes[:i]) + MIN_REST_FRAMES * hop
     streamed = np.concatenate([o.payload.samples for o in outputs])
     assert streamed.shape == whole.shape
-    np.testing.assert_allclose(streamed, whole, atol=5e-5)
+    np.testing.assert_allclose(streamed, whole, atol=1e-5)
     assert " ".join(o.payload.text for o in outputs if o.payload.text) == clause
 
 
@@ -446,9 +446,8 @@ def test_rendered_spans_join_into_the_whole(voice: Voice) -> None:
     parts = voice.render(
         [(z_long, a, b) for a, b in itertools.pairwise(cuts)] + [(z_short, 0, z_short.shape[1])]
     )
-    # Windows of other lengths sum in another order: float32 rounding, nothing more.
-    np.testing.assert_allclose(np.concatenate(parts[:-1]), whole[0], atol=5e-5)
-    np.testing.assert_allclose(parts[-1], whole[1], atol=5e-5)
+    np.testing.assert_allclose(np.concatenate(parts[:-1]), whole[0], atol=1e-5)
+    np.testing.assert_allclose(parts[-1], whole[1], atol=1e-5)
 
 
 @pytest.mark.parametrize("resblock", ["1", "2"])
@@ -478,6 +477,21 @@ def test_spoken_text_splits_a_clause_at_words(cuts: list[float]) -> None:
     assert " ".join(p for p in parts if p) == text
     assert all(p == p.strip() and (not p or p.split()[0] in text.split()) for p in parts)
     assert spoken_text(text, 0.0, 0.1) == ""  # "Hello" ends after a tenth of the clause
+
+
+def test_words_before_keeps_whole_words() -> None:
+    text = "Hello there, how are you?"
+    assert words_before(text, 0.0) == "" and words_before(text, 1.0) == text
+    assert words_before(text, 0.3) == "Hello "  # the cut falls inside "there,"
+    assert words_before(text, 0.5) == "Hello there,"  # ... or just after it
+    heard = [words_before(text, f / 100) for f in range(-10, 111)]
+    for shorter, longer in itertools.pairwise(heard):
+        assert longer.startswith(shorter)
+
+    def at_word_boundary(n: int) -> bool:
+        return n in (0, len(text)) or text[n - 1].isspace() or text[n].isspace()
+
+    assert all(at_word_boundary(len(h)) for h in heard)
 
 
 @pytest.mark.parametrize(
@@ -537,7 +551,9 @@ def test_chunks_of_several_clauses_join_into_their_audio(voice: Voice) -> None:
     assert " ".join(o.payload.text for o in outputs if o.payload.text) == " ".join(clauses)
     whole = np.concatenate(voice.synthesize(clauses, [voice.scales(QUIET)] * len(clauses)))
     assert streamed.shape == whole.shape
-    np.testing.assert_allclose(streamed, whole, atol=5e-5)
+    # The stage renders each clause in batches of its own: float32 rounding differs (the
+    # bound is about 3 steps of 16-bit audio).
+    np.testing.assert_allclose(streamed, whole, atol=1e-4)
 
 
 @pytest.mark.models

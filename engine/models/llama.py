@@ -111,7 +111,8 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         dim, bias = args.hidden_size, args.attention_bias
-        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads or self.n_heads  # None: no grouping
         self.head_dim = args.head_dim or dim // self.n_heads
         self.scale = self.head_dim**-0.5
         self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)

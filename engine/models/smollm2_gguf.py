@@ -48,7 +48,9 @@ def convert(
     if precision not in ("fp32", "4bit"):
         raise ValueError(f"precision must be 'fp32' or '4bit', not {precision!r}")
     gguf = _find_gguf(source_dir)
-    tensors, meta = mx.load(str(gguf), return_metadata=True)
+    loaded = mx.load(str(gguf), return_metadata=True)
+    assert isinstance(loaded, tuple)  # what `return_metadata=True` returns
+    tensors, meta = loaded
     config = _config(meta)
     config["tie_word_embeddings"] = "output.weight" not in tensors
     weights, quantized = _convert_weights(tensors, config, precision, progress)

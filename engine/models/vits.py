@@ -156,7 +156,8 @@ class Conv1d(nn.Module):
         # GEMM for all taps and add the shifted columns instead.
         d = self.dilation
         cols = xp @ mx.concatenate(self._tap_weights(), axis=1)
-        y = sum(cols[:, k * d : k * d + L, k : k + 1] for k in range(cols.shape[-1]))
+        shifted = [cols[:, k * d : k * d + L, k : k + 1] for k in range(cols.shape[-1])]
+        y = sum(shifted[1:], shifted[0])
         if "bias" in self:
             y = y + self.bias
         return y if residual is None else y + residual
@@ -194,11 +195,11 @@ class ConvTranspose1d(nn.Module):
             poly = np.zeros((s, O, e_max - e_min + 1, Ci), dtype=np.float32)
             for r, e, k in taps:
                 poly[r, :, e_max - e] = w[:, k, :]
-            poly = poly.reshape(s * O, -1, Ci)
+            phases = poly.reshape(s * O, -1, Ci)
             per_tap = [
-                mx.array(np.ascontiguousarray(poly[:, u, :].T)) for u in range(poly.shape[1])
+                mx.array(np.ascontiguousarray(phases[:, u, :].T)) for u in range(phases.shape[1])
             ]
-            cached = (self.weight, mx.array(poly), per_tap, e_max, e_min)
+            cached = (self.weight, mx.array(phases), per_tap, e_max, e_min)
             object.__setattr__(self, "_poly", cached)
         return cached[1:]
 

@@ -147,24 +147,18 @@ class MultiHeadAttention(nn.Module):
         return self.split_heads(self.key(x)), self.split_heads(self.value(x))
 
 
-class ResidualAttentionBlock(nn.Module):
-    def __init__(self, n_state: int, n_head: int, cross_attention: bool = False):
+class _Block(nn.Module):
+    """Self-attention and an MLP, each around a residual: what every layer has."""
+
+    def __init__(self, n_state: int, n_head: int):
         super().__init__()
         self.attn = MultiHeadAttention(n_state, n_head)
         self.attn_ln = nn.LayerNorm(n_state)
-        self.cross_attn = MultiHeadAttention(n_state, n_head) if cross_attention else None
-        self.cross_attn_ln = nn.LayerNorm(n_state) if cross_attention else None
         self.mlp1 = nn.Linear(n_state, 4 * n_state)
         self.mlp2 = nn.Linear(4 * n_state, n_state)
         self.mlp_ln = nn.LayerNorm(n_state)
 
-    def __call__(
-        self,
-        x: mx.array,
-        cross_kv: tuple[mx.array, mx.array] | None = None,
-        cache: list | None = None,
-        mask: str | None = None,
-    ) -> mx.array:
+    def self_attention(self, x: mx.array, cache: list | None, mask: str | None) -> mx.array:
         h = self.attn_ln(x)
         k, v = self.attn.project_kv(h)
         if cache is not None:
@@ -173,10 +167,37 @@ class ResidualAttentionBlock(nn.Module):
                 k = mx.concatenate([cache[0], k], axis=2)
                 v = mx.concatenate([cache[1], v], axis=2)
             cache[0], cache[1] = k, v
-        x = x + self.attn(h, (k, v), mask=mask)
-        if self.cross_attn is not None:
-            x = x + self.cross_attn(self.cross_attn_ln(x), cross_kv)
+        return x + self.attn(h, (k, v), mask=mask)
+
+    def mlp(self, x: mx.array) -> mx.array:
         return x + self.mlp2(nn.gelu(self.mlp1(self.mlp_ln(x))))
+
+
+class EncoderBlock(_Block):
+    """An encoder layer."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.mlp(self.self_attention(x, None, None))
+
+
+class DecoderBlock(_Block):
+    """A decoder layer: between the two, cross-attention to the audio."""
+
+    def __init__(self, n_state: int, n_head: int):
+        super().__init__(n_state, n_head)
+        self.cross_attn = MultiHeadAttention(n_state, n_head)
+        self.cross_attn_ln = nn.LayerNorm(n_state)
+
+    def __call__(
+        self,
+        x: mx.array,
+        cross_kv: tuple[mx.array, mx.array],
+        cache: list | None = None,
+        mask: str | None = None,
+    ) -> mx.array:
+        x = self.self_attention(x, cache, mask)
+        x = x + self.cross_attn(self.cross_attn_ln(x), cross_kv)
+        return self.mlp(x)
 
 
 class AudioEncoder(nn.Module):
@@ -186,9 +207,7 @@ class AudioEncoder(nn.Module):
         self.conv1 = nn.Conv1d(args.n_mels, n, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(n, n, kernel_size=3, stride=2, padding=1)
         self.positional_embedding = mx.zeros((args.n_audio_ctx, n))
-        self.blocks = [
-            ResidualAttentionBlock(n, args.n_audio_head) for _ in range(args.n_audio_layer)
-        ]
+        self.blocks = [EncoderBlock(n, args.n_audio_head) for _ in range(args.n_audio_layer)]
         self.ln_post = nn.LayerNorm(n)
 
     def __call__(self, mel: mx.array) -> mx.array:
@@ -207,10 +226,7 @@ class TextDecoder(nn.Module):
         n = args.n_text_state
         self.token_embedding = nn.Embedding(args.n_vocab, n)
         self.positional_embedding = mx.zeros((args.n_text_ctx, n))
-        self.blocks = [
-            ResidualAttentionBlock(n, args.n_text_head, cross_attention=True)
-            for _ in range(args.n_text_layer)
-        ]
+        self.blocks = [DecoderBlock(n, args.n_text_head) for _ in range(args.n_text_layer)]
         self.ln = nn.LayerNorm(n)
 
     def cross_kv(self, audio_features: mx.array) -> list[tuple[mx.array, mx.array]]:
@@ -251,6 +267,8 @@ def load_model(model_dir: Path, dtype: mx.Dtype = mx.float32) -> tuple[Model, di
     config = json.loads((Path(model_dir) / "config.json").read_text())
     model = Model(ModelArgs.from_dict(config))
     weights = mx.load(str(Path(model_dir) / "model.safetensors"))
+    if not isinstance(weights, dict):
+        raise ValueError(f"{model_dir}: model.safetensors holds no named weights")
     model.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=True)
     mx.eval(model.parameters())
     return model, config

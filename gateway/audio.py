@@ -69,7 +69,8 @@ class AudioFormat:
         else:
             table = _ULAW_DECODE if self is PCMU else _ALAW_DECODE
             pcm = table[np.frombuffer(data, dtype=np.uint8)]
-        return pcm.astype(np.float32) / np.float32(32768.0)
+        samples: Samples = pcm.astype(np.float32) / np.float32(32768.0)
+        return samples
 
     def encode(self, samples: NDArray[np.floating]) -> bytes:
         """Float32 in [-1, 1] at `self.rate` to wire bytes."""

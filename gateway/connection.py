@@ -16,8 +16,9 @@ import json
 import logging
 import time
 from collections import deque
-from typing import Any, assert_never
+from typing import Any
 
+from typing_extensions import assert_never
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 

@@ -181,7 +181,8 @@ class _SampleStore:
         self._hi += size
 
     def copy(self, start: int, end: int) -> Samples:
-        return self._array[self._lo + start : self._lo + end].copy()
+        samples: Samples = self._array[self._lo + start : self._lo + end].copy()
+        return samples
 
     def drop(self, count: int) -> None:
         self._lo += min(count, len(self))

@@ -44,6 +44,7 @@ from duplex.contracts import (  # noqa: E402
     duplex_ephemeral_stage_request_id,
 )
 from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput  # noqa: E402
+from duplex.turn import Stage, TurnRequest  # noqa: E402
 from engine.build import EngineBundle, build_engine  # noqa: E402
 from engine.config import load_config  # noqa: E402
 from engine.core import exit_process  # noqa: E402
@@ -108,12 +109,10 @@ class Turns:
         ]
         ids = [c.request_id for c in contexts]
         # One conversation key, as a live session has: its system prompt stays cached.
-        prompt = {
-            "audio": audio,
-            "messages": [],
-            "output_modalities": ["audio"],
-            "cache_key": "bench",
-        }
+        request = TurnRequest(
+            final=Stage.TTS, audio=audio.astype("<f4").tobytes(), cache_key="bench"
+        )
+        prompt = request.plan().prompt
         if prepare_lead_s is not None:
             defaults = self.orch.sampling_defaults()
             self.orch.prepare_turn(DuplexPreparedTurn("bench", 0, defaults, prompt, 0, 2))

@@ -42,6 +42,7 @@ __all__ = ["RealtimeConnection", "SEND_OVERFLOW_CODE"]
 logger = logging.getLogger(__name__)
 
 SEND_OVERFLOW_CODE = 1008
+INTERNAL_ERROR_CODE = 1011
 
 
 class RealtimeConnection:
@@ -81,6 +82,8 @@ class RealtimeConnection:
             asyncio.create_task(self._outputs(), name="realtime-outputs"),
             asyncio.create_task(self._speech(), name="realtime-speech"),
         ]
+        for task in tasks:
+            task.add_done_callback(self._task_ended)
         try:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._done.wait(), self.config.limits.max_session_s)
@@ -99,6 +102,15 @@ class RealtimeConnection:
     async def shutdown(self, reason: str) -> None:
         """Close from the server side (graceful shutdown): code 1001 with `reason`."""
         self._finish(CloseSession(1001, reason))
+
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        # A failure in a task of the connection is a bug: close with 1011, no details.
+        if task.cancelled() or task.exception() is None:
+            return
+        logger.error(
+            "session %s: %s failed", self.session_id, task.get_name(), exc_info=task.exception()
+        )
+        self._finish(CloseSession(INTERNAL_ERROR_CODE, "internal error"))
 
     def _finish(self, close: CloseSession | None) -> None:
         if self._close is None:

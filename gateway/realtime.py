@@ -315,7 +315,7 @@ class RealtimeSession:
 def _parse(data: str) -> dict[str, Any]:
     try:
         payload = json.loads(data)
-    except (json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: also over-long integers
         raise ClientError(f"the frame is not valid JSON: {exc}", "invalid_json") from None
     if not isinstance(payload, dict):
         raise ClientError("an event is a JSON object", "invalid_json")

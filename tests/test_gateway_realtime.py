@@ -167,6 +167,7 @@ def test_unsupported_settings_are_rejected(session_update: dict, param: str) -> 
     [
         ("{not json", "invalid_json"),
         ("[1, 2]", "invalid_json"),
+        ('{"type": "input_audio_buffer.clear", "x": ' + "1" * 4301 + "}", "invalid_json"),
         ('{"type": "nope.nope"}', "invalid_value"),
         ('{"type": "input_audio_buffer.append"}', "missing_required_parameter"),
         ('{"type": "input_audio_buffer.append", "audio": 5}', "invalid_value"),

@@ -207,23 +207,37 @@ class DuplexSessionHandle:
             self._close_task = asyncio.ensure_future(self._close())
         await asyncio.shield(self._close_task)
 
+    def take_events(self) -> list[DuplexEvent]:
+        """Every event queued so far, in order, without waiting: a command's events
+        (a cancel's `TurnDone`, say) are here as soon as the command returns."""
+        return [self._pop() for _ in range(len(self._queue))]
+
+    async def wait_events(self) -> bool:
+        """Wait until an event is queued; False once `SessionClosed` was taken (nothing
+        more will come)."""
+        while not self._queue and not self._events_ended:
+            self._ready.clear()
+            await self._ready.wait()
+        return bool(self._queue)
+
     async def events(self) -> AsyncGenerator[DuplexEvent, None]:
-        """Yield this session's events until (and including) `SessionClosed`."""
+        """Yield this session's events until (and including) `SessionClosed`, one at a
+        time (a turn cancelled while the reader holds an event loses its queued rest)."""
         if self._consuming:
             raise DuplexStateError(f"session {self.session_id} already has an events() reader")
         self._consuming = True
         try:
-            while not self._events_ended:
-                while not self._queue:
-                    self._ready.clear()
-                    await self._ready.wait()
-                event = self._queue.popleft()
-                if isinstance(event, TurnOutput):
-                    self._outputs_queued -= 1
-                self._events_ended = isinstance(event, SessionClosed)
-                yield event
+            while await self.wait_events():
+                yield self._pop()
         finally:
             self._consuming = False
+
+    def _pop(self) -> DuplexEvent:
+        event = self._queue.popleft()
+        if isinstance(event, TurnOutput):
+            self._outputs_queued -= 1
+        self._events_ended = self._events_ended or isinstance(event, SessionClosed)
+        return event
 
     # -- the shell --------------------------------------------------------------------
 

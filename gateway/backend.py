@@ -78,7 +78,7 @@ class SpeechEvent:
 
 class BackendSession(Protocol):
     def start(self, response_id: str, turn: TurnRequest, *, conversation: bool) -> None:
-        """Run `turn` now; its outputs and its `ResponseDone` arrive through `outputs()`
+        """Run `turn` now; its outputs and its `ResponseDone` come through `take_events()`
         under `response_id`. The conversation's turn (`conversation=True`, at most one at
         a time) is the one a barge-in cancels; other turns (out-of-band responses,
         transcription jobs) run beside it. A turn that cannot start ends at once with a
@@ -95,8 +95,14 @@ class BackendSession(Protocol):
         """End a running turn at once; "turn_detected" is a barge-in. Its `ResponseDone`
         (cancelled, or whatever ended it first) follows; nothing if it already ended."""
 
-    def outputs(self) -> AsyncIterator[ResponseEvent]:
-        """Every turn's outputs, in order, until `close()`."""
+    def take_events(self) -> list[ResponseEvent]:
+        """The turns' outputs and done events that arrived so far, in order, without
+        waiting. A `cancel`'s `ResponseDone` is here as soon as `cancel` returns, so the
+        shell can finish the response in the same step that decided the cancel."""
+
+    async def wait_events(self) -> bool:
+        """Wait until `take_events` has something; False once the session is closed and
+        nothing more will come."""
 
     async def close(self) -> None:
         """Abort everything and release the session; idempotent."""

@@ -148,8 +148,7 @@ class RealtimeConnection:
             self._finish(None)
 
     async def _outputs(self) -> None:
-        async for event in self.session.outputs():
-            self.core.receive_response_event(event)
+        while await self.session.wait_events():
             self._pump()
 
     async def _speech(self) -> None:
@@ -174,22 +173,33 @@ class RealtimeConnection:
     # -- outputs ------------------------------------------------------------------------
 
     def _pump(self) -> None:
-        """Move the core's events to the send queue and its actions to the engine."""
-        events = self.core.events_to_send()
-        if self._done.is_set():
-            events = []  # closing: nothing more is sent
-        for event in events:
-            self._observe(event)
-            self._queue.append(json.dumps(event, separators=(",", ":")))
-        if events:
-            self._ready.set()
-        self._dispatch(self.core.actions())
+        """Feed the backend's events to the core, move the core's events to the send
+        queue and its actions to the backend, until nothing more is decided: a cancel's
+        `ResponseDone` is ready as soon as the cancel is carried out, so its
+        `response.done` goes out in the same step as the event that caused it."""
+        while True:
+            for backend_event in self.session.take_events():
+                self.core.receive_response_event(backend_event)
+            self._send_events(self.core.events_to_send())
+            actions = self.core.actions()
+            if not actions:
+                break
+            self._dispatch(actions)
         if len(self._queue) > self.config.limits.send_queue_events:
             self.metrics.send_overflows.inc()
             self._queue.clear()
             self._finish(
                 CloseSession(SEND_OVERFLOW_CODE, "send queue overflow: client is not reading")
             )
+
+    def _send_events(self, events: list[dict[str, Any]]) -> None:
+        if self._done.is_set():
+            return  # closing: nothing more is sent
+        for event in events:
+            self._observe(event)
+            self._queue.append(json.dumps(event, separators=(",", ":")))
+        if events:
+            self._ready.set()
 
     def _dispatch(self, actions: list[Action]) -> None:
         for action in actions:

@@ -4,14 +4,14 @@ One realtime connection owns one duplex session. Every turn of the connection ru
 it under the gateway's response id as its tag: the conversation's responses as the
 conversation's turns, out-of-band responses and transcriptions as side turns. Commands
 reach the duplex session synchronously, in the order the realtime core decided them, and
-`outputs()` reads the duplex session's events directly, with no queue in between, so
-the duplex fence is the one place stale output is dropped.
+`take_events()` reads the duplex session's event queue directly, with no queue in
+between, so the duplex fence is the one place stale output is dropped.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Literal
 
 from duplex.errors import DuplexError
@@ -59,12 +59,17 @@ class EngineBackendSession:
     def cancel(self, response_id: str, *, reason: str) -> None:
         self._handle.cancel(tag=response_id, reason=reason)
 
-    async def outputs(self) -> AsyncIterator[ResponseEvent]:
-        async for event in self._handle.events():
+    def take_events(self) -> list[ResponseEvent]:
+        events: list[ResponseEvent] = []
+        for event in self._handle.take_events():
             if isinstance(event, TurnOutput) and event.tag is not None:
-                yield _response_output(event.tag, event)
+                events.append(_response_output(event.tag, event))
             elif isinstance(event, TurnDone) and event.tag is not None:
-                yield _response_done(event.tag, event)
+                events.append(_response_done(event.tag, event))
+        return events
+
+    async def wait_events(self) -> bool:
+        return await self._handle.wait_events()
 
     async def close(self) -> None:
         await self._handle.close()

@@ -5,8 +5,6 @@ the duplex layer."""
 from __future__ import annotations
 
 import asyncio
-import weakref
-from collections.abc import AsyncIterator
 
 from duplex.contracts import DuplexStageSubmission
 from duplex.manager import DuplexSessionManager
@@ -42,16 +40,14 @@ def text_turn(text: str = "hello") -> TurnRequest:
     return TurnRequest(final=Stage.LLM, text=text)
 
 
-_readers: weakref.WeakKeyDictionary[EngineBackendSession, AsyncIterator[ResponseEvent]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
 async def collect(session: EngineBackendSession, count: int) -> list[ResponseEvent]:
-    """The next `count` events; a session's outputs have one reader for its lifetime."""
-    reader = _readers.setdefault(session, aiter(session.outputs()))
+    """The next `count` events (the tests ask for exactly as many as will come)."""
+    events: list[ResponseEvent] = []
     async with asyncio.timeout(5):
-        return [await anext(reader) for _ in range(count)]
+        while len(events) < count and await session.wait_events():
+            events += session.take_events()
+    assert len(events) == count, events
+    return events
 
 
 def opened(

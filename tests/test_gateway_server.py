@@ -11,6 +11,7 @@ import base64
 import json
 import urllib.error
 import urllib.request
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -47,7 +48,9 @@ class FakeSession:
         self.chunk_ms = chunk_ms
         self.delay = delay
         self.closed = closed
-        self.queue: asyncio.Queue[ResponseEvent | None] = asyncio.Queue()
+        self.queue: deque[ResponseEvent] = deque()
+        self.arrived = asyncio.Event()
+        self.is_closed = False
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.turns: dict[str, TurnRequest] = {}  # every started turn, by response id
         self.cancelled: list[tuple[str, str]] = []
@@ -64,14 +67,14 @@ class FakeSession:
 
     async def _run(self, response_id: str, turn: TurnRequest) -> None:
         if turn.entry is Stage.ASR:
-            self.queue.put_nowait(ResponseOutput(response_id, "transcript", text="fake transcript"))
+            self._put(ResponseOutput(response_id, "transcript", text="fake transcript"))
         if turn.final is not Stage.ASR:
             for word in self.words:
                 await asyncio.sleep(self.delay)
-                self.queue.put_nowait(ResponseOutput(response_id, "text", text=word + " "))
+                self._put(ResponseOutput(response_id, "text", text=word + " "))
                 if turn.final is Stage.TTS:
-                    self.queue.put_nowait(self._speech(response_id, word))
-        self.queue.put_nowait(ResponseDone(response_id, "completed", usage=USAGE))
+                    self._put(self._speech(response_id, word))
+        self._put(ResponseDone(response_id, "completed", usage=USAGE))
 
     def _speech(self, response_id: str, word: str) -> ResponseOutput:
         samples = np.full(OUTPUT_RATE * self.chunk_ms // 1000, 0.1, dtype="<f4")
@@ -90,20 +93,32 @@ class FakeSession:
         task = self.tasks.get(response_id)
         if task is not None and not task.done():
             task.cancel()
-            self.queue.put_nowait(ResponseDone(response_id, "cancelled", reason=reason))
+            self._put(ResponseDone(response_id, "cancelled", reason=reason))
 
     async def ended(self, response_id: str) -> None:
         """Return once the turn's work has stopped: nothing more of it can come."""
         await asyncio.wait([self.tasks[response_id]])
 
-    async def outputs(self) -> AsyncIterator[ResponseEvent]:
-        while (event := await self.queue.get()) is not None:
-            yield event
+    def _put(self, event: ResponseEvent) -> None:
+        self.queue.append(event)
+        self.arrived.set()
+
+    def take_events(self) -> list[ResponseEvent]:
+        events = list(self.queue)
+        self.queue.clear()
+        return events
+
+    async def wait_events(self) -> bool:
+        while not self.queue and not self.is_closed:
+            self.arrived.clear()
+            await self.arrived.wait()
+        return bool(self.queue)
 
     async def close(self) -> None:
         for task in self.tasks.values():
             task.cancel()
-        self.queue.put_nowait(None)
+        self.is_closed = True
+        self.arrived.set()
         self.closed.set()
 
 

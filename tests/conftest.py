@@ -26,3 +26,23 @@ modules never import from one another.
 """
 
 from __future__ import annotations
+
+import pytest
+
+_exit_status = 0
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    global _exit_status
+    _exit_status = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # Engine threads ran MLX in this process; MLX's static destructors at interpreter
+    # exit can then abort it ("terminate called without an active exception"), turning
+    # a passing run into exit code 134. Everything is reported by now, so leave without
+    # them, as the gateway's own CLI does (`engine.core.exit_process`).
+    from engine.core import exit_process
+
+    exit_process(_exit_status)

@@ -36,6 +36,14 @@ class SessionLimits(BaseModel):
     send_queue_events: int = Field(default=2048, ge=16)
     # Wall-clock cap on one session, like the service's 60-minute limit.
     max_session_s: float = Field(default=3600.0, gt=0)
+    # Connections that have not yet sent a whole HTTP request (WebSocket upgrade or a
+    # plain GET), across the process and from one client address. Beyond either the
+    # connection is answered 503 and closed at once, so idle or trickling clients cannot
+    # use up the process's file descriptors.
+    max_pending_handshakes: int = Field(default=256, ge=1)
+    max_pending_handshakes_per_address: int = Field(default=32, ge=1)
+    # A connection whose request and handshake take longer than this is closed.
+    handshake_timeout_s: float = Field(default=10.0, gt=0)
 
 
 class GatewayConfig(BaseModel):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
+import socket
 import urllib.error
 import urllib.request
 from collections import deque
@@ -255,6 +257,152 @@ async def test_http_routes_and_static_files_without_traversal() -> None:
         ):
             status, _ = await asyncio.to_thread(http_get, server, bad)
             assert status == 404, bad
+    finally:
+        await server.shutdown()
+
+
+def raw_http(port: int, request: bytes, source: str = "127.0.0.1") -> bytes:
+    """Send `request` byte for byte and read the whole answer (empty if none came)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0)) as s:
+        s.sendall(request)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    return data
+
+
+def parse_answer(data: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Status, headers (lower-case names) and body of one HTTP response."""
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode().split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines)
+    return int(status_line.split()[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
+async def ask(server: GatewayServer, request: str | bytes) -> tuple[int, dict[str, str], bytes]:
+    raw = request.encode() if isinstance(request, str) else request
+    data = await asyncio.to_thread(raw_http, server.port, raw)
+    assert data, "the server closed without an answer"
+    return parse_answer(data)
+
+
+def assert_no_tracebacks(caplog: pytest.LogCaptureFixture) -> None:
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert not loud, [r.getMessage() for r in loud]
+
+
+async def test_head_answers_like_get_without_a_body(caplog: pytest.LogCaptureFixture) -> None:
+    server = await start_server()
+    try:
+        for path in ("/healthz", "/web/", "/web/index.html", "/metrics", "/web/missing.js"):
+            get_status, get_headers, get_body = await ask(server, f"GET {path} HTTP/1.1\r\n\r\n")
+            status, headers, body = await ask(server, f"HEAD {path} HTTP/1.1\r\n\r\n")
+            assert status == get_status and body == b"", path
+            assert headers["content-type"] == get_headers["content-type"], path
+            assert int(headers["content-length"]) == len(get_body), path
+        assert_no_tracebacks(caplog)
+    finally:
+        await server.shutdown()
+
+
+async def test_other_methods_get_405_with_allow(caplog: pytest.LogCaptureFixture) -> None:
+    server = await start_server()
+    try:
+        for method in ("POST", "PUT", "DELETE", "OPTIONS", "PATCH"):
+            request = f"{method} /healthz HTTP/1.1\r\nContent-Length: 2\r\n\r\n{{}}"
+            status, headers, _ = await ask(server, request)
+            assert status == 405 and headers["allow"] == "GET, HEAD", method
+        status, headers, _ = await ask(server, "HEAD /v1/realtime HTTP/1.1\r\n\r\n")
+        assert status == 405 and headers["allow"] == "GET"
+        assert_no_tracebacks(caplog)
+    finally:
+        await server.shutdown()
+
+
+async def test_paths_that_cannot_be_served_are_404(caplog: pytest.LogCaptureFixture) -> None:
+    server = await start_server()
+    try:
+        for path in ("/web/" + "a" * 300, "/web/" + "a/" * 3000, "/web/a\x00b", "/web/\xff"):
+            request = f"GET {path} HTTP/1.1\r\n\r\n".encode("latin-1")
+            status, _, _ = await ask(server, request)
+            assert status == 404, path[:40]
+        assert_no_tracebacks(caplog)
+    finally:
+        await server.shutdown()
+
+
+async def test_over_long_request_line_and_headers(caplog: pytest.LogCaptureFixture) -> None:
+    server = await start_server()
+    try:
+        status, _, _ = await ask(server, f"GET /web/{'a' * 9000} HTTP/1.1\r\n\r\n")
+        assert status == 414
+        status, _, _ = await ask(server, f"GET /healthz HTTP/1.1\r\nX-Big: {'b' * 9000}\r\n\r\n")
+        assert status == 431
+        many = "".join(f"X-H{i}: v\r\n" for i in range(200))
+        status, _, _ = await ask(server, f"GET /healthz HTTP/1.1\r\n{many}\r\n")
+        assert status == 431
+        status, _, _ = await ask(server, "GET /healthz HTTP/1.0\r\n\r\n")
+        assert status == 400
+        assert_no_tracebacks(caplog)
+    finally:
+        await server.shutdown()
+
+
+def open_pending(port: int, source: str) -> socket.socket:
+    """A connection that has sent only part of its request, as a slow or hostile client."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+    return s
+
+
+def answer_without_asking(port: int, source: str) -> bytes:
+    """What the server sends to a new connection before it has sent anything."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0)) as s:
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    return data
+
+
+async def test_pending_handshakes_are_bounded_per_address_and_per_process(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    limits = {"max_pending_handshakes": 3, "max_pending_handshakes_per_address": 2}
+    server = await start_server(limits=limits)
+    held: list[socket.socket] = []
+    try:
+        held += [open_pending(server.port, "127.0.0.1") for _ in range(2)]
+        data = await asyncio.to_thread(answer_without_asking, server.port, "127.0.0.1")
+        assert parse_answer(data)[0] == 503
+        # Another address still gets in, up to the process-wide bound.
+        status, _, _ = await asyncio.to_thread(
+            lambda: parse_answer(
+                raw_http(server.port, b"GET /healthz HTTP/1.1\r\n\r\n", "127.0.0.2")
+            )
+        )
+        assert status == 200
+        held.append(open_pending(server.port, "127.0.0.2"))
+        data = await asyncio.to_thread(answer_without_asking, server.port, "127.0.0.3")
+        assert parse_answer(data)[0] == 503
+        # A pending connection that completes its request is answered and frees its place.
+        held[0].sendall(b"\r\n")
+        assert parse_answer(await asyncio.to_thread(held[0].recv, 65536))[0] == 200
+        async with asyncio.timeout(5):
+            while (await ask(server, "GET /healthz HTTP/1.1\r\n\r\n"))[0] != 200:
+                await asyncio.sleep(0.01)
+        assert_no_tracebacks(caplog)
+    finally:
+        for s in held:
+            s.close()
+        await server.shutdown()
+
+
+async def test_a_handshake_that_never_completes_is_closed_after_its_timeout() -> None:
+    server = await start_server(limits={"handshake_timeout_s": 0.2})
+    try:
+        s = await asyncio.to_thread(open_pending, server.port, "127.0.0.1")
+        with s:
+            assert await asyncio.to_thread(s.recv, 65536) == b""
     finally:
         await server.shutdown()
 

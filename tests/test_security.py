@@ -36,6 +36,8 @@ LIMITS = {
     "max_input_buffer_ms": 2000,
     "max_items": 4,
     "max_session_s": 12.0,
+    "max_pending_handshakes": 12,
+    "max_pending_handshakes_per_address": 8,
 }
 RATE = 24000
 
@@ -217,6 +219,80 @@ def test_web_still_serves_its_own_files(gateway: Gateway) -> None:
     status, body = raw_get(gateway.port, "/web/index.html")
     assert status == 200
     assert body == (ROOT / "web" / "index.html").read_bytes()
+
+
+# -- HTTP surface -------------------------------------------------------------------
+
+
+def raw_answer(port: int, request: bytes, source: str = "127.0.0.1") -> tuple[int, str, bytes]:
+    """Status, header block and body of the answer to `request` sent byte for byte."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(source, 0)) as s:
+        s.sendall(request)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    assert data, "the server closed without an answer"
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), head.decode().lower(), body
+
+
+def test_http_mistakes_are_answered_without_tracebacks(gateway: Gateway) -> None:
+    auth = f"Authorization: Bearer {KEY}\r\n"
+    status, head, body = raw_answer(gateway.port, b"HEAD /healthz HTTP/1.1\r\n\r\n")
+    assert status == 200 and body == b"" and "content-length: " in head
+    status, _, body = raw_answer(gateway.port, f"HEAD /web/ HTTP/1.1\r\n{auth}\r\n".encode())
+    assert status == 200 and body == b""
+    status, head, _ = raw_answer(
+        gateway.port, b"POST /healthz HTTP/1.1\r\nContent-Length: 0\r\n\r\n"
+    )
+    assert status == 405 and "allow: get, head" in head
+    long_name = f"GET /web/{'x' * 300} HTTP/1.1\r\n{auth}\r\n"
+    assert raw_answer(gateway.port, long_name.encode())[0] == 404
+    long_url = f"GET /web/{'x' * 9000} HTTP/1.1\r\n\r\n"
+    assert raw_answer(gateway.port, long_url.encode())[0] == 414
+    long_header = f"GET /healthz HTTP/1.1\r\nX-Big: {'y' * 9000}\r\n\r\n"
+    assert raw_answer(gateway.port, long_header.encode())[0] == 431
+    assert not [line for line in gateway.lines if "Traceback" in line or "ERROR" in line]
+
+
+def open_pending(port: int, source: str) -> socket.socket:
+    """A connection that has sent only part of its request, as a slow or hostile client."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(source, 0))
+    s.sendall(b"GET /v1/realtime HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    return s
+
+
+def answer_without_asking(port: int, source: str) -> int:
+    """The status the server sends a new connection before it has sent anything."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(source, 0)) as s:
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    return int(data.split()[1])
+
+
+async def test_pending_handshakes_are_bounded(gateway: Gateway) -> None:
+    per_address = LIMITS["max_pending_handshakes_per_address"]
+    held = [open_pending(gateway.port, "127.0.0.1") for _ in range(int(per_address))]
+    try:
+        assert answer_without_asking(gateway.port, "127.0.0.1") == 503
+        # Another address still gets in, up to the bound for the whole process.
+        assert raw_answer(gateway.port, b"GET /healthz HTTP/1.1\r\n\r\n", "127.0.0.2")[0] == 200
+        rest = int(LIMITS["max_pending_handshakes"] - per_address)
+        held += [open_pending(gateway.port, "127.0.0.2") for _ in range(rest)]
+        assert answer_without_asking(gateway.port, "127.0.0.3") == 503
+    finally:
+        for s in held:
+            s.close()
+
+    def healthy() -> bool:
+        try:
+            return get(gateway.http + "/healthz")[0] == 200
+        except OSError:  # refused at the bound, which the server may not have left yet
+            return False
+
+    await wait_until(healthy, 10, "the closed connections to leave the bound")
+    assert not [line for line in gateway.lines if "Traceback" in line or "ERROR" in line]
 
 
 # -- limits -------------------------------------------------------------------------

@@ -162,6 +162,100 @@ def test_unsupported_settings_are_rejected(session_update: dict, param: str) -> 
     assert event["error"]["event_id"] == "evt_1"
 
 
+def _detection(**fields: object) -> dict:
+    return {"type": "realtime", "audio": {"input": {"turn_detection": fields}}}
+
+
+@pytest.mark.parametrize(
+    ("beta", "session_update", "param", "rule"),
+    [
+        (False, {"type": "realtime", "max_output_tokens": True}, "max_output_tokens", "[1, 4096]"),
+        (True, {"max_response_output_tokens": False}, "max_response_output_tokens", "[1, 4096]"),
+        (False, _detection(threshold=True), "threshold", "finite number in (0.0, 1.0]"),
+        (False, _detection(silence_duration_ms=True), "silence_duration_ms", "integer in [0,"),
+        (False, _detection(prefix_padding_ms=False), "prefix_padding_ms", "integer in [0,"),
+        (False, _detection(idle_timeout_ms=True), "idle_timeout_ms", "integer in [1000,"),
+        (False, _detection(create_response=1), "create_response", "boolean"),
+        (
+            False,
+            {"type": "realtime", "audio": {"output": {"speed": True}}},
+            "speed",
+            "finite number in [0.25, 1.5]",
+        ),
+        (
+            False,
+            {"type": "realtime", "audio": {"output": {"speed": float("nan")}}},
+            "speed",
+            "finite number in [0.25, 1.5]",
+        ),
+        (True, {"speed": float("inf")}, "speed", "finite number in [0.25, 1.5]"),
+        (True, {"speed": -float("inf")}, "speed", "finite number in [0.25, 1.5]"),
+        (True, {"temperature": float("nan")}, "temperature", "finite number"),
+        (
+            False,
+            {
+                "type": "realtime",
+                "audio": {"input": {"format": {"type": "audio/pcm", "rate": True}}},
+            },
+            "rate",
+            "integer",
+        ),
+    ],
+)
+def test_booleans_and_non_finite_numbers_are_refused_with_the_rule(
+    beta: bool, session_update: dict, param: str, rule: str
+) -> None:
+    session = make(beta=beta)
+    session.events_to_send()
+    (event,) = send(session, type="session.update", session=session_update, event_id="evt_1")
+    assert event["type"] == "error" and event["error"]["code"] == "invalid_value"
+    assert event["error"]["param"].endswith(param) and event["error"]["event_id"] == "evt_1"
+    assert rule in event["error"]["message"]
+    going_on = {"instructions": "go on"} if beta else {"type": "realtime", "instructions": "x"}
+    (updated,) = send(session, type="session.update", session=going_on)
+    assert updated["type"] == "session.updated"  # the refused update changed nothing
+    tokens = "max_response_output_tokens" if beta else "max_output_tokens"
+    assert updated["session"][tokens] == "inf"
+
+
+def test_booleans_are_not_integers_in_a_response_or_a_truncate() -> None:
+    session = make()
+    manual(session, ["text"])
+    (event,) = send(session, type="response.create", response={"max_output_tokens": True})
+    assert event["error"]["param"] == "response.max_output_tokens"
+    assert "an integer in [1, 4096] or 'inf'" in event["error"]["message"]
+    (event,) = send(
+        session, type="conversation.item.truncate", item_id="x", content_index=0, audio_end_ms=True
+    )
+    assert event["error"]["param"] == "audio_end_ms"
+    assert "an integer of at least 0" in event["error"]["message"]
+    assert not starts(session.actions())
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        {f"k{i}": "v" for i in range(17)},
+        {"k" * 65: "v"},
+        {"k": "v" * 513},
+    ],
+)
+def test_response_metadata_is_bounded_as_documented(metadata: dict[str, str]) -> None:
+    session = make()
+    manual(session, ["text"])
+    (event,) = send(session, type="response.create", response={"metadata": metadata})
+    assert event["type"] == "error" and event["error"]["param"] == "response.metadata"
+    message = event["error"]["message"]
+    assert "at most 16 keys" in message and "64 characters" in message and "512" in message
+    largest = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
+    (created,) = [
+        e
+        for e in send(session, type="response.create", response={"metadata": largest})
+        if e["type"] == "response.created"
+    ]
+    assert created["response"]["metadata"] == largest
+
+
 @pytest.mark.parametrize(
     ("frame", "code"),
     [

@@ -763,18 +763,44 @@ def test_server_vad_buffer_is_trimmed_and_manual_buffer_is_bounded() -> None:
     for _ in range(50):
         send(session, type="input_audio_buffer.append", audio=tone_b64(1000))
     assert session.audio_ms == 50_000
-    session.speech_started(0)  # speech is found only in what is kept: the last 30 s
+    session.speech_started(0)  # speech is found only in what is kept: the last append + 30 s
     session.speech_stopped(session.audio_ms)
     committed = session.events_to_send()[2]
     assert committed["type"] == "input_audio_buffer.committed"
     (start,) = starts(session.actions())
-    assert len(samples_of(start.turn.audio)) == 30_000 * 16
+    assert len(samples_of(start.turn.audio)) == 31_000 * 16
     session = make(max_input_buffer_ms=1000)
     manual(session)
     for _ in range(10):
         assert send(session, type="input_audio_buffer.append", audio=tone_b64(100)) == []
     (event,) = send(session, type="input_audio_buffer.append", audio=tone_b64(100))
     assert event["error"]["code"] == "input_audio_buffer_full"
+
+
+def test_server_vad_keeps_all_of_one_long_append_for_the_vad_behind_it() -> None:
+    # A client replays 40 s of recording in one append; the VAD hears it afterwards and
+    # finds speech 5 s to 8 s in: that audio is still kept, and becomes the user's turn.
+    session = make()
+    session.events_to_send()
+    assert send(session, type="input_audio_buffer.append", audio=tone_b64(40_000)) == []
+    session.speech_started(5_000)
+    session.speech_stopped(8_000)
+    assert types(session.events_to_send())[:3] == [
+        "input_audio_buffer.speech_started",
+        "input_audio_buffer.speech_stopped",
+        "input_audio_buffer.committed",
+    ]
+    (start,) = starts(session.actions())
+    assert len(samples_of(start.turn.audio)) == 3_000 * 16
+    # Later appends let go of it only once 30 s more have come.
+    for _ in range(31):
+        send(session, type="input_audio_buffer.append", audio=tone_b64(1000))
+    session.speech_started(10_000)  # heard far too late: the client sent faster than VAD
+    session.speech_stopped(12_000)
+    error = session.events_to_send()[-1]
+    assert error["type"] == "error"
+    assert error["error"]["code"] == "input_audio_buffer_commit_empty"
+    assert "30000 ms" in error["error"]["message"]
 
 
 def test_idle_timeout_commits_and_responds() -> None:

@@ -3,8 +3,8 @@ type names of both shapes.
 
 Client events are validated strictly: an unknown field is an error rather than a setting
 silently dropped, a boolean is never a number (nor a number a boolean), a number is
-finite, and a refused value's error states the rule it broke;
-`gateway.realtime`'s dispatch table names the model of each event type.
+finite, text is valid Unicode (no lone surrogates), and a refused value's error states
+the rule it broke. `gateway.realtime`'s dispatch table names the model of each event type.
 Server events are plain dicts built by the realtime session in the GA shape; `to_beta`
 renames them when the client asked for the beta shape.
 """
@@ -12,11 +12,20 @@ renames them when the client asked for the beta shape.
 from __future__ import annotations
 
 import math
+import re
 import secrets
 import string
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from gateway.audio import format_from_ga
@@ -53,8 +62,37 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_" + "".join(secrets.choice(_BASE62) for _ in range(21))
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _holds_lone_surrogate(value: object) -> bool:
+    """Whether a string anywhere in a JSON value holds a lone surrogate (JSON's `\\ud800`
+    escapes decode to one): such text has no UTF-8 form, so nothing below could use it."""
+    pending = [value]
+    while pending:  # a loop, not recursion: the value may nest as deep as JSON allows
+        item = pending.pop()
+        if isinstance(item, str):
+            if not item.isascii() and _LONE_SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return False
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: object) -> object:
+        if _holds_lone_surrogate(value):
+            raise PydanticCustomError(
+                "value_error", "must be valid Unicode text (a lone surrogate is not)"
+            )
+        return value
 
 
 # -- numbers: never booleans, always finite, refused with the rule they broke ----------

@@ -256,6 +256,37 @@ def test_response_metadata_is_bounded_as_documented(metadata: dict[str, str]) ->
     assert created["response"]["metadata"] == largest
 
 
+_USER_TEXT = {"type": "message", "role": "user", "content": [{"type": "input_text"}]}
+
+
+@pytest.mark.parametrize(
+    ("event", "param"),
+    [
+        (
+            {"type": "session.update", "session": {"type": "realtime", "instructions": "a\ud800"}},
+            "session",
+        ),
+        (
+            {
+                "type": "conversation.item.create",
+                "item": {**_USER_TEXT, "content": [{"type": "input_text", "text": "\udfff"}]},
+            },
+            "item",
+        ),
+        ({"type": "response.create", "response": {"metadata": {"k": "\udc00"}}}, "response"),
+        ({"type": "input_audio_buffer.clear", "event_id": "evt_\ud800"}, "event_id"),
+    ],
+)
+def test_text_with_a_lone_surrogate_is_refused(event: dict, param: str) -> None:
+    session = make()
+    manual(session, ["text"])
+    (error,) = send(session, **event)
+    assert error["type"] == "error" and error["error"]["param"] == param
+    assert "lone surrogate" in error["error"]["message"]
+    assert not starts(session.actions())
+    assert types(send(session, type="input_audio_buffer.clear")) == ["input_audio_buffer.cleared"]
+
+
 @pytest.mark.parametrize(
     ("frame", "code"),
     [

@@ -141,7 +141,9 @@ def number(
             return value
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise _rule_error(rule)
-        if not math.isfinite(value) or not above_low(value):
+        # An integer is finite however long (and too long for math.isfinite).
+        finite = isinstance(value, int) or math.isfinite(value)
+        if not finite or not above_low(value):
             raise _rule_error(rule)
         if high is not None and value > high:
             raise _rule_error(rule)

@@ -191,6 +191,8 @@ def _detection(**fields: object) -> dict:
         (True, {"speed": float("inf")}, "speed", "finite number in [0.25, 1.5]"),
         (True, {"speed": -float("inf")}, "speed", "finite number in [0.25, 1.5]"),
         (True, {"temperature": float("nan")}, "temperature", "finite number"),
+        (True, {"speed": 10**4000}, "speed", "finite number in [0.25, 1.5]"),
+        (True, {"speed": -(10**4000)}, "speed", "finite number in [0.25, 1.5]"),
         (
             False,
             {

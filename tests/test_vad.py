@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import glob
 import json
 from pathlib import Path
@@ -13,6 +14,7 @@ import soundfile as sf
 import soxr
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from websockets.asyncio.client import connect
 
 from engine import registry
 from engine.core import AsyncEngine, EngineCore
@@ -22,6 +24,7 @@ from engine.vad import SileroVad, VadStage, VadState
 from gateway.backend import SpeechEvent
 from gateway.session_config import TurnDetection
 from gateway.turn_detection import MAX_UNHEARD_SAMPLES, EngineSpeechSource
+from tests.helpers import running_gateway
 
 RATE = 16000
 CHUNK = 512
@@ -457,6 +460,43 @@ async def test_real_vad_finds_speech_at_the_end_of_a_40_s_append(
         await source.close()
     finally:
         core.shutdown()
+
+
+@pytest.mark.models
+def test_gateway_commits_speech_at_the_end_of_one_40_s_append(
+    recordings: dict[str, np.ndarray],
+) -> None:
+    """Through the CLI: a client replays a recording in one append, 40 s of silence and
+    then an utterance; server VAD finds the utterance and commits it."""
+    speech = recordings["Front_Center"]
+    onset, offset = _speech_bounds_ms(speech)
+    lead_ms = 40_000
+    audio = soxr.resample(np.concatenate([_silence(lead_ms), speech, _silence(1500)]), RATE, 24_000)
+    pcm = (np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()
+    no_response = {
+        "type": "realtime",
+        "audio": {"input": {"turn_detection": {"create_response": False}}},
+    }
+
+    async def scenario(port: int) -> dict[str, dict]:
+        async with connect(f"ws://127.0.0.1:{port}/v1/realtime", max_size=None) as ws:
+            await ws.send(json.dumps({"type": "session.update", "session": no_response}))
+            append = {"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()}
+            await ws.send(json.dumps(append))
+            seen: dict[str, dict] = {}
+            async with asyncio.timeout(60):
+                while "input_audio_buffer.committed" not in seen:
+                    event = json.loads(await ws.recv())
+                    assert event["type"] != "error", event
+                    seen[event["type"]] = event
+            return seen
+
+    with running_gateway() as gw:
+        seen = asyncio.run(scenario(gw.port))
+    started = seen["input_audio_buffer.speech_started"]["audio_start_ms"]
+    stopped = seen["input_audio_buffer.speech_stopped"]["audio_end_ms"]
+    assert abs(started - (lead_ms + onset - 300)) <= 100  # 300 ms of prefix padding
+    assert abs(stopped - (lead_ms + offset)) <= 100
 
 
 # ---------------------------------------------------------------- the detector

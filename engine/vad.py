@@ -206,9 +206,11 @@ class VadStage:
             raise KeyError(f"no open VAD stream {request_id!r}")
         samples = _as_samples(samples, ndim=1)
         if len(buffer.samples) + len(samples) > self.max_pending_samples:
+            # The caller feeds long audio in pieces as the probabilities come back.
             raise ValueError(
                 f"VAD stream {request_id!r} would hold more than "
-                f"{self.max_pending_samples} unprocessed samples"
+                f"{self.max_pending_samples} unprocessed samples "
+                f"({self.max_pending_samples * 1000 // self.vad.sample_rate} ms)"
             )
         buffer.append(samples)
 

@@ -2,18 +2,31 @@
 type names of both shapes.
 
 Client events are validated strictly: an unknown field is an error rather than a setting
-silently dropped; `gateway.realtime`'s dispatch table names the model of each event type.
+silently dropped, a boolean is never a number (nor a number a boolean), a number is
+finite, text is valid Unicode (no lone surrogates), and a refused value's error states
+the rule it broke. `gateway.realtime`'s dispatch table names the model of each event type.
 Server events are plain dicts built by the realtime session in the GA shape; `to_beta`
 renames them when the client asked for the beta shape.
 """
 
 from __future__ import annotations
 
+import math
+import re
 import secrets
 import string
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from gateway.audio import format_from_ga
 
@@ -29,6 +42,9 @@ __all__ = [
     "ItemIdIn",
     "ItemIn",
     "ItemReferenceIn",
+    "METADATA_MAX_KEYS",
+    "METADATA_MAX_KEY_CHARS",
+    "METADATA_MAX_VALUE_CHARS",
     "ResponseCancelIn",
     "ResponseCreateIn",
     "SessionUpdateIn",
@@ -46,18 +62,141 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_" + "".join(secrets.choice(_BASE62) for _ in range(21))
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _holds_lone_surrogate(value: object) -> bool:
+    """Whether a string anywhere in a JSON value holds a lone surrogate (JSON's `\\ud800`
+    escapes decode to one): such text has no UTF-8 form, so nothing below could use it."""
+    pending = [value]
+    while pending:  # a loop, not recursion: the value may nest as deep as JSON allows
+        item = pending.pop()
+        if isinstance(item, str):
+            if not item.isascii() and _LONE_SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return False
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: object) -> object:
+        if _holds_lone_surrogate(value):
+            raise PydanticCustomError(
+                "value_error", "must be valid Unicode text (a lone surrogate is not)"
+            )
+        return value
+
+
+# -- numbers: never booleans, always finite, refused with the rule they broke ----------
+
+
+def _rule_error(rule: str) -> PydanticCustomError:
+    return PydanticCustomError("value_error", "must be {rule}", {"rule": rule})
+
+
+def _span(low: float | None, high: float | None, *, low_open: bool = False) -> str:
+    if low is None and high is None:
+        return ""
+    if high is None:
+        return f" of at least {low}"
+    opening = "(" if low_open else "["
+    return f" in {opening}{low}, {high}]"
+
+
+def integer(low: int | None = None, high: int | None = None) -> BeforeValidator:
+    """An integer in [low, high]: not a boolean, not a float, not a string."""
+    rule = "an integer" + _span(low, high)
+
+    def check(value: object) -> object:
+        if value is None:
+            return value  # whether None is allowed is the field's type's business
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise _rule_error(rule)
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise _rule_error(rule)
+        return value
+
+    return BeforeValidator(check)
+
+
+def number(
+    low: float | None = None, high: float | None = None, *, low_open: bool = False
+) -> BeforeValidator:
+    """A finite number (integer or float, never a boolean) in [low, high] or (low, high]."""
+    rule = "a finite number" + _span(low, high, low_open=low_open)
+
+    def above_low(value: float) -> bool:
+        return low is None or (value > low if low_open else value >= low)
+
+    def check(value: object) -> object:
+        if value is None:
+            return value
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise _rule_error(rule)
+        # An integer is finite however long (and too long for math.isfinite).
+        finite = isinstance(value, int) or math.isfinite(value)
+        if not finite or not above_low(value):
+            raise _rule_error(rule)
+        if high is not None and value > high:
+            raise _rule_error(rule)
+        return value
+
+    return BeforeValidator(check)
+
+
+def _token_limit(value: object) -> object:
+    if value == "inf" or value is None:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 4096:
+        return value
+    raise _rule_error("an integer in [1, 4096] or 'inf'")
+
+
+# Output tokens per response: 1..4096, or "inf" for the model's own limit.
+TokenLimit = Annotated[int | Literal["inf"] | None, BeforeValidator(_token_limit)]
+
+# Response metadata, as OpenAI documents it: up to 16 string pairs, short keys.
+METADATA_MAX_KEYS = 16
+METADATA_MAX_KEY_CHARS = 64
+METADATA_MAX_VALUE_CHARS = 512
+
+
+def _metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    if value is None:
+        return None
+    too_long = any(
+        len(k) > METADATA_MAX_KEY_CHARS or len(v) > METADATA_MAX_VALUE_CHARS
+        for k, v in value.items()
+    )
+    if len(value) > METADATA_MAX_KEYS or too_long:
+        raise PydanticCustomError(
+            "value_error",
+            f"must have at most {METADATA_MAX_KEYS} keys, each of at most "
+            f"{METADATA_MAX_KEY_CHARS} characters, with string values of at most "
+            f"{METADATA_MAX_VALUE_CHARS} characters",
+        )
+    return value
+
+
+Metadata = Annotated[dict[str, str] | None, AfterValidator(_metadata)]
 
 
 class TurnDetectionIn(_Strict):
     type: Literal["server_vad", "semantic_vad"] | None = None
-    threshold: float | None = Field(None, gt=0.0, le=1.0)
-    prefix_padding_ms: int | None = Field(None, ge=0, le=10_000)
-    silence_duration_ms: int | None = Field(None, ge=0, le=10_000)
-    create_response: bool | None = None
-    interrupt_response: bool | None = None
-    idle_timeout_ms: int | None = Field(None, ge=1_000, le=600_000)
+    threshold: Annotated[float | None, number(0.0, 1.0, low_open=True)] = None
+    prefix_padding_ms: Annotated[int | None, integer(0, 10_000)] = None
+    silence_duration_ms: Annotated[int | None, integer(0, 10_000)] = None
+    create_response: StrictBool | None = None
+    interrupt_response: StrictBool | None = None
+    idle_timeout_ms: Annotated[int | None, integer(1_000, 600_000)] = None
     eagerness: Literal["low", "medium", "high", "auto"] | None = None
 
 
@@ -69,7 +208,7 @@ class TranscriptionIn(_Strict):
 
 class FormatIn(_Strict):
     type: str
-    rate: int | None = None
+    rate: Annotated[int | None, integer(1)] = None
 
 
 class AudioInputIn(_Strict):
@@ -82,7 +221,7 @@ class AudioInputIn(_Strict):
 class AudioOutputIn(_Strict):
     format: FormatIn | None = None
     voice: str | None = None
-    speed: float | None = Field(None, ge=0.25, le=1.5)
+    speed: Annotated[float | None, number(0.25, 1.5)] = None
 
 
 class AudioIn(_Strict):
@@ -98,14 +237,14 @@ class _SharedSessionIn(_Strict):
     # Echoed by clients that send back the session object they were given.
     id: str | None = None
     object: str | None = None
-    expires_at: int | None = None
+    expires_at: Annotated[int | None, integer()] = None
 
 
 class GASessionIn(_SharedSessionIn):
     type: Literal["realtime", "transcription"]
     output_modalities: list[Literal["text", "audio"]] | None = None
     audio: AudioIn | None = None
-    max_output_tokens: int | Literal["inf"] | None = None
+    max_output_tokens: TokenLimit = None
     tracing: Any = None
     prompt: Any = None
     truncation: Any = None
@@ -120,9 +259,9 @@ class BetaSessionIn(_SharedSessionIn):
     input_audio_transcription: TranscriptionIn | None = None
     input_audio_noise_reduction: dict[str, Any] | None = None
     turn_detection: TurnDetectionIn | None = None
-    temperature: float | None = None
-    max_response_output_tokens: int | Literal["inf"] | None = None
-    speed: float | None = Field(None, ge=0.25, le=1.5)
+    temperature: Annotated[float | None, number()] = None
+    max_response_output_tokens: TokenLimit = None
+    speed: Annotated[float | None, number(0.25, 1.5)] = None
     tracing: Any = None
     include: list[str] | None = None
 
@@ -161,14 +300,14 @@ class _SharedResponseIn(_Strict):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     conversation: Literal["auto", "none"] | str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata = None
     input: list[ItemIn | ItemReferenceIn] | None = None
     prompt: Any = None
 
 
 class GAResponseIn(_SharedResponseIn):
     output_modalities: list[Literal["text", "audio"]] | None = None
-    max_output_tokens: int | Literal["inf"] | None = None
+    max_output_tokens: TokenLimit = None
     audio: AudioIn | None = None
 
 
@@ -176,8 +315,8 @@ class BetaResponseIn(_SharedResponseIn):
     modalities: list[Literal["text", "audio"]] | None = None
     voice: str | None = None
     output_audio_format: str | None = None
-    temperature: float | None = None
-    max_response_output_tokens: int | Literal["inf"] | None = None
+    temperature: Annotated[float | None, number()] = None
+    max_response_output_tokens: TokenLimit = None
 
 
 class _Event(_Strict):
@@ -208,8 +347,8 @@ class ItemIdIn(_Event):
 
 class TruncateIn(_Event):
     item_id: str
-    content_index: int = Field(ge=0)
-    audio_end_ms: int = Field(ge=0)
+    content_index: Annotated[int, integer(0)]
+    audio_end_ms: Annotated[int, integer(0)]
 
 
 class ResponseCreateIn(_Event):

@@ -4,6 +4,11 @@ pauses that may become a stop) on the session clock.
 
 Each (re)configuration opens a fresh VAD stream and detector, so new settings apply from
 the next appended audio and never to a half-detected utterance.
+
+The VAD hears every appended sample, whatever the size of an append: the engine's VAD
+stage holds a bounded amount of unheard audio per stream, so the feeder hands it audio
+in pieces and waits for the probabilities of earlier pieces before it sends more. A
+client replaying a recorded file in one append is heard as if it had streamed it.
 """
 
 from __future__ import annotations
@@ -22,9 +27,14 @@ from engine.stage import StageOutput
 from gateway.backend import SpeechEvent
 from gateway.session_config import TurnDetection
 
-__all__ = ["EngineSpeechSource", "VadEngine"]
+__all__ = ["FEED_PIECE_SAMPLES", "MAX_UNHEARD_SAMPLES", "EngineSpeechSource", "VadEngine"]
 
 logger = logging.getLogger(__name__)
+
+# 16 kHz samples handed to the VAD stage at once, and the most left unheard there: well
+# under the 30 s the stage holds per stream, so a feed is never refused.
+FEED_PIECE_SAMPLES = 4 * 16_000
+MAX_UNHEARD_SAMPLES = 12 * 16_000
 
 
 class VadEngine(Protocol):
@@ -43,12 +53,38 @@ class VadEngine(Protocol):
         """Requests accepted and not yet finished, per stage."""
 
 
+class _Progress:
+    """How far the VAD stage got through one stream's audio: samples fed and heard."""
+
+    def __init__(self) -> None:
+        self.fed = 0
+        self.heard = 0
+        self.closed = False
+        self._changed = asyncio.Event()
+
+    def hear(self, samples: int) -> None:
+        self.heard += samples
+        self._changed.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self._changed.set()
+
+    async def room_for(self, samples: int) -> None:
+        """Wait until `samples` more keep the unheard audio within its bound (or the
+        stream is closed: the caller then drops the audio of a stream nobody reads)."""
+        while not self.closed and self.fed - self.heard + samples > MAX_UNHEARD_SAMPLES:
+            self._changed.clear()
+            await self._changed.wait()
+
+
 class EngineSpeechSource:
     def __init__(self, engine: VadEngine, session_id: str) -> None:
         self._engine = engine
         self._session_id = session_id
         self._serial = itertools.count()
         self._stream_id: str | None = None
+        self._progress = _Progress()
         self._events: asyncio.Queue[SpeechEvent | None] = asyncio.Queue()
         self._feeds: asyncio.Queue[tuple[str, np.ndarray]] = asyncio.Queue()
         self._reader: asyncio.Task[None] | None = None
@@ -69,8 +105,10 @@ class EngineSpeechSource:
         )
         stream_id = f"{self._session_id}.vad{next(self._serial)}"
         self._stream_id = stream_id
+        self._progress = _Progress()
         outputs = self._engine.stream("vad", stream_id, None)
-        self._reader = asyncio.create_task(self._read(outputs, detector, start_ms), name="vad-read")
+        reading = self._read(outputs, detector, start_ms, self._progress)
+        self._reader = asyncio.create_task(reading, name="vad-read")
 
     def feed(self, samples: np.ndarray) -> None:
         if self._stream_id is not None and samples.size:
@@ -91,6 +129,7 @@ class EngineSpeechSource:
         self._events.put_nowait(None)
 
     def _stop_stream(self) -> None:
+        self._progress.close()
         if self._reader is not None:
             self._reader.cancel()
             self._reader = None
@@ -101,22 +140,57 @@ class EngineSpeechSource:
     async def _feed_loop(self) -> None:
         while True:
             stream_id, samples = await self._feeds.get()
-            if stream_id != self._stream_id:
-                continue  # audio for a stream closed since
-            try:
-                await self._engine.call("vad", "feed", stream_id, samples)
-            except (KeyError, ValueError) as exc:
-                # The stream closed under us, or the engine is too far behind to keep up.
-                logger.warning("VAD feed for %s dropped: %s", stream_id, exc)
+            for start in range(0, len(samples), FEED_PIECE_SAMPLES):
+                if not await self._feed_piece(
+                    stream_id, samples[start : start + FEED_PIECE_SAMPLES]
+                ):
+                    break
+
+    async def _feed_piece(self, stream_id: str, piece: np.ndarray) -> bool:
+        """Hand one piece to the VAD stage once it has room; False if the stream is gone."""
+        progress = self._progress
+        if stream_id != self._stream_id:
+            return False  # audio for a stream closed since
+        await progress.room_for(len(piece))
+        if progress.closed:
+            return False
+        try:
+            await self._engine.call("vad", "feed", stream_id, piece)
+        except (KeyError, ValueError) as exc:
+            # The stream closed under us (KeyError); a refusal (ValueError) is a bug in
+            # the bound above, and is logged as one.
+            log = logger.debug if isinstance(exc, KeyError) else logger.error
+            log("VAD feed for %s dropped: %s", stream_id, exc)
+            return False
+        progress.fed += len(piece)
+        return True
 
     async def _read(
-        self, outputs: AsyncIterator[StageOutput], detector: SpeechDetector, start_ms: float
+        self,
+        outputs: AsyncIterator[StageOutput],
+        detector: SpeechDetector,
+        start_ms: float,
+        progress: _Progress,
+    ) -> None:
+        try:
+            await self._decide(outputs, detector, start_ms, progress)
+        finally:
+            progress.close()  # nothing more is heard: the feeder must not wait for it
+
+    async def _decide(
+        self,
+        outputs: AsyncIterator[StageOutput],
+        detector: SpeechDetector,
+        start_ms: float,
+        progress: _Progress,
     ) -> None:
         async for output in outputs:
             if output.error:
                 logger.warning("VAD stream failed: %s", output.error)
                 return
-            for decision in detector.push(np.asarray(output.payload, dtype=np.float32)):
+            probabilities = np.asarray(output.payload, dtype=np.float32)
+            progress.hear(len(probabilities) * detector.chunk)
+            for decision in detector.push(probabilities):
                 if isinstance(decision, SpeechStarted):
                     event = SpeechEvent("started", start_ms + decision.audio_start_ms)
                 elif isinstance(decision, SpeechPaused):

@@ -35,9 +35,10 @@ from gateway.turns import response_turn
 __all__ = ["MIN_COMMIT_MS", "TurnTaking", "VAD_KEEP_MS"]
 
 MIN_COMMIT_MS = 100
-# Without speech, server VAD keeps only this much audio before the newest. The VAD runs
-# behind the appends (a client may send seconds of audio at once), and the engine's VAD
-# stage refuses to fall more than 30 s behind, so 30 s always covers the speech start.
+# Without speech, server VAD keeps the newest append whole and this much audio before it.
+# The VAD hears an append after it arrives, however long it is (the feeder hands it over
+# in bounded pieces), so its decisions about that append find the audio still kept; the
+# margin covers a VAD still hearing earlier appends and the prefix padding.
 VAD_KEEP_MS = 30_000
 
 
@@ -103,6 +104,7 @@ class TurnTaking:
     def append(self, event: AppendIn) -> None:
         manual = self.settings.turn_detection is None
         limit = self._config.limits.max_input_buffer_ms
+        appended_from_ms = self.now_ms
         try:
             self.input.append(decode_base64(event.audio), limit_ms=limit if manual else None)
         except BufferFullError:
@@ -116,7 +118,7 @@ class TurnTaking:
         self._feed_vad()
         if not manual:
             if self._speech_item_id is None:
-                self.input.trim(VAD_KEEP_MS)
+                self.input.trim(self.now_ms - appended_from_ms + VAD_KEEP_MS)
             self._check_idle_timeout()
 
     def commit(self, event: EmptyIn) -> None:
@@ -231,6 +233,7 @@ class TurnTaking:
             "input_audio_buffer.speech_stopped", audio_end_ms=int(audio_end_ms), item_id=item_id
         )
         try:
+            self._check_still_kept(audio_end_ms)
             item = self._commit(item_id, self._speech_start_ms, audio_end_ms)
         except ClientError as exc:
             self._discard_prepared()
@@ -243,6 +246,17 @@ class TurnTaking:
         else:
             self._jobs.start(item)
             self._discard_prepared()
+
+    def _check_still_kept(self, audio_end_ms: float) -> None:
+        """Speech the VAD heard only after its audio was let go is an error, not a loss
+        that passes unseen: the client sent audio faster than the VAD could hear it."""
+        if audio_end_ms <= self.input.start_ms:
+            raise ClientError(
+                f"speech ended at {int(audio_end_ms)} ms, before the oldest audio still kept "
+                f"({int(self.input.start_ms)} ms): without speech the buffer keeps the newest "
+                f"append and {VAD_KEEP_MS} ms before it, and server VAD fell further behind",
+                "input_audio_buffer_commit_empty",
+            )
 
     def _discard_prepared(self) -> None:
         if self._prepared:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import math
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,9 @@ KNOWN_TYPES = {
 ids = st.from_regex(r"[a-z]{3}_[A-Za-z0-9]{1,20}", fullmatch=True)
 texts = st.text(max_size=40)
 quiet_pcm = st.integers(1, 48).map(lambda n: bytes(n * 20))
+# Text around lone surrogates: JSON spells them `\ud800`; they have no UTF-8 form.
+lone_surrogates = st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1)
+broken_texts = st.tuples(texts, lone_surrogates, texts).map("".join)
 
 
 def _event(kind: str, **fields: Any) -> st.SearchStrategy[dict[str, Any]]:
@@ -116,7 +120,98 @@ bad_objects = st.one_of(
     _event("response.cancel"),
     _event("response.create", response=st.just({"output_modalities": ["smell"]})),
     _event("input_audio_buffer.clear", extra=st.integers()),
+    # Booleans are never integers (nor numbers), wherever a number is expected.
+    _event(
+        "session.update",
+        session=st.builds(
+            lambda field, flag: {
+                "type": "realtime",
+                "audio": {"input": {"turn_detection": {field: flag}}},
+            },
+            st.sampled_from(
+                ["threshold", "prefix_padding_ms", "silence_duration_ms", "idle_timeout_ms"]
+            ),
+            st.booleans(),
+        ),
+    ),
+    _event(
+        "conversation.item.truncate",
+        item_id=ids,
+        content_index=st.booleans() | st.integers(),
+        audio_end_ms=st.booleans(),
+    ),
+    _event(
+        "response.create", response=st.builds(lambda b: {"max_output_tokens": b}, st.booleans())
+    ),
+    # Text with lone surrogates, wherever text goes.
+    _event(
+        "session.update",
+        session=broken_texts.map(lambda t: {"type": "realtime", "instructions": t}),
+    ),
+    _event(
+        "conversation.item.create",
+        item=broken_texts.map(
+            lambda t: {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": t}],
+            }
+        ),
+    ),
+    _event("response.create", response=broken_texts.map(lambda t: {"metadata": {"k": t}})),
+    _event("input_audio_buffer.clear", event_id=broken_texts),
 )
+
+
+# -- numbers of any size, in fields with a range -----------------------------------------
+
+# JSON number literals of any size: Python's json reads more than 4,300 digits as an
+# error, 1e400 as infinity, and NaN/Infinity as themselves.
+number_literals = st.one_of(
+    st.integers().map(str),
+    st.builds(lambda sign, n: sign + "9" * n, st.sampled_from(["", "-"]), st.integers(1, 6000)),
+    st.floats().map(json.dumps),
+    st.sampled_from(["1e400", "-1e400", "1e-400", "0.0", "-0", "4096.0", "true", "false"]),
+)
+
+
+def _integer_in(low: int, high: int) -> Callable[[object], bool]:
+    def rule(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+    return rule
+
+
+def _number_in(low: float, high: float) -> Callable[[object], bool]:
+    def rule(value: object) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        finite = isinstance(value, int) or math.isfinite(value)
+        return finite and low <= value <= high
+
+    return rule
+
+
+# A session.update setting one ranged field, and whether a value is within its rule.
+RANGED_FIELDS: dict[str, tuple[dict[str, Any], Callable[[object], bool]]] = {
+    "max_output_tokens": ({"type": "realtime", "max_output_tokens": "N"}, _integer_in(1, 4096)),
+    "speed": ({"type": "realtime", "audio": {"output": {"speed": "N"}}}, _number_in(0.25, 1.5)),
+}
+
+
+def _within_rule(literal: str, rule: Callable[[object], bool]) -> bool:
+    try:
+        return rule(json.loads(literal))
+    except ValueError:  # more digits than Python's json reads: the frame is not JSON
+        return False
+
+
+@st.composite
+def ranged_updates(draw: st.DrawFn) -> Sent:
+    template, rule = RANGED_FIELDS[draw(st.sampled_from(sorted(RANGED_FIELDS)))]
+    literal = draw(number_literals)
+    event = json.dumps({"type": "session.update", "session": template})
+    return Sent(event.replace('"N"', literal), bad=not _within_rule(literal, rule))
 
 
 def _not_an_object(text: str) -> bool:
@@ -128,15 +223,19 @@ def _not_an_object(text: str) -> bool:
 
 @st.composite
 def frames(draw: st.DrawFn) -> Sent:
-    kind = draw(st.sampled_from(["good", "bad", "bad", "raw", "json", "binary", "deep"]))
+    kinds = ["good", "bad", "bad", "ranged", "raw", "json", "binary", "deep"]
+    kind = draw(st.sampled_from(kinds))
     if kind == "good":
         return Sent(json.dumps(draw(good_events)), False)
+    if kind == "ranged":
+        return draw(ranged_updates())
     if kind == "bad":
         event = draw(bad_objects)
-        event_id = draw(st.none() | ids)
-        if event_id is not None:
-            event["event_id"] = event_id
-        return Sent(json.dumps(event), True, event_id)
+        if "event_id" not in event:  # an event about a bad event_id brings its own
+            event_id = draw(st.none() | ids)
+            if event_id is not None:
+                event["event_id"] = event_id
+        return Sent(json.dumps(event), True, event.get("event_id"))
     if kind == "raw":
         return Sent(draw(texts.filter(_not_an_object)), True)
     if kind == "json":

@@ -162,6 +162,133 @@ def test_unsupported_settings_are_rejected(session_update: dict, param: str) -> 
     assert event["error"]["event_id"] == "evt_1"
 
 
+def _detection(**fields: object) -> dict:
+    return {"type": "realtime", "audio": {"input": {"turn_detection": fields}}}
+
+
+@pytest.mark.parametrize(
+    ("beta", "session_update", "param", "rule"),
+    [
+        (False, {"type": "realtime", "max_output_tokens": True}, "max_output_tokens", "[1, 4096]"),
+        (True, {"max_response_output_tokens": False}, "max_response_output_tokens", "[1, 4096]"),
+        (False, _detection(threshold=True), "threshold", "finite number in (0.0, 1.0]"),
+        (False, _detection(silence_duration_ms=True), "silence_duration_ms", "integer in [0,"),
+        (False, _detection(prefix_padding_ms=False), "prefix_padding_ms", "integer in [0,"),
+        (False, _detection(idle_timeout_ms=True), "idle_timeout_ms", "integer in [1000,"),
+        (False, _detection(create_response=1), "create_response", "boolean"),
+        (
+            False,
+            {"type": "realtime", "audio": {"output": {"speed": True}}},
+            "speed",
+            "finite number in [0.25, 1.5]",
+        ),
+        (
+            False,
+            {"type": "realtime", "audio": {"output": {"speed": float("nan")}}},
+            "speed",
+            "finite number in [0.25, 1.5]",
+        ),
+        (True, {"speed": float("inf")}, "speed", "finite number in [0.25, 1.5]"),
+        (True, {"speed": -float("inf")}, "speed", "finite number in [0.25, 1.5]"),
+        (True, {"temperature": float("nan")}, "temperature", "finite number"),
+        (True, {"speed": 10**4000}, "speed", "finite number in [0.25, 1.5]"),
+        (True, {"speed": -(10**4000)}, "speed", "finite number in [0.25, 1.5]"),
+        (
+            False,
+            {
+                "type": "realtime",
+                "audio": {"input": {"format": {"type": "audio/pcm", "rate": True}}},
+            },
+            "rate",
+            "integer",
+        ),
+    ],
+)
+def test_booleans_and_non_finite_numbers_are_refused_with_the_rule(
+    beta: bool, session_update: dict, param: str, rule: str
+) -> None:
+    session = make(beta=beta)
+    session.events_to_send()
+    (event,) = send(session, type="session.update", session=session_update, event_id="evt_1")
+    assert event["type"] == "error" and event["error"]["code"] == "invalid_value"
+    assert event["error"]["param"].endswith(param) and event["error"]["event_id"] == "evt_1"
+    assert rule in event["error"]["message"]
+    going_on = {"instructions": "go on"} if beta else {"type": "realtime", "instructions": "x"}
+    (updated,) = send(session, type="session.update", session=going_on)
+    assert updated["type"] == "session.updated"  # the refused update changed nothing
+    tokens = "max_response_output_tokens" if beta else "max_output_tokens"
+    assert updated["session"][tokens] == "inf"
+
+
+def test_booleans_are_not_integers_in_a_response_or_a_truncate() -> None:
+    session = make()
+    manual(session, ["text"])
+    (event,) = send(session, type="response.create", response={"max_output_tokens": True})
+    assert event["error"]["param"] == "response.max_output_tokens"
+    assert "an integer in [1, 4096] or 'inf'" in event["error"]["message"]
+    (event,) = send(
+        session, type="conversation.item.truncate", item_id="x", content_index=0, audio_end_ms=True
+    )
+    assert event["error"]["param"] == "audio_end_ms"
+    assert "an integer of at least 0" in event["error"]["message"]
+    assert not starts(session.actions())
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        {f"k{i}": "v" for i in range(17)},
+        {"k" * 65: "v"},
+        {"k": "v" * 513},
+    ],
+)
+def test_response_metadata_is_bounded_as_documented(metadata: dict[str, str]) -> None:
+    session = make()
+    manual(session, ["text"])
+    (event,) = send(session, type="response.create", response={"metadata": metadata})
+    assert event["type"] == "error" and event["error"]["param"] == "response.metadata"
+    message = event["error"]["message"]
+    assert "at most 16 keys" in message and "64 characters" in message and "512" in message
+    largest = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
+    (created,) = [
+        e
+        for e in send(session, type="response.create", response={"metadata": largest})
+        if e["type"] == "response.created"
+    ]
+    assert created["response"]["metadata"] == largest
+
+
+_USER_TEXT = {"type": "message", "role": "user", "content": [{"type": "input_text"}]}
+
+
+@pytest.mark.parametrize(
+    ("event", "param"),
+    [
+        (
+            {"type": "session.update", "session": {"type": "realtime", "instructions": "a\ud800"}},
+            "session",
+        ),
+        (
+            {
+                "type": "conversation.item.create",
+                "item": {**_USER_TEXT, "content": [{"type": "input_text", "text": "\udfff"}]},
+            },
+            "item",
+        ),
+        ({"type": "response.create", "response": {"metadata": {"k": "\udc00"}}}, "response"),
+        ({"type": "input_audio_buffer.clear", "event_id": "evt_\ud800"}, "event_id"),
+    ],
+)
+def test_text_with_a_lone_surrogate_is_refused(event: dict, param: str) -> None:
+    session = make()
+    manual(session, ["text"])
+    (error,) = send(session, **event)
+    assert error["type"] == "error" and error["error"]["param"] == param
+    assert "lone surrogate" in error["error"]["message"]
+    assert not starts(session.actions())
+    assert types(send(session, type="input_audio_buffer.clear")) == ["input_audio_buffer.cleared"]
+
+
 @pytest.mark.parametrize(
     ("frame", "code"),
     [
@@ -669,18 +796,44 @@ def test_server_vad_buffer_is_trimmed_and_manual_buffer_is_bounded() -> None:
     for _ in range(50):
         send(session, type="input_audio_buffer.append", audio=tone_b64(1000))
     assert session.audio_ms == 50_000
-    session.speech_started(0)  # speech is found only in what is kept: the last 30 s
+    session.speech_started(0)  # speech is found only in what is kept: the last append + 30 s
     session.speech_stopped(session.audio_ms)
     committed = session.events_to_send()[2]
     assert committed["type"] == "input_audio_buffer.committed"
     (start,) = starts(session.actions())
-    assert len(samples_of(start.turn.audio)) == 30_000 * 16
+    assert len(samples_of(start.turn.audio)) == 31_000 * 16
     session = make(max_input_buffer_ms=1000)
     manual(session)
     for _ in range(10):
         assert send(session, type="input_audio_buffer.append", audio=tone_b64(100)) == []
     (event,) = send(session, type="input_audio_buffer.append", audio=tone_b64(100))
     assert event["error"]["code"] == "input_audio_buffer_full"
+
+
+def test_server_vad_keeps_all_of_one_long_append_for_the_vad_behind_it() -> None:
+    # A client replays 40 s of recording in one append; the VAD hears it afterwards and
+    # finds speech 5 s to 8 s in: that audio is still kept, and becomes the user's turn.
+    session = make()
+    session.events_to_send()
+    assert send(session, type="input_audio_buffer.append", audio=tone_b64(40_000)) == []
+    session.speech_started(5_000)
+    session.speech_stopped(8_000)
+    assert types(session.events_to_send())[:3] == [
+        "input_audio_buffer.speech_started",
+        "input_audio_buffer.speech_stopped",
+        "input_audio_buffer.committed",
+    ]
+    (start,) = starts(session.actions())
+    assert len(samples_of(start.turn.audio)) == 3_000 * 16
+    # Later appends let go of it only once 30 s more have come.
+    for _ in range(31):
+        send(session, type="input_audio_buffer.append", audio=tone_b64(1000))
+    session.speech_started(10_000)  # heard far too late: the client sent faster than VAD
+    session.speech_stopped(12_000)
+    error = session.events_to_send()[-1]
+    assert error["type"] == "error"
+    assert error["error"]["code"] == "input_audio_buffer_commit_empty"
+    assert "30000 ms" in error["error"]["message"]
 
 
 def test_idle_timeout_commits_and_responds() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import glob
 import json
 from pathlib import Path
@@ -13,12 +14,17 @@ import soundfile as sf
 import soxr
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from websockets.asyncio.client import connect
 
 from engine import registry
 from engine.core import AsyncEngine, EngineCore
 from engine.models import silero, silero_onnx
 from engine.speech_detector import SpeechDetector, SpeechStarted, SpeechStopped
 from engine.vad import SileroVad, VadStage, VadState
+from gateway.backend import SpeechEvent
+from gateway.session_config import TurnDetection
+from gateway.turn_detection import MAX_UNHEARD_SAMPLES, EngineSpeechSource
+from tests.helpers import running_gateway
 
 RATE = 16000
 CHUNK = 512
@@ -351,6 +357,146 @@ async def test_stage_runs_inside_the_engine(
         engine_.abort("vad", "session-1")
     finally:
         core.shutdown()
+
+
+# ---------------------------------------------------------------- server VAD in the gateway
+
+
+class LoudnessVad:
+    """Stands in for Silero in the VAD stage: a chunk louder than 0.1 RMS is speech."""
+
+    sample_rate = RATE
+    chunk_size = CHUNK
+    context_size = 64
+    chunk_ms = 1000 * CHUNK / RATE
+
+    def initial_state(self) -> VadState:
+        return VadState(np.zeros(self.context_size, np.float32), np.zeros((2, 1), np.float32))
+
+    def speech_probability(
+        self, chunks: np.ndarray, states: list[VadState | None]
+    ) -> tuple[np.ndarray, list[VadState]]:
+        loud = np.sqrt(np.mean(chunks**2, axis=1)) > 0.1
+        return loud.astype(np.float32), [self.initial_state() for _ in states]
+
+
+def _silence(ms: int) -> np.ndarray:
+    return np.zeros(ms * RATE // 1000, np.float32)
+
+
+def _tone(ms: int) -> np.ndarray:
+    t = np.arange(ms * RATE // 1000) / RATE
+    return (0.5 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+
+
+async def _decisions(source: EngineSpeechSource, count: int) -> list[SpeechEvent]:
+    events = source.events()
+    return [await asyncio.wait_for(anext(events), timeout=20) for _ in range(count)]
+
+
+def _detection() -> TurnDetection:
+    return TurnDetection(prefix_padding_ms=0, silence_duration_ms=320)
+
+
+@pytest.mark.parametrize("stage_holds_ms", [30_000, MAX_UNHEARD_SAMPLES * 1000 // RATE])
+async def test_server_vad_hears_all_of_an_append_longer_than_the_stage_holds(
+    stage_holds_ms: int,
+) -> None:
+    # The stage holds at most `stage_holds_ms` of unheard audio per stream; one append of
+    # 40 s ends in speech, as when a client replays a recording in one append.
+    stage = VadStage(LoudnessVad(), max_pending_ms=stage_holds_ms)  # type: ignore[arg-type]
+    core = EngineCore({"vad": stage})
+    engine_ = AsyncEngine(core)
+    core.start()
+    try:
+        source = EngineSpeechSource(engine_, "s1")
+        source.configure(_detection(), start_ms=1000.0)
+        source.feed(np.concatenate([_silence(40_000), _tone(1000), _silence(1000)]))
+        started, stopped = await _decisions(source, 2)
+        assert (started.kind, stopped.kind) == ("started", "stopped")
+        assert started.ms == pytest.approx(41_000, abs=32)
+        assert stopped.ms == pytest.approx(42_000, abs=32)
+        await source.close()
+    finally:
+        core.shutdown()
+
+
+async def test_a_new_vad_stream_does_not_wait_on_the_audio_of_the_old() -> None:
+    core = EngineCore({"vad": VadStage(LoudnessVad())})  # type: ignore[arg-type]
+    engine_ = AsyncEngine(core)
+    core.start()
+    try:
+        source = EngineSpeechSource(engine_, "s1")
+        source.configure(_detection(), start_ms=0.0)
+        source.feed(_silence(60_000))
+        source.configure(_detection(), start_ms=60_000.0)  # while that audio is fed
+        source.feed(np.concatenate([_tone(1000), _silence(1000)]))
+        started, stopped = await _decisions(source, 2)
+        assert started.ms == pytest.approx(60_000, abs=32)
+        assert stopped.ms == pytest.approx(61_000, abs=32)
+        await source.close()
+    finally:
+        core.shutdown()
+
+
+@pytest.mark.models
+async def test_real_vad_finds_speech_at_the_end_of_a_40_s_append(
+    vad: SileroVad, recordings: dict[str, np.ndarray]
+) -> None:
+    speech = recordings["Front_Center"]
+    onset, offset = _speech_bounds_ms(speech)
+    lead_ms = 40_000
+    core = EngineCore({"vad": VadStage(vad)})
+    engine_ = AsyncEngine(core)
+    core.start()
+    try:
+        source = EngineSpeechSource(engine_, "s1")
+        source.configure(TurnDetection(prefix_padding_ms=0), start_ms=0.0)
+        source.feed(np.concatenate([_silence(lead_ms), speech, _silence(1500)]))
+        started, stopped = await _decisions(source, 2)
+        assert (started.kind, stopped.kind) == ("started", "stopped")
+        assert abs(started.ms - (lead_ms + onset)) <= 100
+        assert abs(stopped.ms - (lead_ms + offset)) <= 100
+        await source.close()
+    finally:
+        core.shutdown()
+
+
+@pytest.mark.models
+def test_gateway_commits_speech_at_the_end_of_one_40_s_append(
+    recordings: dict[str, np.ndarray],
+) -> None:
+    """Through the CLI: a client replays a recording in one append, 40 s of silence and
+    then an utterance; server VAD finds the utterance and commits it."""
+    speech = recordings["Front_Center"]
+    onset, offset = _speech_bounds_ms(speech)
+    lead_ms = 40_000
+    audio = soxr.resample(np.concatenate([_silence(lead_ms), speech, _silence(1500)]), RATE, 24_000)
+    pcm = (np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()
+    no_response = {
+        "type": "realtime",
+        "audio": {"input": {"turn_detection": {"create_response": False}}},
+    }
+
+    async def scenario(port: int) -> dict[str, dict]:
+        async with connect(f"ws://127.0.0.1:{port}/v1/realtime", max_size=None) as ws:
+            await ws.send(json.dumps({"type": "session.update", "session": no_response}))
+            append = {"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()}
+            await ws.send(json.dumps(append))
+            seen: dict[str, dict] = {}
+            async with asyncio.timeout(60):
+                while "input_audio_buffer.committed" not in seen:
+                    event = json.loads(await ws.recv())
+                    assert event["type"] != "error", event
+                    seen[event["type"]] = event
+            return seen
+
+    with running_gateway() as gw:
+        seen = asyncio.run(scenario(gw.port))
+    started = seen["input_audio_buffer.speech_started"]["audio_start_ms"]
+    stopped = seen["input_audio_buffer.speech_stopped"]["audio_end_ms"]
+    assert abs(started - (lead_ms + onset - 300)) <= 100  # 300 ms of prefix padding
+    assert abs(stopped - (lead_ms + offset)) <= 100
 
 
 # ---------------------------------------------------------------- the detector

@@ -28,6 +28,13 @@ class SessionLimits(BaseModel):
     output_chunk_ms: int = Field(default=100, ge=10, le=1000)
     # Uncommitted input audio kept at most (manual mode); beyond it appends are refused.
     max_input_buffer_ms: int = Field(default=15 * 60 * 1000, ge=1000)
+    # User audio the conversation's items hold at most, in seconds of audio (a commit or
+    # an item with input audio). Beyond it the audio of the oldest transcribed items is
+    # dropped (their words stay); audio not transcribed yet is never dropped, so if that
+    # is not enough the commit or item is refused. 15 min is every buffer that
+    # `max_input_buffer_ms` accepts: at most ~100 MB for 24 kHz pcm16 while none of it is
+    # transcribed (wire bytes plus 16 kHz float32), ~43 MB once it all is.
+    max_committed_audio_s: float = Field(default=900.0, gt=0)
     # Conversation items kept at most; creating more is refused.
     max_items: int = Field(default=512, ge=2)
     # Messages of history handed to the LLM per turn when truncation is "auto".

@@ -8,6 +8,10 @@ Rules of this module:
 2. A user audio item not transcribed yet keeps its audio in the turn's format
    (`pending_audio`: float32 little-endian at 16 kHz), converted once when the item is
    made; a turn answering it carries those bytes as they are.
+3. The user audio the items hold is bounded (`max_audio_ms`): an item that would go past
+   the bound first makes room by dropping the audio of the oldest transcribed user
+   items (their words stay); audio not transcribed yet is never dropped, so if that is
+   not enough the item is refused (`AudioLimitError`) and nothing changes.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from gateway.audio import (
 from gateway.input_buffer import Clip
 from gateway.protocol import ItemIn, new_id
 
-__all__ = ["Conversation", "Item", "Role"]
+__all__ = ["AudioLimitError", "Conversation", "Item", "Role"]
 
 Role = Literal["user", "assistant", "system"]
 
@@ -45,6 +49,7 @@ class Item:
     audio_format: AudioFormat | None = None
     pending_audio: bytes | None = None  # user audio not yet transcribed (rule 2)
     ledger: PlaybackLedger | None = None  # what a spoken assistant item said when (rule 1)
+    audio_dropped: bool = False  # its audio went to make room for newer audio (rule 3)
 
     @classmethod
     def user_audio(cls, item_id: str, clip: Clip) -> Item:
@@ -121,6 +126,20 @@ class Item:
             return 0.0
         return self.audio_format.duration_ms(len(self.audio))
 
+    @property
+    def held_audio_ms(self) -> float:
+        """User audio this item holds, as counted against the conversation's bound."""
+        return self.audio_ms if self.role == "user" else 0.0
+
+    @property
+    def transcribed(self) -> bool:
+        return self.pending_audio is None
+
+    def drop_audio(self) -> None:
+        """Let the transcribed audio go; the content part and its transcript stay."""
+        assert self.transcribed
+        self.audio, self.audio_dropped = bytearray(), True
+
     def text(self) -> str:
         return self.text_value if self.text_value is not None else (self.transcript or "")
 
@@ -189,7 +208,7 @@ class Item:
             parts.append({"type": "input_text", "text": self.text_value})
         if self.role == "user" and self.audio is not None:
             parts.append({"type": "input_audio", "transcript": self.transcript})
-        if with_audio and self.audio is not None:
+        if with_audio and self.audio is not None and not self.audio_dropped:
             audio_part = parts[-1]
             audio_part["audio"] = base64.b64encode(bytes(self.audio)).decode("ascii")
         return parts
@@ -207,11 +226,16 @@ def _turn_audio(samples: Samples) -> bytes | None:
     return samples.astype("<f4").tobytes() if samples.size else None
 
 
+class AudioLimitError(ValueError):
+    """An item's audio does not fit under the conversation's bound (rule 3)."""
+
+
 class Conversation:
     """Ordered items with O(1) lookup; `previous_item_id` "root" means the start."""
 
-    def __init__(self, max_items: int) -> None:
+    def __init__(self, max_items: int, max_audio_ms: float) -> None:
         self.max_items = max_items
+        self.max_audio_ms = max_audio_ms
         self._items: list[Item] = []
         self._by_id: dict[str, Item] = {}
 
@@ -231,19 +255,47 @@ class Conversation:
         index = self._index(item_id)
         return self._items[index - 1].id if index > 0 else None
 
+    def held_audio_ms(self) -> float:
+        return sum(item.held_audio_ms for item in self._items)
+
+    def check_audio_room(self, audio_ms: float) -> None:
+        """Raise AudioLimitError unless `audio_ms` more user audio can be held once the
+        transcribed audio is dropped."""
+        untranscribed_ms = sum(i.held_audio_ms for i in self._items if not i.transcribed)
+        if untranscribed_ms + audio_ms > self.max_audio_ms:
+            limit_s = self.max_audio_ms / 1000
+            raise AudioLimitError(
+                f"the conversation may hold {limit_s:g} s of user audio (limit "
+                f"max_committed_audio_s); this adds {audio_ms / 1000:.1f} s to "
+                f"{untranscribed_ms / 1000:.1f} s not transcribed yet; wait for the "
+                "transcription, delete items or send shorter audio"
+            )
+
+    def _make_audio_room(self, audio_ms: float) -> None:
+        """Drop the audio of the oldest transcribed user items until `audio_ms` fits."""
+        self.check_audio_room(audio_ms)
+        held_ms = self.held_audio_ms()
+        for item in self._items:
+            if held_ms + audio_ms <= self.max_audio_ms:
+                return
+            if item.held_audio_ms and item.transcribed:
+                held_ms -= item.held_audio_ms
+                item.drop_audio()
+
     def insert(self, item: Item, previous_item_id: str | None) -> None:
         if len(self._items) >= self.max_items:
             raise ValueError(
                 f"the conversation holds the maximum of {self.max_items} items; delete some"
             )
+        if previous_item_id not in (None, "root") and previous_item_id not in self._by_id:
+            raise KeyError(f"previous_item_id {previous_item_id!r} does not exist")
+        self._make_audio_room(item.held_audio_ms)
         if previous_item_id is None:
             position = len(self._items)
         elif previous_item_id == "root":
             position = 0
-        elif previous_item_id in self._by_id:
-            position = self._index(previous_item_id) + 1
         else:
-            raise KeyError(f"previous_item_id {previous_item_id!r} does not exist")
+            position = self._index(previous_item_id) + 1
         self._items.insert(position, item)
         self._by_id[item.id] = item
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from gateway.conversation import Conversation, Item
+from gateway.conversation import AudioLimitError, Conversation, Item
 from gateway.errors import ClientError, item_error
 from gateway.outbox import Outbox
 from gateway.protocol import ItemCreateIn, ItemIdIn, TruncateIn
@@ -45,6 +45,8 @@ class ItemEditor:
         """Insert `item` after `previous_item_id` (None: at the end; "root": first)."""
         try:
             self._conversation.insert(item, previous_item_id)
+        except AudioLimitError as exc:
+            raise ClientError(str(exc), "invalid_value", "item.content") from None
         except (KeyError, ValueError) as exc:
             raise ClientError(str(exc.args[0]), "invalid_value", "previous_item_id") from None
         previous = self._conversation.previous_id(item.id)

@@ -82,7 +82,10 @@ class RealtimeSession:
             voice=config.voices[0],
             instructions=config.default_instructions,
         )
-        self.conversation = Conversation(max_items=self.limits.max_items)
+        self.conversation = Conversation(
+            max_items=self.limits.max_items,
+            max_audio_ms=self.limits.max_committed_audio_s * 1000,
+        )
         self._out = Outbox(beta=beta)
         self._responses = ResponseStream(
             self._out,

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from gateway.actions import ConfigureVad, DiscardPrepared, FeedVad, PrepareResponse
 from gateway.audio import AudioFormatError, decode_base64
 from gateway.config import GatewayConfig
-from gateway.conversation import Conversation, Item
+from gateway.conversation import AudioLimitError, Conversation, Item
 from gateway.errors import ClientError
 from gateway.input_buffer import BufferFullError, InputBuffer
 from gateway.items import ItemEditor
@@ -171,6 +171,11 @@ class TurnTaking:
                 f"{max(span_ms, 0):.2f}ms of audio.",
                 "input_audio_buffer_commit_empty",
             )
+        try:
+            # Before taking the span: a refused commit leaves the buffer as it was.
+            self._conversation.check_audio_room(span_ms)
+        except AudioLimitError as exc:
+            raise ClientError(str(exc), "input_audio_buffer_commit_too_large") from None
         item = Item.user_audio(item_id, self.input.take(start_ms, end_ms))
         self._feed_vad()  # taking the span may have flushed the resampler
         previous = self._conversation.last_id()

@@ -897,3 +897,16 @@ def test_speech_going_on_discards_the_prepared_turn() -> None:
     session.speech_resumed()
     kinds = [type(a).__name__ for a in session.actions()]
     assert kinds == ["PrepareResponse", "DiscardPrepared"]
+
+
+def test_speech_over_the_committed_audio_limit_is_refused_and_its_turn_discarded() -> None:
+    session = _speaking(limits={"max_committed_audio_s": 0.5})
+    session.speech_paused(900)
+    session.speech_stopped(900)
+    stopped, error = session.events_to_send()
+    assert stopped["type"] == "input_audio_buffer.speech_stopped"
+    assert error["error"]["code"] == "input_audio_buffer_commit_too_large"
+    assert "max_committed_audio_s" in error["error"]["message"]
+    kinds = [type(a).__name__ for a in session.actions()]
+    assert kinds == ["PrepareResponse", "DiscardPrepared"]
+    assert session.conversation.items() == []

@@ -100,7 +100,9 @@ async def measure(stage: LlmStage, system: str, repeats: int, long_tokens: int) 
             for i in range(repeats)
         ]
         long_alone = [
-            await first_token_ms(engine_, f"long-alone{i}", long_turn(i, system, stage, long_tokens))
+            await first_token_ms(
+                engine_, f"long-alone{i}", long_turn(i, system, stage, long_tokens)
+            )
             for i in range(repeats)
         ]
         during, long_during = [], []

@@ -92,11 +92,14 @@ class LlmStage:
         max_running_sequences: int = 8,
         max_tokens_per_step: int = 2048,
         prefill_chunk_tokens: int = 512,
+        prefill_slice_tokens: int = 64,
         max_kv_tokens: int | None = None,
         prompt_cache_bytes: int = 256 * 1024 * 1024,
     ) -> None:
-        if max_running_sequences < 1 or prefill_chunk_tokens < 1:
-            raise ValueError("max_running_sequences and prefill_chunk_tokens must be >= 1")
+        if min(max_running_sequences, prefill_chunk_tokens, prefill_slice_tokens) < 1:
+            raise ValueError(
+                "max_running_sequences, prefill_chunk_tokens and prefill_slice_tokens must be >= 1"
+            )
         if max_tokens_per_step <= max_running_sequences:
             raise ValueError("max_tokens_per_step must exceed max_running_sequences")
         self.model = model
@@ -104,6 +107,7 @@ class LlmStage:
         self.max_running_sequences = max_running_sequences
         self.max_tokens_per_step = max_tokens_per_step
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.prefill_slice_tokens = min(prefill_slice_tokens, prefill_chunk_tokens)
         self.max_kv_tokens = max_kv_tokens
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self._eos = set(getattr(tokenizer, "eos_token_ids", None) or ())
@@ -270,20 +274,35 @@ class LlmStage:
     # --- prefill -------------------------------------------------------------------
 
     def _prefill(self, budget: int) -> list[StageOutput]:
-        # At most one chunk per step in total, so running decodes never stall longer.
+        """Fair prefill: one session's long prompt must not hold up everyone else.
+
+        A forward cannot be interrupted, so a request that arrives mid-step waits for
+        the whole step. Hence two bounds, measured on the embedded SmolLM2 on the CPU
+        (bench/fairness.py), where a 512-token chunk of a 2,000-token prompt took up to
+        3.7 s and a short turn's whole prefill about 0.15 s:
+        - A prompt that cannot finish this step advances by at most
+          `prefill_slice_tokens` (64: at most about 0.35 s a step, and the whole
+          2,000-token prefill was no slower than in 512-token chunks, 7.6 s against 9.9).
+        - Shortest remaining prefill first: requests whose rest fits in this step's
+          budget (at most one chunk) finish first, sharing padded forwards; a long
+          prompt only takes its slice in steps where no prefill finishes, so a new
+          short turn's first token never waits for more than the slice in flight when
+          it arrived. The long prompt gets every step in which nothing shorter waits,
+          so it progresses as soon as the short turns have their first tokens.
+        """
         budget = min(budget, self.prefill_chunk_tokens)
         last: list[_Seq] = []
-        for seq in self._prefilling:
-            if budget <= 0:
+        for seq in sorted(self._prefilling, key=lambda s: len(s.tokens) - s.kv_tokens):
+            todo = len(seq.tokens) - seq.kv_tokens
+            if todo > budget:
                 break
-            todo = seq.tokens[seq.kv_tokens :]
-            chunk = todo[:budget]
-            budget -= len(chunk)
-            if len(chunk) < len(todo):
-                self._forward_layers(seq.layers, chunk)
-                self._computed(seq, len(chunk))
-            else:
-                last.append(seq)
+            last.append(seq)
+            budget -= todo
+        if not last and self._prefilling and budget > 0:
+            seq = min(self._prefilling, key=lambda s: len(s.tokens) - s.kv_tokens)
+            size = min(budget, self.prefill_slice_tokens)
+            self._forward_layers(seq.layers, seq.tokens[seq.kv_tokens : seq.kv_tokens + size])
+            self._computed(seq, size)
         outputs: list[StageOutput] = []
         for group in self._padded_groups(last):
             outputs += self._prefill_last(group)

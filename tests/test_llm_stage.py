@@ -630,3 +630,37 @@ def test_long_and_short_last_chunks_are_prefilled_apart(model: llama.Model) -> N
     outs = run(stage)
     assert outs["long"][-1].output_token_ids == solo(model, prompt(60), greedy(6))
     assert outs["short"][-1].output_token_ids == solo(model, prompt(3, 1), greedy(6))
+
+
+def test_short_prompt_overtakes_a_long_prefill_and_the_long_one_still_finishes(
+    model: llama.Model,
+) -> None:
+    stage = make_stage(
+        model, prefill_chunk_tokens=32, prefill_slice_tokens=8, max_tokens_per_step=64
+    )
+    stage.add("long", LlmInput(prompt_token_ids=prompt(120), sampling_params=greedy(6)))
+    stage.step()
+    long_req = stage.request("long")
+    assert long_req is not None and 0 < long_req.num_computed_tokens < 120  # mid-prefill
+    stage.add("short", LlmInput(prompt_token_ids=prompt(5, 2), sampling_params=greedy(6)))
+    first = stage.step()
+    # The short prompt's first token comes from the very next step, before the long one's.
+    assert [o.request_id for o in first] == ["short"]
+    outs = run(stage)
+    assert outs["long"][-1].finished  # not starved by the short one's decode
+    assert outs["long"][-1].output_token_ids == solo(model, prompt(120), greedy(6))
+    assert outs["short"][-1].output_token_ids == solo(model, prompt(5, 2), greedy(6))
+
+
+def test_a_prompt_longer_than_a_step_advances_one_slice_per_step(model: llama.Model) -> None:
+    stage = make_stage(
+        model, prefill_chunk_tokens=32, prefill_slice_tokens=8, max_tokens_per_step=64
+    )
+    stage.add("long", LlmInput(prompt_token_ids=prompt(50), sampling_params=greedy(2)))
+    computed = []
+    while not stage.step():
+        long_req = stage.request("long")
+        assert long_req is not None
+        computed.append(long_req.num_computed_tokens)
+    # Slices of 8 until the rest (50 - 24 = 26) fits in one chunk and ends the prefill.
+    assert computed == [8, 16, 24]

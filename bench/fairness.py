@@ -3,10 +3,11 @@ long prompt, beside the same turn on an idle engine, on the embedded LLM stage a
 configs/default.yaml builds it.
 
 Each measurement goes through `EngineCore` and `AsyncEngine`, as the gateway's turns do.
-The short turn starts once the long request has prefilled its first chunk, so it
-arrives while that prefill is under way. Medians over `--repeats` rounds.
+The short turn starts once the long request has prefilled its first tokens (or more than
+`--arrive-after` of them), so it arrives while that prefill is under way. Medians over
+`--repeats` rounds.
 
-    python bench/fairness.py [--json] [--repeats 5] [--long-tokens 2000]
+    python bench/fairness.py [--json] [--repeats 5] [--long-tokens 2000] [--arrive-after 0]
 """
 
 from __future__ import annotations
@@ -78,17 +79,19 @@ async def first_token_ms(engine_: AsyncEngine, rid: str, inputs: LlmInput) -> fl
     return elapsed
 
 
-async def prefill_started(stage: LlmStage, rid: str) -> None:
-    """Wait until request `rid` has prefilled at least one chunk (read from the engine
-    thread's state; a bench may poll it)."""
+async def prefilled(stage: LlmStage, rid: str, tokens: int) -> None:
+    """Wait until request `rid` has prefilled more than `tokens` prompt tokens (read
+    from the engine thread's state; a bench may poll it)."""
     while True:
         req = stage.request(rid)
-        if req is not None and req.num_computed_tokens > 0:
+        if req is not None and req.num_computed_tokens > tokens:
             return
         await asyncio.sleep(0.001)
 
 
-async def measure(stage: LlmStage, system: str, repeats: int, long_tokens: int) -> dict[str, Any]:
+async def measure(
+    stage: LlmStage, system: str, repeats: int, long_tokens: int, arrive_after: int
+) -> dict[str, Any]:
     core = EngineCore({"llm": stage})
     core.start()
     engine_ = AsyncEngine(core)
@@ -111,7 +114,7 @@ async def measure(stage: LlmStage, system: str, repeats: int, long_tokens: int) 
             long_task = asyncio.create_task(
                 first_token_ms(engine_, rid, long_turn(1000 + i, system, stage, long_tokens))
             )
-            await prefill_started(stage, rid)
+            await prefilled(stage, rid, arrive_after)
             during.append(await first_token_ms(engine_, f"short{i}", short_turn(100 + i, system)))
             long_during.append(await long_task)
     finally:
@@ -129,7 +132,9 @@ async def measure(stage: LlmStage, system: str, repeats: int, long_tokens: int) 
                 long_turn(0, system, stage, long_tokens).messages, add_generation_prompt=True
             )
         ),
+        "short_arrives_after_tokens": arrive_after,
         "prefill_chunk_tokens": stage.prefill_chunk_tokens,
+        "prefill_slice_tokens": stage.prefill_slice_tokens,
     }
 
 
@@ -138,10 +143,17 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--repeats", type=int, default=5, help="rounds to take the median of")
     parser.add_argument("--long-tokens", type=int, default=2000, help="the long prompt's size")
+    parser.add_argument(
+        "--arrive-after",
+        type=int,
+        default=0,
+        help="start the short turn once the long one has prefilled more tokens than this",
+    )
     args = parser.parse_args()
 
     stage, system = build_stage()
-    result = asyncio.run(measure(stage, system, max(1, args.repeats), args.long_tokens))
+    repeats = max(1, args.repeats)
+    result = asyncio.run(measure(stage, system, repeats, args.long_tokens, args.arrive_after))
     result = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
     if args.json:
         print(json.dumps(result))

@@ -277,32 +277,33 @@ class LlmStage:
         """Fair prefill: one session's long prompt must not hold up everyone else.
 
         A forward cannot be interrupted, so a request that arrives mid-step waits for
-        the whole step. Hence two bounds, measured on the embedded SmolLM2 on the CPU
-        (bench/fairness.py), where a 512-token chunk of a 2,000-token prompt took up to
-        3.7 s and a short turn's whole prefill about 0.15 s:
-        - A prompt that cannot finish this step advances by at most
-          `prefill_slice_tokens` (64: at most about 0.35 s a step, and the whole
-          2,000-token prefill was no slower than in 512-token chunks, 7.6 s against 9.9).
-        - Shortest remaining prefill first: requests whose rest fits in this step's
-          budget (at most one chunk) finish first, sharing padded forwards; a long
-          prompt only takes its slice in steps where no prefill finishes, so a new
-          short turn's first token never waits for more than the slice in flight when
-          it arrived. The long prompt gets every step in which nothing shorter waits,
-          so it progresses as soon as the short turns have their first tokens.
+        the whole step. Measured on the embedded SmolLM2 on the CPU (bench/fairness.py):
+        a 512-token chunk of a 2,000-token prompt took up to 3.7 s, a short turn's whole
+        prefill about 0.15 s. Hence:
+        - Each step prefills at most `prefill_slice_tokens` (64: at most about 0.35 s
+          even deep into a 2,000-token prompt, and that whole prefill was no slower
+          than in 512-token chunks, 7.6 s against 9.9 s).
+        - Shortest remaining prefill first: requests whose rest fits in the step finish
+          first, sharing padded forwards; otherwise the shortest one advances a slice.
+          A new short turn's first token thus waits for at most the slice in flight
+          when it arrived, and a long prompt gets every step in which nothing shorter
+          waits, so it is never starved for longer than the short turns' prefills.
         """
-        budget = min(budget, self.prefill_chunk_tokens)
+        budget = min(budget, self.prefill_slice_tokens)
+        if budget <= 0 or not self._prefilling:
+            return []
+        shortest_first = sorted(self._prefilling, key=lambda s: len(s.tokens) - s.kv_tokens)
         last: list[_Seq] = []
-        for seq in sorted(self._prefilling, key=lambda s: len(s.tokens) - s.kv_tokens):
+        for seq in shortest_first:
             todo = len(seq.tokens) - seq.kv_tokens
             if todo > budget:
                 break
             last.append(seq)
             budget -= todo
-        if not last and self._prefilling and budget > 0:
-            seq = min(self._prefilling, key=lambda s: len(s.tokens) - s.kv_tokens)
-            size = min(budget, self.prefill_slice_tokens)
-            self._forward_layers(seq.layers, seq.tokens[seq.kv_tokens : seq.kv_tokens + size])
-            self._computed(seq, size)
+        if not last:
+            seq = shortest_first[0]
+            self._forward_layers(seq.layers, seq.tokens[seq.kv_tokens : seq.kv_tokens + budget])
+            self._computed(seq, budget)
         outputs: list[StageOutput] = []
         for group in self._padded_groups(last):
             outputs += self._prefill_last(group)

@@ -280,30 +280,31 @@ class LlmStage:
         the whole step. Measured on the embedded SmolLM2 on the CPU (bench/fairness.py):
         a 512-token chunk of a 2,000-token prompt took up to 3.7 s, a short turn's whole
         prefill about 0.15 s. Hence:
-        - Each step prefills at most `prefill_slice_tokens` (64: at most about 0.35 s
-          even deep into a 2,000-token prompt, and that whole prefill was no slower
-          than in 512-token chunks, 7.6 s against 9.9 s).
-        - Shortest remaining prefill first: requests whose rest fits in the step finish
-          first, sharing padded forwards; otherwise the shortest one advances a slice.
+        - No forward prefills more than `prefill_slice_tokens` of one request (64: at
+          most about 0.35 s even deep into a 2,000-token prompt, and that whole prefill
+          was no slower than in 512-token chunks, 7.6 s against 9.9 s).
+        - Shortest remaining prefill first: requests whose rest fits in a slice finish
+          first, sharing padded forwards up to one chunk in all (a burst of short
+          turns still starts in one step); otherwise the shortest one advances a slice.
           A new short turn's first token thus waits for at most the slice in flight
           when it arrived, and a long prompt gets every step in which nothing shorter
           waits, so it is never starved for longer than the short turns' prefills.
         """
-        budget = min(budget, self.prefill_slice_tokens)
+        budget = min(budget, self.prefill_chunk_tokens)
         if budget <= 0 or not self._prefilling:
             return []
         shortest_first = sorted(self._prefilling, key=lambda s: len(s.tokens) - s.kv_tokens)
         last: list[_Seq] = []
         for seq in shortest_first:
             todo = len(seq.tokens) - seq.kv_tokens
-            if todo > budget:
+            if todo > min(budget, self.prefill_slice_tokens):
                 break
             last.append(seq)
             budget -= todo
         if not last:
-            seq = shortest_first[0]
-            self._forward_layers(seq.layers, seq.tokens[seq.kv_tokens : seq.kv_tokens + budget])
-            self._computed(seq, budget)
+            seq, size = shortest_first[0], min(budget, self.prefill_slice_tokens)
+            self._forward_layers(seq.layers, seq.tokens[seq.kv_tokens : seq.kv_tokens + size])
+            self._computed(seq, size)
         outputs: list[StageOutput] = []
         for group in self._padded_groups(last):
             outputs += self._prefill_last(group)

@@ -16,13 +16,14 @@ import argparse
 import asyncio
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import engine  # noqa: F401 - first, so MLX picks up the optimised BLAS
 
 # isort: split
+from llm_batch import first_token_ms  # noqa: E402 - the same timing, one definition
+
 from engine.build import prepare_model
 from engine.config import load_config
 from engine.core import AsyncEngine, EngineCore, exit_process
@@ -68,15 +69,6 @@ def build_stage() -> tuple[LlmStage, str]:
         prompt_cache_bytes=limits.prompt_cache_bytes,
     )
     return stage, config.system_prompt
-
-
-async def first_token_ms(engine_: AsyncEngine, rid: str, inputs: LlmInput) -> float:
-    start = time.perf_counter()
-    stream = engine_.stream("llm", rid, inputs)
-    await stream.__anext__()
-    elapsed = (time.perf_counter() - start) * 1000
-    engine_.abort("llm", rid)
-    return elapsed
 
 
 async def prefilled(stage: LlmStage, rid: str, tokens: int) -> None:

@@ -179,7 +179,7 @@ def connection_type(pending: PendingHandshakes, metrics: GatewayMetrics) -> type
     each connection from a class)."""
 
     class BoundConnection(GatewayConnection):
-        pass
+        """A `GatewayConnection` counted by this server."""
 
     BoundConnection.pending = pending
     BoundConnection.metrics = metrics

@@ -263,11 +263,9 @@ def _modalities(values: Sequence[str], *, ga: bool) -> tuple[str, ...]:
 
 
 def _max_tokens(value: int | str | None) -> int | None:
-    if value in (None, "inf"):
-        return None
-    if not isinstance(value, int) or not 1 <= value <= 4096:
-        raise SettingError("max output tokens must be 1..4096 or 'inf'", "max_output_tokens")
-    return value
+    # The event model (`gateway.values.TokenLimit`) checked the range; "inf" is the
+    # model's own limit, which the engine applies when none is given.
+    return value if isinstance(value, int) else None
 
 
 def _ga_format(shape: dict[str, Any], param: str) -> AudioFormat:

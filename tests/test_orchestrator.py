@@ -413,7 +413,7 @@ class _StubbornLlm:
             yield StageOutput(request_id, late)
 
     def abort(self, request_id: str) -> None:
-        pass
+        """Ignored: like a remote server, it stops only when its stream is cancelled."""
 
 
 async def test_the_open_id_guard_drops_what_a_stopped_turn_still_produces() -> None:

@@ -28,6 +28,9 @@ so are its outputs still waiting in the reader's queue.
 | `"failed"` | `"backpressure"` | the event consumer fell too far behind; see `error` |
 | `"failed"` | `"rejected"` | the turn could not start (`reject_turn`); see `error` |
 
+A `"failed"` turn refused for what it asked (a limit of the engine, say) also has
+`error_code`, the stage's name for the refusal, which the client can act on.
+
 `tag` is the caller's name for the turn (the gateway's response id), given to
 `start_turn` and carried unchanged on every `TurnOutput` and the `TurnDone`.
 
@@ -82,6 +85,7 @@ class TurnDone:
     reason: str | None = None
     usage: Mapping[str, object] = field(default_factory=dict)
     error: str | None = None
+    error_code: str | None = None
     tag: str | None = None
 
     def __post_init__(self) -> None:

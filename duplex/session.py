@@ -317,10 +317,11 @@ class DuplexSession:
         self._note_metadata(turn, out)
         request.finished = out.finished or out.kind == "error"
         if out.kind == "error":
-            message = out.metadata.get("error") or out.text or "stage request failed"
-            steps = self._end_turn(
-                turn, "failed", reason="error", error=f"stage {out.stage_id}: {message}"
-            )
+            message = str(out.metadata.get("error") or out.text or "stage request failed")
+            code = out.metadata.get("error_code")
+            if not isinstance(code, str):  # a fault: say where it happened
+                code, message = None, f"stage {out.stage_id}: {message}"
+            steps = self._end_turn(turn, "failed", reason="error", error=message, error_code=code)
             return OutputRouting(OutputRoute.CONSUME, tuple(steps), decision=_decision(out))
         ends_turn = out.finished and out.stage_id == turn.final_stage_id
         tail = self._complete_turn(turn) if ends_turn else []
@@ -365,6 +366,7 @@ class DuplexSession:
         *,
         reason: str | None = None,
         error: str | None = None,
+        error_code: str | None = None,
     ) -> list[SessionStep]:
         # Built first: an invalid reason or a missing error raises before anything changed.
         done = TurnDone(
@@ -373,6 +375,7 @@ class DuplexSession:
             reason=reason,
             usage=turn.usage,
             error=error,
+            error_code=error_code,
             tag=turn.tag,
         )
         del self._turns[turn.turn_id]

@@ -60,7 +60,9 @@ class TurnRequest:
 
     `messages` is the history before this turn; a leading system message replaces the
     configured system prompt. `voice` and `speed` apply to spoken replies only,
-    `max_output_tokens` and `cache_key` (the conversation's prompt-cache key) to replies.
+    `max_output_tokens`, `cache_key` (the conversation's prompt-cache key) and `truncate`
+    (drop the oldest history when the prompt is over the engine's context limit, rather
+    than refuse the turn) to replies.
     A transcription turn (`final=Stage.ASR`) takes `audio` alone.
     """
 
@@ -72,6 +74,7 @@ class TurnRequest:
     voice: str | None = None
     speed: float | None = None
     cache_key: str | None = None
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "final", Stage(self.final))
@@ -97,8 +100,10 @@ class TurnRequest:
             raise ValueError(f"a {self.entry.name} turn cannot end at {self.final.name}")
         if self.final is Stage.ASR:
             reply_fields = (self.messages, self.max_output_tokens, self.voice, self.speed)
-            if any(reply_fields) or self.cache_key is not None:
+            if any(reply_fields) or self.cache_key is not None or not self.truncate:
                 raise ValueError("a transcription turn takes audio alone")
+        if not isinstance(self.truncate, bool):
+            raise ValueError(f"truncate must be a bool, got {self.truncate!r}")
         tokens = self.max_output_tokens
         if tokens is not None and (type(tokens) is not int or tokens < 1):
             raise ValueError(f"max_output_tokens must be a positive int, got {tokens!r}")

@@ -125,16 +125,19 @@ def _asr_stage(config: EngineConfig, progress: bool) -> Stage:
 
 
 def _llm_stage(config: EngineConfig, progress: bool) -> Stage:
+    from engine.context import ContextLimits
     from engine.llm import LlmStage
 
-    model = config.stages.llm.model
-    assert model is not None  # the config fills it in for the local backend
+    llm = config.stages.llm
+    # The config fills both in for the local backend.
+    assert llm.model is not None and llm.context is not None
     limits = config.engine
     return LlmStage.from_path(
-        prepare_model("llm", model, progress=progress),
+        prepare_model("llm", llm.model, progress=progress),
         max_running_sequences=limits.max_running_sequences,
         prefill_chunk_tokens=limits.prefill_chunk_tokens,
         prompt_cache_bytes=limits.prompt_cache_bytes,
+        context_limits=ContextLimits(**llm.context.model_dump()),
     )
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "AsrConfig",
     "ClauseConfig",
     "ConfigError",
+    "ContextConfig",
     "EngineConfig",
     "EngineLimits",
     "LlmConfig",
@@ -106,13 +107,25 @@ class RemoteLlmConfig(_Strict):
     timeout_s: float = Field(30.0, gt=0.0)
 
 
+class ContextConfig(_Strict):
+    """What one turn may put in front of the local model, in tokens (`engine.context`):
+    each is refused with an error naming it, except that history over
+    `max_context_tokens` is truncated, oldest first, when the session allows it."""
+
+    max_instructions_tokens: int = Field(4096, ge=1)
+    max_user_message_tokens: int = Field(4096, ge=1)
+    max_context_tokens: int = Field(6144, ge=16)
+
+
 class LlmConfig(_Strict):
-    """`model` is the local model (backend "local"); `remote` the server (backend "remote")."""
+    """`model` is the local model (backend "local"); `remote` the server (backend "remote").
+    `context` bounds the local model's prompts; a remote server applies its own."""
 
     backend: Literal["local", "remote"] = "local"
     model: ModelRef | None = None
     sampling: SamplingConfig = SamplingConfig()
     remote: RemoteLlmConfig | None = None
+    context: ContextConfig | None = None
 
     @model_validator(mode="after")
     def _backend_settings(self) -> LlmConfig:
@@ -121,11 +134,15 @@ class LlmConfig(_Strict):
                 raise ValueError("backend 'remote' needs a 'remote:' mapping (base_url, model)")
             if self.model is not None:
                 raise ValueError("'model' is not used with backend 'remote'; set remote.model")
+            if self.context is not None:
+                raise ValueError("'context' limits the local model; a remote server sets its own")
             return self
         if self.remote is not None:
             raise ValueError("'remote:' is only used with backend 'remote'")
         if self.model is None:
             object.__setattr__(self, "model", ModelRef(name=DEFAULT_LLM))
+        if self.context is None:
+            object.__setattr__(self, "context", ContextConfig())
         return self
 
 

@@ -22,7 +22,7 @@ from typing import Any, NoReturn, Protocol
 
 import mlx.core as mx
 
-from engine.stage import Stage, StageOutput
+from engine.stage import RequestRefused, Stage, StageOutput
 from engine.streams import DEFAULT_MAX_QUEUED_OUTPUTS, OutputStreams
 
 __all__ = [
@@ -173,6 +173,10 @@ class EngineCore:
     def _process_add(self, op: _Add) -> None:
         try:
             self._stages[op.stage].add(op.request_id, op.inputs)
+        except RequestRefused as exc:
+            refusal = StageOutput(op.request_id, None, True, str(exc), error_code=exc.code)
+            self._emit(op.stage, [refusal])
+            return
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             self._emit(op.stage, [StageOutput(op.request_id, None, finished=True, error=error)])

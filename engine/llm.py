@@ -35,6 +35,7 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
+from engine.context import ContextFitter, ContextLimits
 from engine.detokenizer import StreamingDetokenizer
 from engine.prompt_cache import PromptCache, common_prefix_length
 from engine.request import Request, RequestOutput, RequestStatus, SamplingParams
@@ -53,7 +54,9 @@ class LlmInput:
     """One generation request: a token prompt or chat messages, and how to sample.
 
     `cache_key` names the conversation whose KV is reused between turns (None: no
-    reuse). `priority`: lower is admitted first, as in `Request.__lt__`.
+    reuse). `priority`: lower is admitted first, as in `Request.__lt__`. `truncate`:
+    messages over the stage's context limit lose their oldest history instead of
+    failing the request (`engine.context`).
     """
 
     prompt_token_ids: list[int] | None = None
@@ -61,6 +64,7 @@ class LlmInput:
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     cache_key: str | None = None
     priority: int = 0
+    truncate: bool = True
 
 
 @dataclass(eq=False)
@@ -95,6 +99,7 @@ class LlmStage:
         prefill_slice_tokens: int = 64,
         max_kv_tokens: int | None = None,
         prompt_cache_bytes: int = 256 * 1024 * 1024,
+        context_limits: ContextLimits | None = None,
     ) -> None:
         if min(max_running_sequences, prefill_chunk_tokens, prefill_slice_tokens) < 1:
             raise ValueError(
@@ -110,6 +115,7 @@ class LlmStage:
         self.prefill_slice_tokens = min(prefill_slice_tokens, prefill_chunk_tokens)
         self.max_kv_tokens = max_kv_tokens
         self.prompt_cache = PromptCache(prompt_cache_bytes)
+        self._context = None if context_limits is None else self._fitter(context_limits)
         self._eos = set(getattr(tokenizer, "eos_token_ids", None) or ())
         self._check_plain_kv()
         self._seqs: dict[str, _Seq] = {}
@@ -126,6 +132,15 @@ class LlmStage:
 
         model, tokenizer = load(path)
         return cls(model, tokenizer, **limits)
+
+    def _fitter(self, limits: ContextLimits) -> ContextFitter:
+        tokenizer = self.tokenizer
+        return ContextFitter(
+            limits,
+            count_text=lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
+            count_prompt=lambda messages: len(self._templated(messages)),
+            max_token_bytes=max(len(t.encode()) for t in tokenizer.get_vocab()),
+        )
 
     def _check_plain_kv(self) -> None:
         if not all(type(c) is KVCache for c in make_prompt_cache(self.model)):
@@ -214,18 +229,22 @@ class LlmStage:
         if (inputs.prompt_token_ids is None) == (inputs.messages is None):
             raise ValueError("LlmInput needs exactly one of prompt_token_ids or messages")
         if inputs.messages is not None:
-            ids = self.tokenizer.apply_chat_template(
-                inputs.messages, add_generation_prompt=True, tokenize=True
-            )
+            messages = inputs.messages
+            if self._context is not None:
+                messages = self._context.fit(messages, truncate=inputs.truncate)
+            ids = self._templated(messages)
         else:
-            ids = inputs.prompt_token_ids
-        ids = [int(t) for t in ids]
+            ids = [int(t) for t in inputs.prompt_token_ids or ()]
         vocab = self.model.args.vocab_size if hasattr(self.model, "args") else None
         if not ids:
             raise ValueError("prompt is empty")
         if vocab is not None and not all(0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         return ids
+
+    def _templated(self, messages: list[dict[str, Any]]) -> list[int]:
+        template = self.tokenizer.apply_chat_template
+        return [int(t) for t in template(messages, add_generation_prompt=True, tokenize=True)]
 
     def _check_fits(self, prompt: Sequence[int], params: SamplingParams) -> None:
         need = len(prompt) + params.max_tokens

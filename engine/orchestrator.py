@@ -413,9 +413,10 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             )
         )
 
-    def _fail(self, turn: _Turn, stage: int, error: str) -> None:
+    def _fail(self, turn: _Turn, stage: int, error: str, *, code: str | None = None) -> None:
         """Rule 3: one error output on `stage`, then the whole turn is stopped."""
-        self._emit(turn, stage, "error", finished=True, metadata={"error": error})
+        metadata = {"error": error} if code is None else {"error": error, "error_code": code}
+        self._emit(turn, stage, "error", finished=True, metadata=metadata)
         self._stop(turn)
 
     # --- the pipeline ----------------------------------------------------------------
@@ -485,7 +486,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         final: RequestOutput | None = None
         async for out in self.llm.stream(rid, inputs):
             if out.error is not None:
-                self._fail(turn, LLM, out.error)
+                self._fail(turn, LLM, out.error, code=out.error_code)
                 return None
             delta: RequestOutput = out.payload
             if delta.new_text:
@@ -517,7 +518,12 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         params: SamplingParams = turn.params[LLM]
         if request.max_output_tokens is not None:
             params = dataclasses.replace(params, max_tokens=request.max_output_tokens)
-        return LlmInput(messages=messages, sampling_params=params, cache_key=request.cache_key)
+        return LlmInput(
+            messages=messages,
+            sampling_params=params,
+            cache_key=request.cache_key,
+            truncate=request.truncate,
+        )
 
     def _tts_request(self, turn: _Turn) -> Any:
         from engine.tts import TtsRequest

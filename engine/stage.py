@@ -17,7 +17,8 @@ class StageOutput:
 
     `payload` is stage-specific (LLM: `engine.request.RequestOutput`; ASR: the
     transcript text; TTS: an `engine.tts.AudioChunk`). `finished` is true on the last
-    output of a request; `error` is set (and `finished` true) when the request failed.
+    output of a request; `error` is set (and `finished` true) when the request failed,
+    with `error_code` when the stage refused what the request asked (`RequestRefused`).
     """
 
     request_id: str
@@ -25,6 +26,16 @@ class StageOutput:
     finished: bool = False
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    error_code: str | None = None
+
+
+class RequestRefused(ValueError):
+    """`add` refuses a request for what it asks, not for a fault of the stage; `code`
+    names the rule so that the client's error can say which."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class Stage(Protocol):

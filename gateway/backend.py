@@ -54,13 +54,15 @@ class ResponseDone:
     """The one terminal event of a turn. `usage` is the engine's chat-completions usage
     (`prompt_tokens`, `completion_tokens`, `cached_tokens`), empty when none was reported;
     `reason` is set for "incomplete" ("max_output_tokens") and "cancelled" (the reason
-    given to `cancel`); `error` for "failed"."""
+    given to `cancel`); `error` for "failed", with `error_code` when the engine refused
+    the turn for what it asked (a limit)."""
 
     response_id: str
     status: Literal["completed", "incomplete", "cancelled", "failed"]
     reason: str | None = None
     usage: Mapping[str, int] = field(default_factory=dict)
     error: str | None = None
+    error_code: str | None = None
 
 
 ResponseEvent = ResponseOutput | ResponseDone

@@ -99,6 +99,7 @@ def _response_done(response_id: str, event: TurnDone) -> ResponseDone:
         reason=event.reason,
         usage=_token_counts(event.usage),
         error=event.error,
+        error_code=event.error_code,
     )
 
 

@@ -199,6 +199,9 @@ class ResponseStream:
         else:
             message = done.error or "the engine failed"
             error = {"type": "server_error", "code": "engine_error", "message": message}
+            if done.error_code is not None:  # refused for what it asked: the client's to fix
+                kind, code = "invalid_request_error", done.error_code
+                error = {"type": kind, "code": code, "message": message}
             self._out.emit("error", error={**error, "param": None, "event_id": None})
             self._finish(response, "failed", {"type": "failed", "error": error})
 

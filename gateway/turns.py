@@ -55,6 +55,7 @@ def response_turn(
         speed=settings.speed if spoken else None,
         # The conversation's prompt cache; an out-of-band reply shares none of it.
         cache_key=None if options.out_of_band else settings.id,
+        truncate=settings.truncation == "auto",
     )
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from engine.core import AsyncEngine, EngineCore
-from engine.stage import StageOutput
+from engine.stage import RequestRefused, StageOutput
 from engine.streams import OutputStreams
 from tests.helpers import wait_until
 
@@ -29,6 +29,8 @@ class CountingStage:
 
     def add(self, request_id: str, inputs: Any) -> None:
         self.thread_ids.add(threading.get_ident())
+        if inputs == "too much":
+            raise RequestRefused("too_much", "asks for too much")
         if not isinstance(inputs, int) or inputs < 1:
             raise ValueError("inputs must be a positive int")
         self.log.append(("add", request_id))
@@ -98,6 +100,16 @@ async def test_invalid_inputs_fail_only_that_request(core: EngineCore) -> None:
     )
     assert bad[-1].finished and "positive int" in bad[-1].error
     assert [o.payload for o in good] == [1, 0] and good[-1].error is None
+
+
+async def test_a_refusal_carries_its_code_and_plain_message(core: EngineCore) -> None:
+    engine = AsyncEngine(core)
+    refused = await _collect(engine, "count", "r", "too much")
+    assert [(o.finished, o.error, o.error_code) for o in refused] == [
+        (True, "asks for too much", "too_much")
+    ]
+    invalid = await _collect(engine, "count", "v", -1)
+    assert invalid[-1].error_code is None
 
 
 async def test_stage_exception_fails_its_requests_not_the_thread(core: EngineCore) -> None:

@@ -305,6 +305,24 @@ def test_side_turn_stage_error_fails_only_that_turn() -> None:
     assert session.running_turn_ids == (0,) and session.owned_request_ids == tuple(conv)
 
 
+def test_a_refused_stage_request_fails_the_turn_with_its_code() -> None:
+    session = opened()
+    (asr, llm, tts) = start(session, 0, 2, tag="resp_1")
+    metadata = {"error": "a user message has 9 tokens", "error_code": "user_message_too_long"}
+    session.route_output(DuplexStageOutput(SESSION, asr, 0, "transcript", text="hi", finished=True))
+    refusal = DuplexStageOutput(SESSION, llm, 1, "error", finished=True, metadata=metadata)
+    assert done_events(session.route_output(refusal).steps) == [
+        TurnDone(
+            turn_id=0,
+            status="failed",
+            reason="error",
+            error="a user message has 9 tokens",
+            error_code="user_message_too_long",
+            tag="resp_1",
+        )
+    ]
+
+
 # -- rejected turns -------------------------------------------------------------------
 
 

@@ -686,6 +686,19 @@ def test_max_tokens_and_failure_statuses() -> None:
     assert error["error"]["message"] == "the LLM fell over"
     assert response_done["response"]["status"] == "failed"
     assert session.active_id is None
+    send(session, type="response.create")
+    (start,) = session.actions()
+    message = "a user message has 5000 tokens; max_user_message_tokens is 4096"
+    done(session, start.response_id, "failed", error=message, error_code="user_message_too_long")
+    error, response_done = session.events_to_send()
+    assert error["error"] == {
+        "type": "invalid_request_error",
+        "code": "user_message_too_long",
+        "message": message,
+        "param": None,
+        "event_id": None,
+    }
+    assert response_done["response"]["status_details"]["error"]["code"] == "user_message_too_long"
 
 
 def test_an_event_for_an_unknown_response_is_a_bug_below() -> None:

@@ -11,6 +11,7 @@ import engine  # noqa: F401 - first, so MLX picks up the optimised BLAS
 import pytest
 
 from engine import registry
+from engine.context import ContextLimitError, ContextLimits
 from engine.core import AsyncEngine, EngineCore
 from engine.llm import LlmInput, LlmStage
 from engine.models.llama import load
@@ -171,3 +172,37 @@ async def test_engine_abort_mid_stream_stops_output_and_frees(smollm: tuple[Any,
         assert (await engine_.call("llm", "stats"))["running"] == 0
     finally:
         core.shutdown()
+
+
+def test_context_limits_count_real_tokens(smollm: tuple[Any, Any]) -> None:
+    limits = ContextLimits(max_user_message_tokens=64, max_context_tokens=160)
+    stage = make_stage(smollm, context_limits=limits)
+    long_message = "The quick brown fox jumps over the lazy dog. " * 8  # 81 tokens
+    with pytest.raises(ContextLimitError, match="has 81 tokens") as err:
+        stage.add("long", LlmInput(messages=chat(long_message), sampling_params=greedy()))
+    assert err.value.code == "user_message_too_long"
+    assert not stage.has_work()
+    system = {"role": "system", "content": "Answer briefly."}
+    history = [
+        {"role": role, "content": f"Message number {i} of the history, kept or dropped."}
+        for i, role in enumerate(["user", "assistant"] * 4)
+    ]
+    question = chat("What is the capital of France?")
+    stage.add("fit", LlmInput(messages=[system, *history, *question], sampling_params=greedy()))
+    prompt = stage.request("fit").prompt_token_ids
+    assert prompt is not None and len(prompt) <= 160
+    template = smollm[1].apply_chat_template
+    kept = next(
+        history[i:]
+        for i in range(len(history) + 1)
+        if template([system, *history[i:], *question], add_generation_prompt=True) == prompt
+    )
+    assert 0 < len(kept) < len(history)  # the oldest went, the newest stayed
+    with pytest.raises(ContextLimitError, match="truncation is disabled"):
+        stage.add(
+            "strict",
+            LlmInput(
+                messages=[system, *history, *question], sampling_params=greedy(), truncate=False
+            ),
+        )
+    run(stage)

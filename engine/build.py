@@ -45,7 +45,12 @@ class EngineBundle:
     engine: AsyncEngine
     orchestrator: DuplexOrchestrator
     remote_llm: RemoteLlm | None = None
+    llm_stage: Stage | None = None
     _closed: bool = False
+
+    def llm_tokens(self) -> dict[str, int]:
+        """Tokens the local LLM stage prefilled and decoded so far; none for a remote one."""
+        return dict(getattr(self.llm_stage, "token_counts", {}))
 
     async def aclose(self) -> None:
         if self._closed:
@@ -69,7 +74,7 @@ async def build_engine(config: EngineConfig, *, progress: bool = True) -> Engine
     llm = config.stages.llm
     remote = RemoteLlm(llm.remote) if llm.backend == "remote" and llm.remote else None
     orchestrator = DuplexOrchestrator(engine, config, llm=remote)
-    return EngineBundle(config, core, engine, orchestrator, remote)
+    return EngineBundle(config, core, engine, orchestrator, remote, stages.get("llm"))
 
 
 def _load_and_warm(config: EngineConfig, progress: bool) -> dict[str, Stage]:

@@ -125,6 +125,8 @@ class LlmStage:
         self._batch: list[BatchKVCache] | None = None
         self._pending: mx.array | None = None  # (running,) next decode inputs
         self.num_preemptions = 0
+        # Tokens computed so far (read by /metrics from another thread: values only change).
+        self.token_counts = {"prefill": 0, "decode": 0}
 
     @classmethod
     def from_path(cls, path: str | Path, **limits: Any) -> LlmStage:
@@ -344,6 +346,7 @@ class LlmStage:
         return groups
 
     def _computed(self, seq: _Seq, n: int) -> None:
+        self.token_counts["prefill"] += n
         seq.req.num_computed_tokens += n
         seq.req.remaining_tokens = seq.tokens[seq.kv_tokens : len(seq.tokens) - 1]
 
@@ -472,6 +475,7 @@ class LlmStage:
             seq.rewind_key = seq.sampler.key
         pending = [inputs[i : i + 1] if u else None for i, u in enumerate(unread)]
         logits = self.model(inputs[:, None], cache=self._batch)[:, -1, :]
+        self.token_counts["decode"] += len(running)
         drawn = sample_batch(logits, [seq.sampler for seq in running], pending)
         mx.async_eval(drawn, [seq.sampler.key for seq in running])
         tokens = _ints(inputs) if any(unread) else []

@@ -140,5 +140,9 @@ class Backend(Protocol):
     def prepared_turns(self) -> dict[str, int]:
         """Prepared responses so far, by outcome: "adopted" or "discarded" (for /metrics)."""
 
+    def llm_tokens(self) -> dict[str, int]:
+        """Tokens the LLM computed so far, by phase: "prefill" or "decode" (for /metrics;
+        empty when the LLM runs elsewhere)."""
+
     async def close(self) -> None:
         """Stop the engine: every open session's work is aborted."""

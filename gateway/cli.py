@@ -134,7 +134,9 @@ async def _start_engine(
         # join; the process must not exit while the engine thread is inside MLX.
         await asyncio.to_thread(bundle.core.shutdown, 120.0)
 
-    backend = EngineBackend(manager, bundle.engine, on_close=stop_engine)
+    backend = EngineBackend(
+        manager, bundle.engine, on_close=stop_engine, llm_tokens=bundle.llm_tokens
+    )
     return backend, engine_config.stages.tts.voice
 
 

@@ -116,10 +116,12 @@ class EngineBackend:
         vad_engine: VadEngine,
         *,
         on_close: Callable[[], Awaitable[None]] | None = None,
+        llm_tokens: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         self.manager = manager
         self.vad_engine = vad_engine
         self._on_close = on_close
+        self._llm_tokens = llm_tokens
 
     def open_session(self, session_id: str) -> EngineBackendSession:
         return EngineBackendSession(self.manager.open(session_id))
@@ -130,6 +132,9 @@ class EngineBackend:
     def pending(self) -> dict[str, int]:
         # The VAD port is the whole engine (`AsyncEngine`), so it counts every stage.
         return self.vad_engine.pending()
+
+    def llm_tokens(self) -> dict[str, int]:
+        return self._llm_tokens() if self._llm_tokens is not None else {}
 
     def prepared_turns(self) -> dict[str, int]:
         # A port that never works ahead has no such counts.

@@ -124,6 +124,20 @@ class GatewayMetrics:
             )
         )
 
+    def watch_llm_tokens(self, counts: CountSource) -> None:
+        """Export `counts()` (LLM tokens computed, by phase) as a counter: prefill tokens
+        per second is the load a new session adds, the figure to scale instances on."""
+        self.registry.register(
+            _Counts(
+                "duplex_gateway_llm_tokens",
+                "Tokens the local LLM computed, by phase: prefill (prompt tokens, cached "
+                "prefixes excluded) or decode (one per running sequence per step)",
+                "phase",
+                counts,
+                CounterMetricFamily,
+            )
+        )
+
     async def sample_loop_lag(self, interval: float = LOOP_LAG_INTERVAL_S) -> None:
         """Observe the running loop's lag every `interval` seconds until cancelled."""
         loop = asyncio.get_running_loop()

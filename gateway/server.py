@@ -92,6 +92,7 @@ class GatewayServer:
         self.metrics = metrics or GatewayMetrics()
         self.metrics.watch_engine(backend.pending)
         self.metrics.watch_prepared(backend.prepared_turns)
+        self.metrics.watch_llm_tokens(backend.llm_tokens)
         self.web_root = (config.web_root or DEFAULT_WEB_ROOT).resolve()
         self.connections: set[RealtimeConnection] = set()
         self.pending = PendingHandshakes(config.limits)

@@ -197,6 +197,9 @@ class FakeBackend:
     def pending(self) -> dict[str, int]:
         return {}
 
+    def llm_tokens(self) -> dict[str, int]:
+        return {}
+
     def prepared_turns(self) -> dict[str, int]:
         return {}
 

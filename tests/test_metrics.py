@@ -39,6 +39,9 @@ class CountingBackend:
     def pending(self) -> dict[str, int]:
         return dict(self.counts)
 
+    def llm_tokens(self) -> dict[str, int]:
+        return {"prefill": 700, "decode": 40}
+
     def prepared_turns(self) -> dict[str, int]:
         return {"adopted": 3, "discarded": 1}
 
@@ -82,6 +85,9 @@ async def test_pending_is_read_at_scrape_and_a_blocked_loop_shows_as_lag() -> No
         prepared = "duplex_gateway_prepared_responses_total"
         assert samples[(prepared, (("outcome", "adopted"),))] == 3
         assert samples[(prepared, (("outcome", "discarded"),))] == 1
+        tokens = "duplex_gateway_llm_tokens_total"
+        assert samples[(tokens, (("phase", "prefill"),))] == 700
+        assert samples[(tokens, (("phase", "decode"),))] == 40
         backend.counts.update(llm=0, vad=4)
         samples = await asyncio.to_thread(scrape, server.port)
         assert pending(samples) == {"asr": 0, "llm": 0, "tts": 1, "vad": 4}

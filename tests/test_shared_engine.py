@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import ClientConnection, connect
 
-from tests.helpers import GatewayProcess, running_gateway
+from tests.helpers import GatewayProcess, running_gateway, wait_until
 
 pytestmark = pytest.mark.models
 
@@ -54,24 +55,43 @@ async def ask(ws: ClientConnection, text: str, **response: Any) -> None:
     await ws.send(json.dumps({"type": "response.create", "response": response}))
 
 
-async def test_a_short_turn_finishes_while_another_session_prefills_a_long_prompt(
+def prefilled_tokens(gw: GatewayProcess) -> float:
+    """The gateway's count of prompt tokens its LLM has prefilled so far."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{gw.port}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return next(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "duplex_gateway_llm_tokens_total" and sample.labels["phase"] == "prefill"
+    )
+
+
+async def test_a_long_prompt_advances_only_a_slice_per_step_of_another_sessions_turn(
     gateway: GatewayProcess,
 ) -> None:
-    long_session, short_session = await open_text_session(gateway), await open_text_session(gateway)
+    """Without fair prefill, the short turn's first token waited for the long prompt's
+    whole prefill (16.7 s instead of 0.35 s): here the long prompt may only advance one
+    64-token slice per engine step while the short turn runs, a step count, not a time."""
+    long_session = await open_text_session(gateway)
+    short_session = await open_text_session(gateway)
     async with long_session, short_session:
+        idle = prefilled_tokens(gateway)
         await ask(long_session, LONG_TEXT, max_output_tokens=8)
-        await next_of(long_session, "response.created")
+        await wait_until(lambda: prefilled_tokens(gateway) > idle, 60, "the long prefill")
+        before = prefilled_tokens(gateway)
         await ask(short_session, "What is two plus two?", max_output_tokens=8)
-        short_done = await next_of(short_session, "response.done")
-        short_finished_at = time.monotonic()
-        assert short_done["response"]["status"] in ("completed", "incomplete")
-        first_long = await next_of(long_session, "response.output_text.delta", "response.done")
-        # The long prompt was still being prefilled: its first word came after.
-        assert first_long["type"] == "response.output_text.delta"
-        assert time.monotonic() >= short_finished_at
-        long_done = await next_of(long_session, "response.done")
-        usage = long_done["response"]["usage"]
-        assert usage["input_tokens"] > 3000
+        short = (await next_of(short_session, "response.done"))["response"]
+        during = prefilled_tokens(gateway) - before
+        assert short["status"] in ("completed", "incomplete")
+        usage = short["usage"]
+        own = usage["input_tokens"] - usage["input_token_details"]["cached_tokens"]
+        # One slice per step: the short turn's prefill, each of its decode steps, and a
+        # step on either side of it for the requests crossing the wire.
+        steps = usage["output_tokens"] + 3
+        assert during - own <= steps * 64, (during, own, steps)
+        long = (await next_of(long_session, "response.done"))["response"]
+        assert long["usage"]["input_tokens"] > 3000
 
 
 async def refused(ws: ClientConnection) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -8,6 +8,7 @@ The short turn starts once the long request has prefilled its first tokens (or m
 `--repeats` rounds.
 
     python bench/fairness.py [--json] [--repeats 5] [--long-tokens 2000] [--arrive-after 0]
+                             [--slice-tokens N]  (default: the profile's)
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def long_turn(i: int, system: str, stage: LlmStage, target_tokens: int) -> LlmIn
         text += FILLER
 
 
-def build_stage() -> tuple[LlmStage, str]:
+def build_stage(slice_tokens: int | None) -> tuple[LlmStage, str]:
     config = load_config(CONFIG)
     model = config.stages.llm.model
     assert model is not None  # the default profile runs the local backend
@@ -66,6 +67,7 @@ def build_stage() -> tuple[LlmStage, str]:
         prepare_model("llm", model, progress=False),
         max_running_sequences=limits.max_running_sequences,
         prefill_chunk_tokens=limits.prefill_chunk_tokens,
+        prefill_slice_tokens=slice_tokens or limits.prefill_slice_tokens,
         prompt_cache_bytes=limits.prompt_cache_bytes,
     )
     return stage, config.system_prompt
@@ -141,9 +143,12 @@ def main() -> None:
         default=0,
         help="start the short turn once the long one has prefilled more tokens than this",
     )
+    parser.add_argument(
+        "--slice-tokens", type=int, default=None, help="the most of one prompt a step prefills"
+    )
     args = parser.parse_args()
 
-    stage, system = build_stage()
+    stage, system = build_stage(args.slice_tokens)
     repeats = max(1, args.repeats)
     result = asyncio.run(measure(stage, system, repeats, args.long_tokens, args.arrive_after))
     result = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}

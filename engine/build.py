@@ -141,6 +141,7 @@ def _llm_stage(config: EngineConfig, progress: bool) -> Stage:
         prepare_model("llm", llm.model, progress=progress),
         max_running_sequences=limits.max_running_sequences,
         prefill_chunk_tokens=limits.prefill_chunk_tokens,
+        prefill_slice_tokens=limits.prefill_slice_tokens,
         prompt_cache_bytes=limits.prompt_cache_bytes,
         context_limits=ContextLimits(**llm.context.model_dump()),
     )

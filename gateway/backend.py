@@ -120,6 +120,10 @@ class SpeechSource(Protocol):
     def feed(self, samples: np.ndarray) -> None:
         """Float32 16 kHz audio, in order, as the client appends it."""
 
+    async def room(self) -> None:
+        """Return once the audio fed and not yet heard is within its bound: the
+        connection reads no more of the client's frames until then."""
+
     def events(self) -> AsyncIterator[SpeechEvent]:
         """Speech decisions, in order, until `close()`."""
 

@@ -142,6 +142,7 @@ class RealtimeConnection:
                 else:
                     self.core.receive_text(frame)
                 self._pump()
+                await self.speech.room()
         except ConnectionClosed:
             pass
         finally:

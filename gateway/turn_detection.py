@@ -9,6 +9,10 @@ The VAD hears every appended sample, whatever the size of an append: the engine'
 stage holds a bounded amount of unheard audio per stream, so the feeder hands it audio
 in pieces and waits for the probabilities of earlier pieces before it sends more. A
 client replaying a recorded file in one append is heard as if it had streamed it.
+
+Audio waiting for the feeder is bounded too: past `MAX_QUEUED_SAMPLES`, `room()` makes
+the connection stop reading the client's frames until the VAD has caught up, so a client
+that sends audio faster than it can be heard is slowed down by TCP, never given up on.
 """
 
 from __future__ import annotations
@@ -27,7 +31,13 @@ from engine.stage import StageOutput
 from gateway.backend import SpeechEvent
 from gateway.session_config import TurnDetection
 
-__all__ = ["FEED_PIECE_SAMPLES", "MAX_UNHEARD_SAMPLES", "EngineSpeechSource", "VadEngine"]
+__all__ = [
+    "FEED_PIECE_SAMPLES",
+    "MAX_QUEUED_SAMPLES",
+    "MAX_UNHEARD_SAMPLES",
+    "EngineSpeechSource",
+    "VadEngine",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +45,9 @@ logger = logging.getLogger(__name__)
 # under the 30 s the stage holds per stream, so a feed is never refused.
 FEED_PIECE_SAMPLES = 4 * 16_000
 MAX_UNHEARD_SAMPLES = 12 * 16_000
+# Appended audio waiting to be fed, beyond which the client's frames wait unread: about
+# 4 MB, heard by the VAD in a fraction of a second (bench/vad.py).
+MAX_QUEUED_SAMPLES = 60 * 16_000
 
 
 class VadEngine(Protocol):
@@ -87,6 +100,9 @@ class EngineSpeechSource:
         self._progress = _Progress()
         self._events: asyncio.Queue[SpeechEvent | None] = asyncio.Queue()
         self._feeds: asyncio.Queue[tuple[str, np.ndarray]] = asyncio.Queue()
+        self._queued = 0  # samples in `_feeds` and in the append being fed
+        self._caught_up = asyncio.Event()
+        self._caught_up.set()
         self._reader: asyncio.Task[None] | None = None
         self._feeder = asyncio.create_task(self._feed_loop(), name="vad-feed")
         self._closed = False
@@ -113,6 +129,12 @@ class EngineSpeechSource:
     def feed(self, samples: np.ndarray) -> None:
         if self._stream_id is not None and samples.size:
             self._feeds.put_nowait((self._stream_id, samples))
+            self._queued += samples.size
+            if self._queued > MAX_QUEUED_SAMPLES:
+                self._caught_up.clear()
+
+    async def room(self) -> None:
+        await self._caught_up.wait()
 
     async def events(self) -> AsyncIterator[SpeechEvent]:
         while (event := await self._events.get()) is not None:
@@ -126,6 +148,7 @@ class EngineSpeechSource:
         self._feeder.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._feeder
+        self._caught_up.set()  # nothing will be fed any more: nobody may wait for it
         self._events.put_nowait(None)
 
     def _stop_stream(self) -> None:
@@ -145,6 +168,9 @@ class EngineSpeechSource:
                     stream_id, samples[start : start + FEED_PIECE_SAMPLES]
                 ):
                     break
+            self._queued -= samples.size
+            if self._queued <= MAX_QUEUED_SAMPLES:
+                self._caught_up.set()
 
     async def _feed_piece(self, stream_id: str, piece: np.ndarray) -> bool:
         """Hand one piece to the VAD stage once it has room; False if the stream is gone."""

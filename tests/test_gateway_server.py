@@ -147,6 +147,9 @@ class EnergySpeech:
                 pause_after_ms=pause_after_ms,
             )
 
+    async def room(self) -> None:
+        pass
+
     def feed(self, samples: np.ndarray) -> None:
         if self.detector is None:
             return

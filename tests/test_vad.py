@@ -23,7 +23,12 @@ from engine.speech_detector import SpeechDetector, SpeechStarted, SpeechStopped
 from engine.vad import SileroVad, VadStage, VadState
 from gateway.backend import SpeechEvent
 from gateway.session_config import TurnDetection
-from gateway.turn_detection import MAX_UNHEARD_SAMPLES, EngineSpeechSource
+from gateway.turn_detection import (
+    FEED_PIECE_SAMPLES,
+    MAX_QUEUED_SAMPLES,
+    MAX_UNHEARD_SAMPLES,
+    EngineSpeechSource,
+)
 from tests.helpers import running_gateway
 
 RATE = 16000
@@ -435,6 +440,40 @@ async def test_a_new_vad_stream_does_not_wait_on_the_audio_of_the_old() -> None:
         assert started.ms == pytest.approx(60_000, abs=32)
         assert stopped.ms == pytest.approx(61_000, abs=32)
         await source.close()
+    finally:
+        core.shutdown()
+
+
+class CountingVad(LoudnessVad):
+    def __init__(self) -> None:
+        self.heard = 0
+
+    def speech_probability(
+        self, chunks: np.ndarray, states: list[VadState | None]
+    ) -> tuple[np.ndarray, list[VadState]]:
+        self.heard += chunks.shape[0] * CHUNK
+        return super().speech_probability(chunks, states)
+
+
+async def test_a_client_ahead_of_the_vad_is_read_again_once_it_has_caught_up() -> None:
+    model = CountingVad()
+    core = EngineCore({"vad": VadStage(model)})  # type: ignore[arg-type]
+    engine_ = AsyncEngine(core)
+    core.start()
+    try:
+        source = EngineSpeechSource(engine_, "s1")
+        source.configure(_detection(), start_ms=0.0)
+        source.feed(_silence(1000))
+        await source.room()  # within the bound: at once
+        source.feed(_silence(MAX_QUEUED_SAMPLES * 1000 // RATE + 10_000))
+        await source.room()
+        # Room again only once that append was handed over whole, so the VAD heard all
+        # but what its stage may hold unheard and the last piece.
+        assert (
+            model.heard >= MAX_QUEUED_SAMPLES + 10 * RATE - MAX_UNHEARD_SAMPLES - FEED_PIECE_SAMPLES
+        )
+        await source.close()
+        await source.room()  # a closed source never holds the connection
     finally:
         core.shutdown()
 

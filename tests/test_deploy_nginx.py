@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shlex
 import signal
 import socket
 import subprocess
@@ -33,7 +34,7 @@ from tests.helpers import ROOT, GatewayProcess, free_port, running_gateway
 
 pytestmark = pytest.mark.models
 
-NGINX = "/usr/sbin/nginx"
+DEPLOY_MD = ROOT / "docs" / "deploy.md"
 NGINX_CONF = ROOT / "deploy" / "nginx.conf"
 # The directives in deploy/nginx.conf that name a port: nginx's own, the two instances'.
 PORTED = ("listen 127.0.0.1:{};", "server 127.0.0.1:{} ", "server 127.0.0.1:{} ")
@@ -49,14 +50,28 @@ def nginx_conf(listen: int, upstreams: tuple[int, int]) -> str:
     return text
 
 
+def documented(command: str) -> list[str]:
+    """The first line of docs/deploy.md that runs `command`, split as the shell would."""
+    lines = DEPLOY_MD.read_text().splitlines()
+    return shlex.split(next(line for line in lines if line.startswith(command + " ")))
+
+
+def nginx_command(prefix: Path, conf: Path) -> list[str]:
+    """docs/deploy.md's nginx command, with this test's prefix and configuration file."""
+    cmd = documented("/usr/sbin/nginx")
+    places = {"/tmp/duplex-nginx": str(prefix), "$PWD/deploy/nginx.conf": str(conf)}
+    assert set(places) <= set(cmd), cmd
+    return [places.get(arg, arg) for arg in cmd]
+
+
 @contextlib.contextmanager
 def running_nginx(conf: str, prefix: Path) -> Iterator[int]:
-    """`nginx -e stderr -p PREFIX -c CONF` as docs/deploy.md runs it; yields its port."""
+    """nginx as docs/deploy.md runs it; yields its port."""
     prefix.mkdir()
     path = prefix / "nginx.conf"
     path.write_text(conf)
     port = int(conf.split("listen 127.0.0.1:")[1].split(";")[0])
-    cmd = [NGINX, "-e", "stderr", "-p", str(prefix), "-c", str(path)]
+    cmd = nginx_command(prefix, path)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 30
@@ -167,6 +182,9 @@ async def open_session(
 
 
 async def test_two_instances_behind_nginx_and_a_drain(profile: Path, tmp_path: Path) -> None:
+    # The instances as docs/deploy.md starts them, on free ports, with the test's profile.
+    for name, port in (("gw-a", 8765), ("gw-b", 8766)):
+        assert f"duplex-gateway --port {port} --instance {name} &" in DEPLOY_MD.read_text()
     with contextlib.ExitStack() as processes:
         a = processes.enter_context(running_gateway("--config", str(profile), "--instance", "gw-a"))
         b = processes.enter_context(running_gateway("--config", str(profile), "--instance", "gw-b"))

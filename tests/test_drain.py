@@ -1,6 +1,7 @@
 """Graceful drain of `GatewayServer` over a scripted backend whose responses end only when
 the test releases them: health checks fail, new sessions are refused, idle sessions close
 at once, a busy one after its response, and one still busy at the timeout is closed.
+Then the CLI with the real models: a second SIGTERM cuts the drain short.
 
 tests/test_deploy_nginx.py drains a real gateway behind nginx with SIGTERM.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import urllib.error
 import urllib.request
 from collections import deque
@@ -25,6 +27,7 @@ from gateway.backend import ResponseDone, ResponseEvent, ResponseOutput, SpeechE
 from gateway.config import GatewayConfig
 from gateway.server import DRAIN_REASON, DRAIN_TIMEOUT_REASON, GatewayServer
 from gateway.session_config import TurnDetection
+from tests.helpers import running_gateway, wait_until
 
 
 class HeldSession:
@@ -129,16 +132,12 @@ def url(server: GatewayServer) -> str:
 
 
 def healthz(server: GatewayServer) -> tuple[int, dict[str, Any]]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz", timeout=10) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return cli_health(server.port)
 
 
-async def recv_until(ws: ClientConnection, kind: str) -> list[dict[str, Any]]:
+async def recv_until(ws: ClientConnection, kind: str, timeout: float = 10) -> list[dict[str, Any]]:
     events = []
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(timeout):
         while True:
             events.append(json.loads(await ws.recv()))
             if events[-1]["type"] == kind:
@@ -201,3 +200,39 @@ async def test_a_response_still_running_at_the_timeout_is_closed_with_its_reason
             await drain
     finally:
         await server.shutdown()
+
+
+# -- the CLI: SIGTERM drains, a second one cuts the drain short ------------------------
+
+
+@pytest.mark.models
+async def test_a_second_sigterm_closes_a_busy_session_at_once() -> None:
+    with running_gateway() as gw:
+        async with connect(f"ws://127.0.0.1:{gw.port}/v1/realtime?model=gpt-realtime") as ws:
+            await recv_until(ws, "session.created")
+            await ws.send(json.dumps({"type": "session.update", "session": {"type": "realtime"}}))
+            await recv_until(ws, "session.updated")
+            story = "Tell me a long story about a lighthouse keeper."
+            item = {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": story}],
+            }
+            await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
+            await ws.send(json.dumps({"type": "response.create"}))
+            await recv_until(ws, "response.output_audio.delta", timeout=300)
+            gw.proc.send_signal(signal.SIGTERM)
+            await wait_until(lambda: cli_health(gw.port)[0] == 503, 60, "the drain")
+            gw.proc.send_signal(signal.SIGTERM)
+            code, reason, _ = await closed_with(ws)
+        assert (code, reason) == (1001, "server shutting down")
+        assert gw.proc.wait(120) == 0
+    assert not any("Traceback" in line for line in gw.lines), "".join(gw.lines[-30:])
+
+
+def cli_health(port: int) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())

@@ -1,20 +1,27 @@
 """`duplex-gateway`: prepare the models, start the engine, serve the realtime gateway.
 
     duplex-gateway [--host H] [--port P] [--config configs/default.yaml] [--api-key KEY]
-                   [--allowed-origin ORIGIN ...] [--max-sessions N] [--log-level LEVEL]
+                   [--allowed-origin ORIGIN ...] [--max-sessions N] [--instance NAME]
+                   [--llm NAME_OR_PATH | --llm-url URL [--llm-model NAME]]
+                   [--log-level LEVEL]
     duplex-gateway models {list,prepare} ...
 
 Models are converted (with a progress bar) and loaded before the port opens, so a client
-that can connect is served at once. SIGINT/SIGTERM close every session with code 1001,
-abort the engine's work and exit 0.
+that can connect is served at once. `--llm` and `--llm-url` replace the profile's LLM
+stage (see `llm_override`). SIGINT/SIGTERM drain: new sessions are refused and /healthz
+answers 503, each open session is closed with code 1001 once its running response is
+done (at the latest after the profile's `drain_timeout_s`), then the engine stops and
+the process exits 0. A second signal cuts the drain short.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import logging
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -29,6 +36,9 @@ __all__ = ["main"]
 logger = logging.getLogger("duplex_gateway")
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+# What mlx_lm.server calls the model it was started with.
+REMOTE_DEFAULT_MODEL = "default_model"
+HF_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,6 +65,29 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-sessions", type=int, help="concurrent realtime sessions")
     parser.add_argument(
+        "--instance", help="this process's name in /healthz (default: HOSTNAME:PORT)"
+    )
+    llm = parser.add_mutually_exclusive_group()
+    llm.add_argument(
+        "--llm",
+        metavar="NAME_OR_PATH",
+        help="run this model in the LLM stage: a local mlx-lm model folder, a Hugging Face "
+        "id (org/name, downloaded once) or a name from `duplex-gateway models list`",
+    )
+    llm.add_argument(
+        "--llm-url",
+        metavar="URL",
+        help="use an OpenAI-compatible server for the LLM stage (llama.cpp's server, "
+        "vLLM, mlx_lm.server), e.g. http://127.0.0.1:8080/v1",
+    )
+    parser.add_argument(
+        "--llm-model",
+        metavar="NAME",
+        help=f"the model to ask the --llm-url server for (default {REMOTE_DEFAULT_MODEL!r}: "
+        "the loaded model of mlx_lm.server; llama.cpp's server ignores it; vLLM needs "
+        "the name it serves)",
+    )
+    parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
     return parser
@@ -67,8 +100,56 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "api_key": args.api_key,
         "allowed_origins": tuple(args.allowed_origins) if args.allowed_origins else None,
         "max_sessions": args.max_sessions,
+        "instance": args.instance,
     }
     return {k: v for k, v in given.items() if v is not None}
+
+
+def llm_override(profile: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The profile with its `stages.llm` replaced as `--llm` / `--llm-url` ask; the
+    sampling settings stay. Without either flag, the profile as it is."""
+    if args.llm is None and args.llm_url is None:
+        if args.llm_model is not None:
+            raise SystemExit("duplex-gateway: --llm-model is only used with --llm-url")
+        return profile
+    stages = dict(profile.get("stages") or {})
+    sampling = (stages.get("llm") or {}).get("sampling")
+    llm: dict[str, Any]
+    if args.llm_url is not None:
+        remote = {"base_url": args.llm_url, "model": args.llm_model or REMOTE_DEFAULT_MODEL}
+        llm = {"backend": "remote", "remote": remote}
+    else:
+        if args.llm_model is not None:
+            raise SystemExit("duplex-gateway: --llm-model is only used with --llm-url")
+        llm = {"backend": "local", "model": local_llm_ref(args.llm)}
+    if sampling is not None:
+        llm["sampling"] = sampling
+    return {**profile, "stages": {**stages, "llm": llm}}
+
+
+def local_llm_ref(value: str) -> dict[str, str]:
+    """`--llm`'s model: a registry name as it is; a folder or a Hugging Face id becomes
+    a registry entry of its own (`path:` or `hf:` source, files linked into the cache)."""
+    from engine import registry
+
+    if value in {spec.name for spec in registry.specs() if spec.stage == "llm"}:
+        return {"name": value}
+    folder = Path(value).expanduser()
+    if folder.is_dir():
+        folder = folder.resolve()
+        # The folder's name for people, a digest of its path so two `model/` folders differ.
+        digest = hashlib.sha256(str(folder).encode()).hexdigest()[:8]
+        return {"name": f"local-{_safe(folder.name)}-{digest}", "source": f"path:{folder}"}
+    if HF_ID.fullmatch(value):
+        return {"name": f"hf-{_safe(value)}", "source": f"hf:{value}"}
+    raise SystemExit(
+        f"duplex-gateway: --llm {value!r} is neither a folder, a Hugging Face id "
+        "(org/name) nor a model name from `duplex-gateway models list`"
+    )
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "--", text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,6 +173,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from gateway.server import GatewayServer
 
     profile, config = load_profile(args.config)
+    profile = llm_override(profile, args)
     config = GatewayConfig.model_validate({**config.model_dump(), **_overrides(args)})
     backend, voice = await _start_engine(profile, config, str(args.config))
     config = GatewayConfig.model_validate(
@@ -104,15 +186,32 @@ async def _serve(args: argparse.Namespace) -> int:
     server = GatewayServer(config, backend)
     await server.start()
     print(f"duplex-gateway listening on ws://{config.host}:{server.port}/v1/realtime", flush=True)
-    stop = asyncio.Event()
+    signals = _Signals()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+        loop.add_signal_handler(sig, signals.received)
+    await signals.first.wait()
+    drain = asyncio.create_task(server.drain(config.drain_timeout_s))
+    cut = asyncio.create_task(signals.second.wait())
+    await asyncio.wait({drain, cut}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (drain, cut):
+        task.cancel()
+    await asyncio.gather(drain, cut, return_exceptions=True)
     logger.info("shutting down")
     await server.shutdown("server shutting down")
     logger.info("stopped")
     return 0
+
+
+class _Signals:
+    """SIGINT/SIGTERM: the first starts the drain, a second cuts it short."""
+
+    def __init__(self) -> None:
+        self.first = asyncio.Event()
+        self.second = asyncio.Event()
+
+    def received(self) -> None:
+        (self.second if self.first.is_set() else self.first).set()
 
 
 async def _start_engine(

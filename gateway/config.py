@@ -10,9 +10,18 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["GatewayConfig", "SessionLimits", "load_profile"]
+__all__ = ["OPENAI_REALTIME_MODELS", "GatewayConfig", "SessionLimits", "load_profile"]
+
+# The names OpenAI's realtime models go by, so that an app written for the service runs
+# unchanged. A trailing "*" matches every name with that prefix: the dated snapshots
+# (gpt-4o-realtime-preview-2024-12-17, gpt-realtime-2025-08-28) included.
+OPENAI_REALTIME_MODELS = (
+    "gpt-realtime*",
+    "gpt-4o-realtime-preview*",
+    "gpt-4o-mini-realtime-preview*",
+)
 
 
 class SessionLimits(BaseModel):
@@ -62,6 +71,16 @@ class GatewayConfig(BaseModel):
     allowed_origins: tuple[str, ...] = ()
     max_sessions: int = Field(default=16, ge=1)
     model_name: str = "duplex-smollm2"
+    # More names a client may ask for (`?model=`, `session.model`) and be served by this
+    # profile; `session.model` reports the name asked for. Exact, or a prefix when the
+    # name ends in "*". Any other name is refused with an `invalid_model` error.
+    model_aliases: tuple[str, ...] = OPENAI_REALTIME_MODELS
+    # This process's name in /healthz, so that behind a load balancer an operator can
+    # tell instances apart; the CLI fills in host name and port when none is given.
+    instance: str = ""
+    # On SIGTERM: sessions with a response running may finish it for this long; then
+    # every session left is closed with 1001 and the process exits.
+    drain_timeout_s: float = Field(default=30.0, ge=0)
     voices: tuple[str, ...] = ("joe",)
     # A new session's `instructions`; the CLI fills it from the profile's system prompt.
     default_instructions: str = ""
@@ -73,6 +92,26 @@ class GatewayConfig(BaseModel):
     prepare_after_silence_ms: int | None = Field(default=150, ge=0)
     web_root: Path | None = None
     limits: SessionLimits = SessionLimits()
+
+    @field_validator("model_aliases")
+    @classmethod
+    def _star_only_at_the_end(cls, aliases: tuple[str, ...]) -> tuple[str, ...]:
+        for alias in aliases:
+            if not alias.rstrip("*") or "*" in alias.rstrip("*") or alias.endswith("**"):
+                raise ValueError(f"{alias!r}: a name, or a prefix followed by one '*'")
+        return aliases
+
+    @property
+    def served_models(self) -> tuple[str, ...]:
+        """Every name this profile answers to, patterns as written."""
+        return (self.model_name, *self.model_aliases)
+
+    def serves(self, model: str) -> bool:
+        """Whether a client asking for `model` is served by this profile."""
+        return any(
+            model.startswith(name[:-1]) if name.endswith("*") else model == name
+            for name in self.served_models
+        )
 
 
 def load_profile(path: Path) -> tuple[dict[str, Any], GatewayConfig]:

@@ -68,6 +68,8 @@ class RealtimeConnection:
         self._done = asyncio.Event()
         self._speech_stopped_at: float | None = None
         self._created_at: dict[str, float] = {}
+        self._running: set[str] = set()  # responses created and not yet done
+        self._close_when_idle: CloseSession | None = None
 
     @property
     def session_id(self) -> str:
@@ -102,6 +104,12 @@ class RealtimeConnection:
     async def shutdown(self, reason: str) -> None:
         """Close from the server side (graceful shutdown): code 1001 with `reason`."""
         self._finish(CloseSession(1001, reason))
+
+    def close_when_idle(self, reason: str) -> None:
+        """Close with 1001 and `reason` once no response is running (now, if none is)."""
+        self._close_when_idle = CloseSession(1001, reason)
+        if not self._running:
+            self._finish(self._close_when_idle)
 
     def _task_ended(self, task: asyncio.Task[None]) -> None:
         # A failure in a task of the connection is a bug: close with 1011, no details.
@@ -233,6 +241,7 @@ class RealtimeConnection:
             self.metrics.errors.labels(event["error"]["code"] or "none").inc()
         elif kind == "response.created":
             self._created_at[event["response"]["id"]] = time.monotonic()
+            self._running.add(event["response"]["id"])
         elif kind in ("response.output_audio.delta", "response.audio.delta"):
             self._first_output(event["response_id"])
             if self._speech_stopped_at is not None:
@@ -245,6 +254,9 @@ class RealtimeConnection:
 
     def _response_done(self, response: dict[str, Any]) -> None:
         self._created_at.pop(response["id"], None)
+        self._running.discard(response["id"])
+        if self._close_when_idle is not None and not self._running:
+            self._finish(self._close_when_idle)
         self.metrics.turns.labels(response["status"]).inc()
         details = response["status_details"] or {}
         if response["status"] == "cancelled" and details.get("reason") == "turn_detected":

@@ -4,6 +4,10 @@ HTTP routes are answered in the handshake hook (`_process_request`), so plain GE
 become WebSocket connections. Authentication, the origin allow-list and the session cap
 are checked there too, before any session state exists. What comes before the hook
 (HEAD, malformed requests, pending handshakes) is `gateway.handshake`'s.
+
+Draining (`drain`, on SIGTERM) lets a load balancer take the instance out of rotation:
+/healthz answers 503 and new sessions are refused with 503 while the sessions already
+open finish their running responses and are closed with 1001; then `shutdown`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import hmac
 import json
 import logging
 import mimetypes
+import socket
 from collections.abc import Sequence
 from http import HTTPStatus
 from http.cookies import CookieError, SimpleCookie
@@ -37,7 +42,7 @@ from gateway.handshake import (
 )
 from gateway.metrics import GatewayMetrics
 
-__all__ = ["GatewayServer", "KEY_PROTOCOL_PREFIX", "BETA_PROTOCOL"]
+__all__ = ["GatewayServer", "KEY_PROTOCOL_PREFIX", "BETA_PROTOCOL", "DRAIN_REASON"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +51,28 @@ KEY_COOKIE = "duplex_gateway_key"
 BETA_PROTOCOL = "openai-beta.realtime-v1"
 REALTIME_PROTOCOL = Subprotocol("realtime")
 DEFAULT_WEB_ROOT = Path(__file__).resolve().parent.parent / "web"
+# Close reasons (at most 123 bytes): a drained session, and one still busy at the timeout.
+DRAIN_REASON = "server draining: reconnect to continue"
+DRAIN_TIMEOUT_REASON = "server draining: the response did not finish in time; reconnect"
+
+
+class QuietHealthChecks(logging.Filter):
+    """websockets logs every plain GET it answers as "connection rejected (200 OK)" at
+    INFO; a load balancer's health checks would fill the log, so those for /healthz are
+    logged at DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        request = getattr(getattr(record, "websocket", None), "request", None)
+        if record.levelno != logging.INFO or not isinstance(request, Request):
+            return True
+        if urlsplit(request.path).path != "/healthz":
+            return True
+        record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+WEBSOCKETS_LOGGER = logging.getLogger("websockets.server")
+_QUIET_HEALTH_CHECKS = QuietHealthChecks()
 
 
 def _offered_protocols(request: Request) -> list[str]:
@@ -98,6 +125,9 @@ class GatewayServer:
         self.pending = PendingHandshakes(config.limits)
         self._server: Server | None = None
         self._loop_lag: asyncio.Task[None] | None = None
+        self.draining = False
+        self._no_sessions = asyncio.Event()
+        self._no_sessions.set()
 
     @property
     def port(self) -> int:
@@ -107,6 +137,7 @@ class GatewayServer:
         return port
 
     async def start(self) -> None:
+        WEBSOCKETS_LOGGER.addFilter(_QUIET_HEALTH_CHECKS)  # once: filters are a set
         self._server = await serve(
             self._handle,
             self.config.host,
@@ -119,6 +150,7 @@ class GatewayServer:
             server_header="duplex-gateway",
             create_connection=connection_type(self.pending, self.metrics),
             open_timeout=self.config.limits.handshake_timeout_s,
+            logger=WEBSOCKETS_LOGGER,
         )
         self._loop_lag = asyncio.create_task(self.metrics.sample_loop_lag(), name="loop-lag")
         logger.info("listening on ws://%s:%d/v1/realtime", self.config.host, self.port)
@@ -127,6 +159,30 @@ class GatewayServer:
         assert self._server is not None
         await self._server.wait_closed()
 
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new sessions and fail health checks; close each open session with 1001
+        once no response of it is running, and those still busy after `timeout_s`.
+        Returns when no session is left; `shutdown` then stops the rest."""
+        self.draining = True
+        logger.info(
+            "draining: %d open sessions, up to %g s for their responses",
+            len(self.connections),
+            timeout_s,
+        )
+        for conn in list(self.connections):
+            conn.close_when_idle(DRAIN_REASON)
+        try:
+            await asyncio.wait_for(self._no_sessions.wait(), timeout_s)
+        except TimeoutError:
+            logger.info("drain timeout: closing %d busy sessions", len(self.connections))
+            await self._close_sessions(DRAIN_TIMEOUT_REASON)
+
+    async def _close_sessions(self, reason: str) -> None:
+        await asyncio.gather(
+            *(conn.shutdown(reason) for conn in list(self.connections)), return_exceptions=True
+        )
+        await self._no_sessions.wait()
+
     async def shutdown(self, reason: str = "server shutting down") -> None:
         """Stop accepting, close every session with 1001 and `reason`, stop the engine."""
         if self._server is None:
@@ -134,10 +190,9 @@ class GatewayServer:
         if self._loop_lag is not None:
             self._loop_lag.cancel()
             await asyncio.gather(self._loop_lag, return_exceptions=True)
+        self.draining = True
         self._server.close(close_connections=False)
-        await asyncio.gather(
-            *(conn.shutdown(reason) for conn in list(self.connections)), return_exceptions=True
-        )
+        await self._close_sessions(reason)
         await self._server.wait_closed()
         await self.backend.close()
 
@@ -165,7 +220,9 @@ class GatewayServer:
                 return not_allowed("GET")
             return self._check_realtime(request)
         if path == "/healthz":
-            return self._json(HTTPStatus.OK, self._health())
+            # 503 while draining, so that a load balancer stops routing here.
+            status = HTTPStatus.SERVICE_UNAVAILABLE if self.draining else HTTPStatus.OK
+            return self._json(status, self._health())
         if path == "/metrics" or path == "/web" or path.startswith("/web/"):
             refused = self._check_http_key(request)
             if refused is not None:
@@ -207,6 +264,10 @@ class GatewayServer:
                 return self._refuse(
                     HTTPStatus.UNAUTHORIZED, "invalid_api_key", "missing or invalid API key"
                 )
+        if self.draining:
+            return self._refuse(
+                HTTPStatus.SERVICE_UNAVAILABLE, "server_draining", "server draining; try another"
+            )
         if len(self.connections) >= self.config.max_sessions:
             return self._refuse(
                 HTTPStatus.SERVICE_UNAVAILABLE, "too_many_sessions", "too many open sessions"
@@ -223,10 +284,12 @@ class GatewayServer:
 
     def _health(self) -> dict[str, object]:
         return {
-            "status": "ok",
+            "status": "draining" if self.draining else "ok",
+            "instance": self.config.instance or f"{socket.gethostname()}:{self.port}",
             "sessions": len(self.connections),
             "max_sessions": self.config.max_sessions,
             "model": self.config.model_name,
+            "models": list(self.config.served_models),
         }
 
     def _static(self, rel: str) -> Response:
@@ -262,9 +325,12 @@ class GatewayServer:
             model=model,
             beta=is_beta(request),
         )
-        if model != self.config.model_name:
+        if not self.config.serves(model):
             conn.core.reject_model(model, self.config.model_name)
         self.connections.add(conn)
+        self._no_sessions.clear()
+        if self.draining:  # its handshake was accepted just before the drain began
+            conn.close_when_idle(DRAIN_REASON)
         self.metrics.sessions.inc()
         self.metrics.sessions_total.inc()
         try:
@@ -272,6 +338,8 @@ class GatewayServer:
         finally:
             self.connections.discard(conn)
             self.metrics.sessions.dec()
+            if not self.connections:
+                self._no_sessions.set()
 
 
 def _redirect(location: str) -> Response:

@@ -141,21 +141,26 @@ def apply_update(
     else:
         update = GASessionIn.model_validate(raw)
         changes = _ga_changes(update, current)
-    changes.update(_shared_changes(update, current))
+    changes.update(_shared_changes(update, current, config))
     new = replace(current, **changes)
     _check_supported(new, current, config, voice_locked)
     return new
 
 
 def _shared_changes(
-    update: GASessionIn | BetaSessionIn, current: SessionSettings
+    update: GASessionIn | BetaSessionIn, current: SessionSettings, config: GatewayConfig
 ) -> dict[str, Any]:
     given = update.model_fields_set
     changes: dict[str, Any] = {}
     if "model" in given and update.model not in (None, current.model):
-        raise SettingError(
-            f"the session model is {current.model!r} and cannot be changed", "session.model"
-        )
+        # Another name this profile answers to is only a new name for the same models.
+        if not config.serves(update.model):
+            raise SettingError(
+                f"the model {update.model!r} is not served here; the session model is "
+                f"{current.model!r}",
+                "session.model",
+            )
+        changes["model"] = update.model
     if "instructions" in given:
         changes["instructions"] = update.instructions or ""
     if update.tools:

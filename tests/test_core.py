@@ -223,12 +223,14 @@ async def test_outputs_cross_in_one_handover_per_step() -> None:
 
 
 async def test_slow_consumer_overflow_fails_the_stream() -> None:
-    core = EngineCore({"count": CountingStage()})
+    stage = CountingStage()
+    core = EngineCore({"count": stage})
     core.start()
     engine = AsyncEngine(core, max_queued_outputs=4)
     try:
         it = engine.stream("count", "flood", 100)
         # Not consuming: the fifth queued output overflows, which aborts the request.
+        await wait_until(lambda: ("add", "flood") in stage.log, 5, "the flood to start")
         await wait_until(lambda: core.pending()["count"] == 0, 5, "the flood to be aborted")
         outs = [o async for o in it]
         assert outs[-1].finished and "overflow" in outs[-1].error

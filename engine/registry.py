@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine import carriers
+from engine import carriers, device
 from engine.carriers import ModelSourceError
 from engine.paths import CACHE_ENV, cache_dir
 
@@ -154,18 +154,12 @@ def resolve_precision(spec: ModelSpec, precision: str) -> str | None:
             raise ValueError(f"model {spec.name!r} has no precision setting")
         return None
     if precision == "auto":
-        # 4-bit matmuls are fast on Metal; on the CPU backend dequantized fp32 goes
-        # through BLAS and is an order of magnitude faster.
-        precision = "4bit" if _metal_available() else "fp32"
+        # 4-bit matmuls are fast on Metal and CUDA; on the CPU backend dequantized fp32
+        # goes through BLAS and is an order of magnitude faster.
+        precision = "fp32" if device.uses_cpu_kernels() else "4bit"
     if precision not in spec.precisions:
         raise ValueError(f"model {spec.name!r} supports precisions {spec.precisions}")
     return precision
-
-
-def _metal_available() -> bool:
-    import mlx.core as mx
-
-    return bool(mx.metal.is_available())
 
 
 # ---------------------------------------------------------------- sources

@@ -16,6 +16,7 @@ import huggingface_hub as hub
 import pytest
 
 import engine.registry as registry
+from engine import device
 from engine.registry import ConversionError, ModelSourceError, ModelSpec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -321,7 +322,7 @@ def test_precision_is_validated_and_part_of_the_cache_key(
         ModelSpec("fake-llm", "llm", f"path:{source}", spec.converter, precisions=("fp32", "4bit"))
     )
     try:
-        expected_auto = "4bit" if registry._metal_available() else "fp32"
+        expected_auto = "fp32" if device.uses_cpu_kernels() else "4bit"
         assert registry.resolve_precision(llm, "auto") == expected_auto
         fp32 = registry.prepare("fake-llm", precision="fp32", progress=False)
         q4 = registry.prepare("fake-llm", precision="4bit", progress=False)

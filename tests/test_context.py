@@ -4,6 +4,7 @@ message being answered, and over-long texts are refused without being counted.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,7 +18,17 @@ def words(text: str) -> int:
     return len(text.split())
 
 
-def fitter(counted: list[str] | None = None, **limits: int) -> ContextFitter:
+class Fitter:
+    """A fitter with its prompt counter, as the LLM stage calls it."""
+
+    def __init__(self, fitter: ContextFitter, count_prompt: Callable[[list[Message]], int]):
+        self._fitter, self._count_prompt = fitter, count_prompt
+
+    def fit(self, messages: list[Message], *, truncate: bool) -> list[Message]:
+        return self._fitter.fit(messages, truncate=truncate, count_prompt=self._count_prompt)
+
+
+def fitter(counted: list[str] | None = None, **limits: int) -> Fitter:
     def count_text(text: str) -> int:
         if counted is not None:
             counted.append(text)
@@ -27,11 +38,9 @@ def fitter(counted: list[str] | None = None, **limits: int) -> ContextFitter:
         # One token of template per message, as a chat template adds its role markers.
         return sum(count_text(m["content"]) + 1 for m in messages)
 
-    return ContextFitter(
-        ContextLimits(**limits),
-        count_text=count_text,
-        count_prompt=count_prompt,
-        max_token_bytes=8,
+    return Fitter(
+        ContextFitter(ContextLimits(**limits), count_text=count_text, max_token_bytes=8),
+        count_prompt,
     )
 
 

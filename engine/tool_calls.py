@@ -8,7 +8,8 @@ sibling's card documents (the Hermes convention, also Qwen2.5's):
 - a call is the reply `<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>`,
   at the very start of the reply, one call per reply;
 - an earlier call in the history is an assistant message holding that text, and its
-  result a user message `<tool_response>\\n...\\n</tool_response>`.
+  result a user message `<tool_response>\\n...\\n</tool_response>` followed by a short
+  request to answer with it.
 
 `CallReader` turns the reply's streamed text into plain text and call deltas. The call's
 exact spelling (no free whitespace, `", "` and `": "` separators) is what the grammar in
@@ -38,6 +39,8 @@ CALL_CLOSE = "\n</tool_call>"
 _NAME_OPEN = '{"name": "'
 _ARGS_OPEN = '", "arguments": '
 _SUFFIX = "}" + CALL_CLOSE  # closes the call object, then the block
+# Without this nudge the embedded 135M model mostly ignored the result (tried by hand).
+_USE_RESULT = "Answer with this result."
 
 
 def call_prefix(name: str) -> str:
@@ -73,7 +76,7 @@ def template_messages(
             calls = [c["function"] for c in message["tool_calls"]]
             content = content + "".join(call_text(c["name"], c["arguments"]) for c in calls)
         elif role == "tool":
-            role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
+            role, content = "user", f"<tool_response>\n{content}\n</tool_response>\n{_USE_RESULT}"
         out.append({"role": role, "content": content})
     if tools:
         if out and out[0]["role"] == "system":

@@ -6,12 +6,18 @@ call, and the OpenAI Agents SDK's realtime agent with one function tool."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import subprocess
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
+import numpy as np
 import pytest
+import soundfile as sf
+import soxr
 import yaml
 from openai import AsyncOpenAI
 
@@ -100,11 +106,23 @@ def text_in(events: list[Any]) -> str:
     return "".join(e.delta for e in events if e.type in kinds)
 
 
-async def tool_loop(conn: Any, session: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+def spoken(words: str) -> str:
+    """`words` spoken by eSpeak NG (a voice independent of the gateway's), as base64
+    PCM16 at 24 kHz."""
+    with tempfile.NamedTemporaryFile(suffix=".wav") as wav:
+        subprocess.run(["espeak-ng", "-w", wav.name, words], check=True)
+        data, rate = sf.read(wav.name, dtype="float32")
+    pcm = (np.clip(soxr.resample(data, rate, 24000), -1, 1) * 32767).astype("<i2")
+    return base64.b64encode(pcm.tobytes()).decode()
+
+
+async def tool_loop(
+    conn: Any, session: dict[str, Any], question: dict[str, Any] | None = None
+) -> tuple[list[Any], list[Any]]:
     """Ask for the weather, check the call, answer it; the call's and the answer's events."""
     await conn.session.update(session=session)
     await until(conn, "session.updated")
-    await conn.conversation.item.create(item=user_text("What is the weather in Paris?"))
+    await conn.conversation.item.create(item=question or user_text("What is the weather in Paris?"))
     await conn.response.create(response={"tool_choice": "required"})
     called = await until(conn, "response.done")
     (done,) = calls_in(called)
@@ -152,15 +170,24 @@ async def test_beta_tool_loop_in_text(gateway: str) -> None:
         assert uses_result(text_in(answered)), text_in(answered)
 
 
-async def test_spoken_answer_after_an_unspoken_call(gateway: str) -> None:
+async def test_tool_loop_in_speech(gateway: str) -> None:
+    """A spoken question, an unspoken call, a spoken answer."""
     session = {
         "type": "realtime",
         "output_modalities": ["audio"],
-        "audio": {"input": {"turn_detection": None}},
+        "audio": {"input": {"turn_detection": None, "transcription": {"model": "whisper-1"}}},
         "tools": [WEATHER],
     }
+    content = [{"type": "input_audio", "audio": spoken("What is the weather in Paris?")}]
+    question = {"type": "message", "role": "user", "content": content}
     async with client(gateway).realtime.connect(model=MODEL) as conn:
-        called, answered = await tool_loop(conn, session)
+        called, answered = await tool_loop(conn, session, question)
+        (heard,) = [
+            e for e in called if e.type == "conversation.item.input_audio_transcription.completed"
+        ]
+        assert "paris" in heard.transcript.lower()
+        (call,) = calls_in(called)
+        assert "paris" in json.loads(call.arguments)["city"].lower()
         assert not any(e.type == "response.output_audio.delta" for e in called)
         assert any(e.type == "response.output_audio.delta" for e in answered)
         (transcript,) = [e for e in answered if e.type == "response.output_audio_transcript.done"]

@@ -363,3 +363,41 @@ def test_beta_call_events_and_items() -> None:
         "response.done",
     ]
     assert events[-1]["response"]["output"][0]["type"] == "function_call"
+
+
+def test_barge_in_during_a_call_cancels_it_as_any_response() -> None:
+    rt = make()
+    (event,) = send(rt, type="session.update", session={"type": "realtime", "tools": [WEATHER]})
+    assert event["type"] == "session.updated"
+    rt.actions()
+    ask(rt)
+    rid = start(rt, output_modalities=["text"]).response_id
+    call(rt, rid, '{"city": ')
+    rt.events_to_send()
+    rt.speech_started(0.0)
+    (cancel,) = [a for a in rt.actions() if isinstance(a, CancelResponse)]
+    assert (cancel.response_id, cancel.reason) == (rid, "turn_detected")
+    done = finish(rt, rid, "cancelled")[-1]["response"]
+    assert done["status_details"] == {"type": "cancelled", "reason": "turn_detected"}
+    assert done["output"][0]["type"] == "function_call"
+    assert done["output"][0]["status"] == "incomplete"
+
+
+def test_the_engine_backend_forwards_call_outputs() -> None:
+    from duplex.events import TurnOutput
+    from duplex.outputs import DuplexStageOutput
+    from gateway.engine_backend import _response_output
+
+    out = DuplexStageOutput(
+        session_id="s",
+        request_id="r",
+        stage_id=1,
+        kind="tool_call",
+        text='{"city"',
+        metadata={"index": 2, "name": "get_weather"},
+    )
+    assert out.shows_client
+    mapped = _response_output("resp_1", TurnOutput(turn_id=0, output=out, tag="resp_1"))
+    assert mapped == ResponseOutput(
+        "resp_1", "tool_call", text='{"city"', call_index=2, name="get_weather"
+    )

@@ -180,17 +180,6 @@ class TurnRequest:
         if choice.name is not None and choice.name not in names:
             raise ValueError(f"tool_choice names {choice.name!r}, which is not among the tools")
 
-    @property
-    def offered_tools(self) -> tuple[Tool, ...]:
-        """The tools the model may call in this reply: none with `tool_choice` none, the
-        named one alone with a function choice."""
-        choice = self.tool_choice
-        if choice.mode == "none":
-            return ()
-        if choice.mode == "function":
-            return tuple(t for t in self.tools if t.name == choice.name)
-        return self.tools
-
     def _check_input(self) -> None:
         if self.audio is not None and self.text is not None:
             raise ValueError("a turn takes at most one of audio or text")

@@ -114,16 +114,6 @@ def test_turn_tools_are_validated_values() -> None:
         Message("user", "x", tool_calls=(ToolCall("c", "f", "{}"),))
     with pytest.raises(ValueError, match="tool_call_id"):
         Message("tool", "result")
-    named = TurnRequest(
-        final=Stage.LLM,
-        tools=(tool, Tool("get_time")),
-        tool_choice=ToolChoice("function", "get_time"),
-    )
-    assert [t.name for t in named.offered_tools] == ["get_time"]
-    assert (
-        TurnRequest(final=Stage.LLM, tools=(tool,), tool_choice=ToolChoice("none")).offered_tools
-        == ()
-    )
 
 
 # ---- settings ------------------------------------------------------------------------
@@ -344,7 +334,7 @@ def test_cancel_during_a_call_leaves_it_incomplete_and_out_of_the_context() -> N
     ask(rt, "Never mind.")
     turn = start(rt, tool_choice="none").turn
     assert not any(m.tool_calls for m in turn.messages)
-    assert turn.tool_choice == ToolChoice("none") and turn.offered_tools == ()
+    assert turn.tool_choice == ToolChoice("none")
 
 
 def test_beta_call_events_and_items() -> None:

@@ -72,11 +72,15 @@ def test_the_page_answers_its_local_time_tool(web_url: str, silent_microphone: P
             page.on("console", lambda m: m.type == "error" and problems.append(m.text))
             page.on("pageerror", lambda e: problems.append(str(e)))
             page.goto(web_url)
-            page.select_option("#turnDetection", "none")
-            page.select_option("#tools", "required")
             page.click("#connect")
             state = _wait_for(page, lambda s: s["eventCounts"].get("session.updated"), 30)
             assert state["state"] == "connected", state
+            page.select_option("#turnDetection", "none")
+            page.select_option("#tools", "required")
+            page.click("#settings button[type=submit]")
+            state = _wait_for(page, lambda s: s["eventCounts"]["session.updated"] == 2, 30)
+            assert state["eventCounts"]["session.updated"] == 2, state
+            assert page.locator("#tools").input_value() == "required"
             page.fill("#text", "What time is it?")
             page.press("#text", "Enter")
             state = _wait_for(page, lambda s: s["responses"] == ["completed", "completed"], 180)

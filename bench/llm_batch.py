@@ -7,7 +7,9 @@ on the same model and prompts in the same run (1 and 8 streams and mlx-lm are me
 rounds measure the neighbours' load rather than the code), time to first token for a
 request that joins 8 decoding streams, cold versus cached second-turn TTFT of a
 ~500-token conversation, and event-loop lag while 8 streams decode through the engine
-thread.
+thread. The grammar mask's cost: aggregate tokens/s of 8 streams with 4 of them writing
+a function call under the JSON-schema grammar (`engine.grammar`) against 8 free streams,
+alternated in the same run, best round of each.
 
     python bench/llm_batch.py [--json] [--max-tokens 64] [--repeats 5]
 """
@@ -93,6 +95,42 @@ def stage_throughput(model: Any, tok: Any, n: int, max_tokens: int) -> tuple[flo
     end = time.perf_counter()
     decoded = total - emitted_before
     return total / (end - start), decoded / (end - decode_start)
+
+
+# A call that cannot end within the run, so its rows stay under the grammar throughout.
+LONG_CALL_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "take_notes",
+        "description": "Write down notes about the story",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "notes": {"type": "array", "items": {"type": "string"}, "minItems": 500}
+            },
+            "required": ["notes"],
+        },
+    },
+}
+
+
+def mixed_throughput(model: Any, tok: Any, constrained: int, max_tokens: int) -> float:
+    """Tokens per second of 8 whole requests, the first `constrained` forced to call."""
+    stage = LlmStage(model, tok, max_running_sequences=8)
+    for i in range(8):
+        inputs = LlmInput(messages=story_prompt(i), sampling_params=greedy(max_tokens))
+        if i < constrained:
+            inputs.tools, inputs.tool_choice = [LONG_CALL_TOOL], "required"
+        stage.add(f"r{i}", inputs)
+    settle()
+    start = time.perf_counter()
+    total = 0
+    while stage.has_work():
+        for out in stage.step():
+            assert out.error is None, out.error
+            if out.finished:
+                total += generated(out.payload.output_token_ids, tok.eos_token_ids)
+    return total / (time.perf_counter() - start)
 
 
 def mlx_lm_throughput(model: Any, tok: Any, n: int, max_tokens: int) -> float:
@@ -213,10 +251,14 @@ def main() -> None:
     once = {n: stage_throughput(model, tok, n, args.max_tokens) for n in (4, 16)}
     runs: dict[str, list[tuple[float, float]]] = {"1": [], "8": []}
     mlx_runs = []
+    mixed_throughput(model, tok, 4, 4)  # builds the grammar's tokenizer once, untimed
+    mixed: dict[int, list[float]] = {0: [], 4: []}
     for _ in range(max(1, args.repeats)):
         runs["1"].append(stage_throughput(model, tok, 1, args.max_tokens))
         runs["8"].append(stage_throughput(model, tok, 8, args.max_tokens))
         mlx_runs.append(mlx_lm_throughput(plain, tok, 8, args.max_tokens))
+        for constrained in mixed:
+            mixed[constrained].append(mixed_throughput(model, tok, constrained, args.max_tokens))
     best = {n: max(whole for whole, _ in r) for n, r in runs.items()}
     best_decode = {n: max(decode for _, decode in r) for n, r in runs.items()}
     aggregate = {"1": best["1"], "4": once[4][0], "8": best["8"], "16": once[16][0]}
@@ -228,6 +270,9 @@ def main() -> None:
         "batch8_vs_mlx_lm": aggregate["8"] / mlx8,
         "decode_tok_s": best_decode,
         "decode8_vs_single": best_decode["8"] / best_decode["1"],
+        "tok_s_8_streams_none_constrained": max(mixed[0]),
+        "tok_s_8_streams_4_constrained": max(mixed[4]),
+        "constrained_vs_none": max(mixed[4]) / max(mixed[0]),
     }
     result.update(asyncio.run(engine_measurements(model, tok, args.max_tokens)))
     result["cached_vs_cold_ttft"] = result["ttft_ms_cached"] / result["ttft_ms_cold"]

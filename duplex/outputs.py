@@ -8,6 +8,9 @@ to one sink, on the asyncio loop thread, as a `DuplexStageOutput`:
 - `"audio"`: a TTS chunk, float32 little-endian mono samples at `sample_rate`, with the
   text it speaks in `text` (one sample format from the engine to the gateway, which
   resamples and encodes it once for the client);
+- `"tool_call"`: an LLM function call's arguments as they stream (`text`, a delta of the
+  arguments' JSON text), with `metadata["index"]` (the call's number in the reply, from
+  0) and `metadata["name"]` (the function); a call is never spoken;
 - `"done"`: the stage request finished without further payload;
 - `"error"`: the stage request failed (`metadata["error"]` says why).
 
@@ -49,7 +52,7 @@ __all__ = [
     "stage_id_from_request_id",
 ]
 
-OUTPUT_KINDS = frozenset({"transcript", "text", "audio", "done", "error"})
+OUTPUT_KINDS = frozenset({"transcript", "text", "audio", "tool_call", "done", "error"})
 SAMPLE_BYTES = 4  # audio is float32
 
 
@@ -85,7 +88,7 @@ class DuplexStageOutput:
         (an empty one too: it says transcription finished); never an error."""
         if self.kind == "error":
             return False
-        return bool(self.text or self.audio) or self.kind == "transcript"
+        return bool(self.text or self.audio) or self.kind in ("transcript", "tool_call")
 
     @property
     def duration_ms(self) -> float:

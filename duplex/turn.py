@@ -13,24 +13,32 @@ Rules of this module:
    written anywhere else.
 3. Equal requests are equal values (`==`): a prepared turn is adopted by the submission
    whose request equals it.
+4. Tools are plain values too: a function's JSON Schema travels as JSON text (checked to
+   be an object when the `Tool` is built), so a request stays hashable and comparable.
+   `tool_choice` says whether the reply may (`auto`), may not (`none`) or must
+   (`required`, or `function` with a `name`) be a call of one of `tools`.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from duplex.contracts import DuplexAppendPlan
 
-__all__ = ["AUDIO_RATE", "Message", "Stage", "TurnRequest"]
+__all__ = ["AUDIO_RATE", "Message", "Stage", "Tool", "ToolCall", "ToolChoice", "TurnRequest"]
 
 # Turn audio: mono float32 little-endian samples at this rate.
 AUDIO_RATE = 16_000
 MIN_SPEED, MAX_SPEED = 0.25, 4.0
-_ROLES = ("system", "user", "assistant")
+_ROLES = ("system", "user", "assistant", "tool")
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_CHOICE_MODES = ("auto", "none", "required", "function")
 
 
 class Stage(enum.IntEnum):
@@ -42,15 +50,87 @@ class Stage(enum.IntEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class Tool:
+    """A function the model may call: `parameters` is its JSON Schema as JSON text."""
+
+    name: str
+    description: str = ""
+    parameters: str = '{"type": "object", "properties": {}}'
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _TOOL_NAME.fullmatch(self.name):
+            raise ValueError(f"a tool name is 1 to 64 of [A-Za-z0-9_-], got {self.name!r}")
+        if not isinstance(self.description, str):
+            raise ValueError("a tool description must be a str")
+        try:
+            schema = json.loads(self.parameters)
+        except (TypeError, ValueError):
+            raise ValueError(f"tool {self.name!r}: parameters must be JSON text") from None
+        if not isinstance(schema, dict):
+            raise ValueError(f"tool {self.name!r}: parameters must be a JSON Schema object")
+
+    @property
+    def schema(self) -> dict[str, object]:
+        parsed: dict[str, object] = json.loads(self.parameters)
+        return parsed
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A call the assistant made: `arguments` is the JSON text of the arguments object."""
+
+    call_id: str
+    name: str
+    arguments: str
+
+    def __post_init__(self) -> None:
+        for name in ("call_id", "name", "arguments"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"ToolCall.{name} must be a str")
+        if not self.call_id:
+            raise ValueError("ToolCall.call_id must not be empty")
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    """`auto`, `none`, `required`, or `function` (with the function's `name`)."""
+
+    mode: Literal["auto", "none", "required", "function"] = "auto"
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in _CHOICE_MODES:
+            raise ValueError(f"ToolChoice.mode must be one of {_CHOICE_MODES}, got {self.mode!r}")
+        if (self.mode == "function") != (self.name is not None):
+            raise ValueError("ToolChoice takes a name exactly when its mode is 'function'")
+
+    @property
+    def must_call(self) -> bool:
+        return self.mode in ("required", "function")
+
+
+@dataclass(frozen=True, slots=True)
 class Message:
-    role: Literal["system", "user", "assistant"]
+    """One chat message. An assistant message may carry the calls it made
+    (`tool_calls`); a `tool` message is the result of the call `tool_call_id`."""
+
+    role: Literal["system", "user", "assistant", "tool"]
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in _ROLES:
             raise ValueError(f"Message.role must be one of {_ROLES}, got {self.role!r}")
         if not isinstance(self.content, str):
             raise ValueError(f"Message.content must be a str, got {type(self.content).__name__}")
+        object.__setattr__(self, "tool_calls", tuple(self.tool_calls))
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if not all(isinstance(c, ToolCall) for c in self.tool_calls):
+            raise ValueError("Message.tool_calls must hold ToolCall values")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message, and only a tool message, names its tool_call_id")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,7 +142,8 @@ class TurnRequest:
     configured system prompt. `voice` and `speed` apply to spoken replies only,
     `max_output_tokens`, `cache_key` (the conversation's prompt-cache key) and `truncate`
     (drop the oldest history when the prompt is over the engine's context limit, rather
-    than refuse the turn) to replies.
+    than refuse the turn) to replies. `tools` and `tool_choice` say which functions the
+    reply may call (rule 4).
     A transcription turn (`final=Stage.ASR`) takes `audio` alone.
     """
 
@@ -75,12 +156,32 @@ class TurnRequest:
     speed: float | None = None
     cache_key: str | None = None
     truncate: bool = True
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = ToolChoice()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "final", Stage(self.final))
         object.__setattr__(self, "messages", tuple(self.messages))
+        object.__setattr__(self, "tools", tuple(self.tools))
         self._check_input()
         self._check_reply()
+        self._check_tools()
+
+    def _check_tools(self) -> None:
+        if not all(isinstance(t, Tool) for t in self.tools):
+            raise ValueError("TurnRequest.tools must hold Tool values")
+        if not isinstance(self.tool_choice, ToolChoice):
+            raise ValueError("TurnRequest.tool_choice must be a ToolChoice")
+        names = [t.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise ValueError("tool names must be unique")
+        if self.tools and self.final is Stage.ASR:
+            raise ValueError("a transcription turn takes no tools")
+        choice = self.tool_choice
+        if choice.must_call and not self.tools:
+            raise ValueError(f"tool_choice {choice.mode!r} needs tools")
+        if choice.name is not None and choice.name not in names:
+            raise ValueError(f"tool_choice names {choice.name!r}, which is not among the tools")
 
     def _check_input(self) -> None:
         if self.audio is not None and self.text is not None:

@@ -3,9 +3,10 @@
 A turn's chat messages are checked and fitted here, on the engine thread, so that a
 client cannot make the shared model prefill more than the profile allows:
 
-1. The system message (the session's instructions) and the user message being answered
-   must each fit their own limit, or the turn is refused with the limit's name in the
-   error. A message refused so stays in the conversation's history, where rule 2 drops it.
+1. The system message (the session's instructions) and the user message (or function
+   result) being answered must each fit their own limit, or the turn is refused with the
+   limit's name in the error. A message refused so stays in the conversation's history,
+   where rule 2 drops it.
 2. The whole templated prompt must fit `max_context_tokens`. With truncation on, the
    oldest history messages are dropped until it does (the instructions and the message
    being answered always stay); with truncation off, or when those two alone are too
@@ -69,7 +70,7 @@ class ContextFitter:
         messages = list(messages)
         if messages[0].get("role") == "system":
             self._check_message(messages[0])
-        if messages[-1].get("role") == "user":
+        if messages[-1].get("role") in ("user", "tool"):
             self._check_message(messages[-1])
         limit = self.limits.max_context_tokens
         if self._fits(messages, count_prompt):
@@ -125,9 +126,9 @@ class ContextFitter:
         if role == "system":
             name, code = "max_instructions_tokens", "instructions_too_long"
             limit, what = self.limits.max_instructions_tokens, "the instructions"
-        elif role == "user":
+        elif role in ("user", "tool"):  # a function's result is the client's input too
             name, code = "max_user_message_tokens", "user_message_too_long"
-            limit, what = self.limits.max_user_message_tokens, "a user message"
+            limit, what = self.limits.max_user_message_tokens, f"a {role} message"
         else:
             return
         if _bytes(content) > limit * self._max_token_bytes:

@@ -16,6 +16,10 @@ Rules of this file:
    last chunk falls in the same step share one padded forward. New, cached and
    preempted requests all enter the batch the same way, which is why a resumed
    request continues exactly where it stopped.
+5. A request with tools (`LlmInput.tools`) sees them in its prompt, and its reply goes
+   through a `CallReader`: a call comes out as `tool_calls` deltas, never as text. Its
+   `CallMask` logits processor (`engine.grammar`) keeps the call valid; it is one more
+   per-row processor, so constrained and free rows share the batch.
 4. Abort, finish and preemption free the KV at once and drop the row's pending token
    unread, so nothing drawn past a finish or an abort is ever emitted; a preempted row
    also gets its random key back, so its resumed draw repeats the dropped one. A
@@ -25,6 +29,7 @@ Rules of this file:
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import time
 from collections.abc import Sequence
@@ -38,9 +43,10 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from engine.context import ContextFitter, ContextLimits
 from engine.detokenizer import StreamingDetokenizer
 from engine.prompt_cache import PromptCache, common_prefix_length
-from engine.request import Request, RequestOutput, RequestStatus, SamplingParams
+from engine.request import Request, RequestOutput, RequestStatus, SamplingParams, ToolCallDelta
 from engine.sampling import RowSampler, new_key, sample_batch
 from engine.stage import StageOutput
+from engine.tool_calls import CallReader, template_messages
 
 __all__ = ["LlmInput", "LlmStage", "SHARED_PREFIX_KEY"]
 
@@ -59,6 +65,10 @@ class LlmInput:
     reuse). `priority`: lower is admitted first, as in `Request.__lt__`. `truncate`:
     messages over the stage's context limit lose their oldest history instead of
     failing the request (`engine.context`).
+    `messages`, `tools` and `tool_choice` are in the chat-completions shape: messages may
+    carry `tool_calls` or be `tool` results; `tools` are `function` tools, and
+    `tool_choice` is "auto", "none", "required" or `{"type": "function", "function":
+    {"name": ...}}`.
     """
 
     prompt_token_ids: list[int] | None = None
@@ -67,6 +77,22 @@ class LlmInput:
     cache_key: str | None = None
     priority: int = 0
     truncate: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] = "auto"
+
+    @property
+    def offered_tools(self) -> list[dict[str, Any]]:
+        """The tools the model may call: none with "none", the named one when forced."""
+        if not self.tools or self.tool_choice == "none":
+            return []
+        if isinstance(self.tool_choice, dict):
+            name = self.tool_choice["function"]["name"]
+            return [t for t in self.tools if t["function"]["name"] == name]
+        return list(self.tools)
+
+    @property
+    def forces_call(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, dict)
 
 
 @dataclass(eq=False)
@@ -76,6 +102,7 @@ class _Seq:
     sampler: RowSampler
     detok: StreamingDetokenizer
     cache_key: str | None
+    calls: CallReader | None = None  # with tools: reads calls out of the reply (rule 5)
     layers: list[Any] = field(default_factory=list)  # per-layer KV while prefilling
     unread: bool = False  # its `_pending` token was drawn but not yet recorded
     rewind_key: mx.array | None = None  # its sampler key before that draw
@@ -126,6 +153,7 @@ class LlmStage:
         self._running: list[_Seq] = []
         self._batch: list[BatchKVCache] | None = None
         self._pending: mx.array | None = None  # (running,) next decode inputs
+        self._call_grammar: Any = None  # engine.grammar.CallGrammar, built on first use
         self.num_preemptions = 0
         # Tokens computed so far (read by /metrics from another thread: values only change).
         self.token_counts = {"prefill": 0, "decode": 0}
@@ -159,11 +187,26 @@ class LlmStage:
         prompt = self._prompt_ids(inputs)
         params = inputs.sampling_params
         self._check_fits(prompt, params)
+        tools = inputs.offered_tools
+        if tools:
+            mask = self._grammar().mask(tools, len(prompt), forced=inputs.forces_call)
+            processors = [*(params.logits_processors or []), mask]
+            params = dataclasses.replace(params, logits_processors=processors)
         req = Request(request_id, prompt, params, priority=inputs.priority)
         sampler = RowSampler(params, prompt, req.output_token_ids, new_key(params.seed))
         detok = StreamingDetokenizer(self.tokenizer.decode, params.stop)
-        self._seqs[request_id] = _Seq(req, list(prompt), sampler, detok, inputs.cache_key)
+        seq = _Seq(req, list(prompt), sampler, detok, inputs.cache_key)
+        seq.calls = CallReader() if tools else None
+        self._seqs[request_id] = seq
         heapq.heappush(self._waiting, req)
+
+    def _grammar(self) -> Any:
+        if self._call_grammar is None:
+            from engine.grammar import CallGrammar
+
+            hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
+            self._call_grammar = CallGrammar(hf, sorted(self._eos))
+        return self._call_grammar
 
     def abort(self, request_id: str) -> None:
         seq = self._seqs.get(request_id)
@@ -232,14 +275,15 @@ class LlmStage:
         if (inputs.prompt_token_ids is None) == (inputs.messages is None):
             raise ValueError("LlmInput needs exactly one of prompt_token_ids or messages")
         if inputs.messages is not None:
+            tools = inputs.offered_tools
             messages = inputs.messages
             if self._context is not None:
                 messages = self._context.fit(
                     messages,
                     truncate=inputs.truncate,
-                    count_prompt=lambda fitted: len(self._templated(fitted)),
+                    count_prompt=lambda fitted: len(self._templated(fitted, tools)),
                 )
-            ids = self._templated(messages)
+            ids = self._templated(messages, tools)
         else:
             ids = [int(t) for t in inputs.prompt_token_ids or ()]
         vocab = self.model.args.vocab_size if hasattr(self.model, "args") else None
@@ -249,9 +293,12 @@ class LlmStage:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         return ids
 
-    def _templated(self, messages: list[dict[str, Any]]) -> list[int]:
+    def _templated(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         template = self.tokenizer.apply_chat_template
-        return [int(t) for t in template(messages, add_generation_prompt=True, tokenize=True)]
+        shown = template_messages(messages, tools or [])
+        return [int(t) for t in template(shown, add_generation_prompt=True, tokenize=True)]
 
     def _check_fits(self, prompt: Sequence[int], params: SamplingParams) -> None:
         need = len(prompt) + params.max_tokens
@@ -546,12 +593,21 @@ class LlmStage:
                 status = RequestStatus.FINISHED_LENGTH_CAPPED
                 delta += seq.detok.finish()
         req.output_text = seq.detok.text
+        calls: list[ToolCallDelta] = []
+        reason = None
+        if seq.calls is not None:
+            delta, calls = seq.calls.push(delta)
+            if status is not None:
+                rest, last = seq.calls.finish()
+                delta, calls = delta + rest, calls + last
+                reason = "tool_calls" if seq.calls.called else None
         if status is not None:
-            req.set_finished(status)
+            req.set_finished(status, reason)
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=[token],
             new_text=delta,
+            tool_calls=calls,
             output_token_ids=list(req.output_token_ids),
             output_text=req.output_text,
             finished=status is not None,

@@ -47,7 +47,7 @@ from duplex.contracts import (
     duplex_turn_id_from_request_id,
 )
 from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput, DuplexStreamingStagePort
-from duplex.turn import Stage, TurnRequest
+from duplex.turn import Message, Stage, Tool, ToolChoice, TurnRequest
 from engine.clauses import ClauseSplitter
 from engine.config import EngineConfig
 from engine.core import AsyncEngine
@@ -489,6 +489,9 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
                 self._fail(turn, LLM, out.error, code=out.error_code)
                 return None
             delta: RequestOutput = out.payload
+            for call in delta.tool_calls:  # never spoken
+                metadata = {"index": call.index, "name": call.name}
+                self._emit(turn, LLM, "tool_call", text=call.arguments, metadata=metadata)
             if delta.new_text:
                 self._emit(turn, LLM, "text", text=delta.new_text)
                 if speaker is not None:
@@ -510,7 +513,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
 
     def _llm_inputs(self, turn: _Turn, text: str | None) -> LlmInput:
         request = turn.request
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        messages = [_chat_message(m) for m in request.messages]
         if not messages or messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.config.system_prompt})
         if text is not None:
@@ -523,6 +526,8 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             sampling_params=params,
             cache_key=request.cache_key,
             truncate=request.truncate,
+            tools=[_chat_tool(t) for t in request.tools] or None,
+            tool_choice=_chat_tool_choice(request.tool_choice),
         )
 
     def _tts_request(self, turn: _Turn) -> Any:
@@ -612,6 +617,34 @@ class _Speaker:
             sample_rate=chunk.sample_rate,
             metadata=metadata,
         )
+
+
+def _chat_message(message: Message) -> dict[str, Any]:
+    """A turn's message in the chat-completions shape."""
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.call_id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _chat_tool(tool: Tool) -> dict[str, Any]:
+    function = {"name": tool.name, "description": tool.description, "parameters": tool.schema}
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(choice: ToolChoice) -> str | dict[str, Any]:
+    if choice.name is not None:
+        return {"type": "function", "function": {"name": choice.name}}
+    return choice.mode
 
 
 def _check_params(params: tuple[Any, ...]) -> None:

@@ -3,9 +3,11 @@
 vLLM, vllm-mlx and `mlx_lm.server` all stream `/v1/chat/completions` as server-sent
 events. This client keeps the local LLM stage's streaming contract (`StageOutput`s whose
 payload is a `RequestOutput` delta, the last one `finished` with usage), so the
-orchestrator cannot tell the two apart. It is network I/O, not model code, so it runs on
-the event loop; abort cancels the reading task, which closes the HTTP stream and lets the
-server stop generating.
+orchestrator cannot tell the two apart: streamed `tool_calls` deltas become the
+payload's `tool_calls` (`ToolCallDelta`, the function's name on every piece), and the
+request's tools and tool choice are forwarded as they are. It is network I/O, not model
+code, so it runs on the event loop; abort cancels the reading task, which closes the
+HTTP stream and lets the server stop generating.
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from engine.config import RemoteLlmConfig
-from engine.request import RequestOutput
+from engine.request import RequestOutput, ToolCallDelta
 from engine.stage import StageOutput
 from engine.streams import OutputStreams
 
@@ -37,6 +39,7 @@ class _Progress:
     cached_tokens: int = 0
     finish_reason: str | None = None
     usage_seen: bool = False
+    call_names: dict[int, str] = field(default_factory=dict)  # tool call index -> name
 
 
 class RemoteLlm:
@@ -105,9 +108,12 @@ class RemoteLlm:
                     data = line[len("data:") :].strip()
                     if data == "[DONE]":
                         break
-                    delta = _apply_chunk(progress, json.loads(data))
-                    if delta:
-                        put(request_id, _delta_output(request_id, progress, delta))
+                    chunk = json.loads(data)
+                    if not isinstance(chunk, dict):
+                        raise RemoteLlmError(f"a stream chunk is not a JSON object: {data[:100]}")
+                    delta, calls = _apply_chunk(progress, chunk)
+                    if delta or calls:
+                        put(request_id, _delta_output(request_id, progress, delta, calls))
             put(request_id, _final_output(request_id, progress))
         except asyncio.CancelledError:
             raise
@@ -147,11 +153,14 @@ def chat_body(model: str, inputs: LlmInput) -> dict[str, Any]:
         body["seed"] = params.seed
     if inputs.cache_key:
         body["prompt_cache_key"] = inputs.cache_key
+    if inputs.tools:
+        body["tools"] = inputs.tools
+        body["tool_choice"] = inputs.tool_choice
     return body
 
 
-def _apply_chunk(progress: _Progress, chunk: Mapping[str, Any]) -> str:
-    """Fold one SSE chunk into `progress`; return its new text."""
+def _apply_chunk(progress: _Progress, chunk: Mapping[str, Any]) -> tuple[str, list[ToolCallDelta]]:
+    """Fold one SSE chunk into `progress`; return its new text and call deltas."""
     usage = chunk.get("usage")
     if usage:
         progress.usage_seen = True
@@ -160,24 +169,41 @@ def _apply_chunk(progress: _Progress, chunk: Mapping[str, Any]) -> str:
         details = usage.get("prompt_tokens_details") or {}
         progress.cached_tokens = int(details.get("cached_tokens") or 0)
     text = ""
+    calls: list[ToolCallDelta] = []
     for choice in chunk.get("choices") or ():
-        text += (choice.get("delta") or {}).get("content") or ""
+        delta = choice.get("delta") or {}
+        text += delta.get("content") or ""
+        calls += [_call_delta(progress, call) for call in delta.get("tool_calls") or ()]
         if choice.get("finish_reason"):
             progress.finish_reason = choice["finish_reason"]
-    if text:
-        progress.text += text
-        if not progress.usage_seen:
-            # Servers stream about one token per chunk; exact usage replaces this count.
-            progress.completion_tokens += 1
-    return text
+    progress.text += text
+    if (text or calls) and not progress.usage_seen:
+        # Servers stream about one token per chunk; exact usage replaces this count.
+        progress.completion_tokens += 1
+    return text, calls
 
 
-def _delta_output(request_id: str, progress: _Progress, delta: str) -> StageOutput:
+def _call_delta(progress: _Progress, call: Mapping[str, Any]) -> ToolCallDelta:
+    """One streamed `tool_calls` entry: the name comes with a call's first piece only."""
+    index = int(call.get("index", 0))
+    function = call.get("function") or {}
+    if function.get("name"):
+        progress.call_names[index] = function["name"]
+    name = progress.call_names.get(index)
+    if name is None:
+        raise RemoteLlmError(f"tool call {index} streamed arguments before its name")
+    return ToolCallDelta(index=index, name=name, arguments=function.get("arguments") or "")
+
+
+def _delta_output(
+    request_id: str, progress: _Progress, delta: str, calls: list[ToolCallDelta]
+) -> StageOutput:
     out = RequestOutput(
         request_id=request_id,
         new_text=delta,
         output_text=progress.text,
         completion_tokens=progress.completion_tokens,
+        tool_calls=calls,
     )
     return StageOutput(request_id, out)
 

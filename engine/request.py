@@ -16,7 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RequestStatus", "SamplingParams", "Request", "RequestOutput", "UNSUPPORTED_FIELDS"]
+__all__ = [
+    "RequestStatus",
+    "SamplingParams",
+    "Request",
+    "RequestOutput",
+    "ToolCallDelta",
+    "UNSUPPORTED_FIELDS",
+]
 
 # vllm-mlx's multimodal and paged-cache request fields. The LLM stage is text-only and
 # keeps each request's KV whole, so a request that sets any of them is refused rather
@@ -243,6 +250,16 @@ class Request:
         return self.request_id == other.request_id
 
 
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of function call `index` of a reply: its `name` and the next piece of its
+    arguments' JSON text (as chat-completions streams `tool_calls`)."""
+
+    index: int
+    name: str
+    arguments: str
+
+
 @dataclass
 class RequestOutput:
     """Output for a single request after a generation step.
@@ -251,7 +268,8 @@ class RequestOutput:
     are cumulative. `new_text` never ends inside a UTF-8 character and never contains
     text at or past a stop string. `cached_tokens` counts prompt tokens reused from
     the prompt cache. The `mtp_*` counters stay 0: this engine does no speculative
-    decoding.
+    decoding. `tool_calls` are this step's function-call deltas; a call's text is never
+    in `new_text`.
     """
 
     request_id: str
@@ -266,6 +284,7 @@ class RequestOutput:
     mtp_drafts: int = 0
     mtp_accepted: int = 0
     cached_tokens: int = 0
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
     def usage(self) -> dict[str, int]:
         return {

@@ -39,14 +39,17 @@ __all__ = [
 @dataclass(frozen=True)
 class ResponseOutput:
     """One output of a running turn: kind "transcript" (of the user audio), "text" (an
-    LLM delta) or "audio" (float32 little-endian mono samples at `sample_rate`, with the
-    text they speak in `text`)."""
+    LLM delta), "audio" (float32 little-endian mono samples at `sample_rate`, with the
+    text they speak in `text`) or "tool_call" (a delta of the arguments of call number
+    `call_index` of the reply, a call of function `name`)."""
 
     response_id: str
-    kind: Literal["transcript", "text", "audio"]
+    kind: Literal["transcript", "text", "audio", "tool_call"]
     text: str = ""
     audio: bytes = b""
     sample_rate: int = 0
+    call_index: int = 0
+    name: str = ""
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,11 @@ Rules of this module:
 2. A user audio item not transcribed yet keeps its audio in the turn's format
    (`pending_audio`: float32 little-endian at 16 kHz), converted once when the item is
    made; a turn answering it carries those bytes as they are.
-3. The user audio the items hold is bounded (`max_audio_ms`): an item that would go past
+3. Function calls are items too: a `function_call` (the assistant's call: `call_id`,
+   `name`, `arguments`) and a `function_call_output` (the client's result for a
+   `call_id`). In the LLM context a call is an assistant message carrying the call, and
+   an output a `tool` message answering it.
+4. The user audio the items hold is bounded (`max_audio_ms`): an item that would go past
    the bound first makes room by dropping the audio of the oldest transcribed user
    items (their words stay); audio not transcribed yet is never dropped, so if that is
    not enough the item is refused (`AudioLimitError`) and nothing changes.
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from duplex.playback import PlaybackLedger
-from duplex.turn import Message
+from duplex.turn import Message, ToolCall
 from gateway.audio import (
     ENGINE_RATE,
     AudioFormat,
@@ -35,7 +39,8 @@ from gateway.protocol import ItemIn, new_id
 
 __all__ = ["AudioLimitError", "Conversation", "Item", "Role"]
 
-Role = Literal["user", "assistant", "system"]
+Role = Literal["user", "assistant", "system", "tool"]
+ItemType = Literal["message", "function_call", "function_call_output"]
 
 
 @dataclass
@@ -49,7 +54,12 @@ class Item:
     audio_format: AudioFormat | None = None
     pending_audio: bytes | None = None  # user audio not yet transcribed (rule 2)
     ledger: PlaybackLedger | None = None  # what a spoken assistant item said when (rule 1)
-    audio_dropped: bool = False  # its audio went to make room for newer audio (rule 3)
+    audio_dropped: bool = False  # its audio went to make room for newer audio (rule 4)
+    type: ItemType = "message"
+    call_id: str | None = None  # function_call and function_call_output (rule 3)
+    name: str | None = None  # function_call
+    arguments: str = ""  # function_call, as JSON text
+    output: str | None = None  # function_call_output
 
     @classmethod
     def user_audio(cls, item_id: str, clip: Clip) -> Item:
@@ -70,11 +80,23 @@ class Item:
         )
 
     @classmethod
+    def function_call(cls, item_id: str, call_id: str, name: str) -> Item:
+        """The assistant's call as a response starts streaming it."""
+        return cls(
+            item_id,
+            "assistant",
+            status="in_progress",
+            type="function_call",
+            call_id=call_id,
+            name=name,
+        )
+
+    @classmethod
     def from_client(cls, raw: dict[str, Any], input_format: AudioFormat) -> Item:
         """An item from `conversation.item.create` or `response.input`; raises ValueError."""
         spec = ItemIn.model_validate(raw)
         if spec.type != "message":
-            raise ValueError("function call items are not supported (no tools)", "item.type")
+            return cls._function_item(spec)
         if spec.role is None:
             raise ValueError("a message item needs a role", "item.role")
         item = cls(spec.id or new_id("item"), spec.role, status="completed")
@@ -99,6 +121,38 @@ class Item:
         if item.text_value is None and item.audio is None:
             raise ValueError("a message needs text or audio content", "item.content")
         return item
+
+    @classmethod
+    def _function_item(cls, spec: ItemIn) -> Item:
+        if spec.role is not None or spec.content is not None:
+            raise ValueError(f"a {spec.type} item takes no role or content", "item.type")
+        if not spec.call_id:
+            raise ValueError(f"a {spec.type} item needs a call_id", "item.call_id")
+        item_id = spec.id or new_id("item")
+        if spec.type == "function_call_output":
+            if spec.output is None:
+                raise ValueError("a function_call_output item needs an output", "item.output")
+            if spec.name is not None or spec.arguments is not None:
+                raise ValueError("a function_call_output takes call_id and output", "item.type")
+            return cls(
+                item_id,
+                "tool",
+                type="function_call_output",
+                call_id=spec.call_id,
+                output=spec.output,
+            )
+        if not spec.name:
+            raise ValueError("a function_call item needs a name", "item.name")
+        if spec.output is not None:
+            raise ValueError("a function_call item takes no output", "item.output")
+        return cls(
+            item_id,
+            "assistant",
+            type="function_call",
+            call_id=spec.call_id,
+            name=spec.name,
+            arguments=spec.arguments or "",
+        )
 
     def _attach_audio(
         self, b64: str | None, transcript: str | None, fmt: AudioFormat, param: str
@@ -150,6 +204,14 @@ class Item:
 
     def message(self) -> Message | None:
         """This item as one LLM chat message, or None if it holds no words."""
+        if self.type == "function_call":
+            if self.status != "completed":
+                return None  # a cut-off call's arguments are not JSON the model should see
+            assert self.call_id is not None and self.name is not None
+            call = ToolCall(self.call_id, self.name, self.arguments)
+            return Message("assistant", "", tool_calls=(call,))
+        if self.type == "function_call_output":
+            return Message("tool", self.output or "", tool_call_id=self.call_id)
         content = self.text()
         return Message(self.role, content) if content else None
 
@@ -188,6 +250,24 @@ class Item:
         return {"type": "text", "text": self.text_value or ""}
 
     def public(self, with_audio: bool = False) -> dict[str, Any]:
+        if self.type == "function_call":
+            return {
+                "id": self.id,
+                "object": "realtime.item",
+                "type": "function_call",
+                "status": self.status,
+                "call_id": self.call_id,
+                "name": self.name,
+                "arguments": self.arguments,
+            }
+        if self.type == "function_call_output":
+            return {
+                "id": self.id,
+                "object": "realtime.item",
+                "type": "function_call_output",
+                "call_id": self.call_id,
+                "output": self.output,
+            }
         return {
             "id": self.id,
             "object": "realtime.item",
@@ -227,7 +307,7 @@ def _turn_audio(samples: Samples) -> bytes | None:
 
 
 class AudioLimitError(ValueError):
-    """An item's audio does not fit under the conversation's bound (rule 3)."""
+    """An item's audio does not fit under the conversation's bound (rule 4)."""
 
 
 class Conversation:
@@ -247,6 +327,10 @@ class Conversation:
 
     def items(self) -> list[Item]:
         return list(self._items)
+
+    def has_call(self, call_id: str) -> bool:
+        """Whether a function_call item with this `call_id` is in the conversation."""
+        return any(i.type == "function_call" and i.call_id == call_id for i in self._items)
 
     def last_id(self) -> str | None:
         return self._items[-1].id if self._items else None

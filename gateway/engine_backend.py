@@ -80,15 +80,21 @@ def _response_output(response_id: str, event: TurnOutput) -> ResponseOutput:
     kind = _FORWARDED_KINDS.get(out.kind)
     if kind is None:
         raise RuntimeError(f"the duplex session forwarded a {out.kind!r} output")
+    if kind == "tool_call":
+        index, name = out.metadata.get("index"), out.metadata.get("name")
+        if not isinstance(index, int) or not isinstance(name, str):
+            raise RuntimeError("a tool_call output needs an int index and a str name")
+        return ResponseOutput(response_id, kind, text=out.text, call_index=index, name=name)
     return ResponseOutput(
         response_id, kind, text=out.text, audio=out.audio, sample_rate=out.sample_rate
     )
 
 
-_FORWARDED_KINDS: dict[str, Literal["transcript", "text", "audio"]] = {
+_FORWARDED_KINDS: dict[str, Literal["transcript", "text", "audio", "tool_call"]] = {
     "transcript": "transcript",
     "text": "text",
     "audio": "audio",
+    "tool_call": "tool_call",
 }
 
 

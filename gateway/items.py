@@ -60,7 +60,20 @@ class ItemEditor:
             raise item_error(exc) from None
         if item.id in self._conversation:
             raise ClientError(f"item id {item.id!r} already exists", "invalid_value", "item.id")
+        self._check_call_output(item)
         self.add(item, event.previous_item_id or self._conversation.last_id())
+
+    def _check_call_output(self, item: Item) -> None:
+        """A function result must answer a call the conversation holds."""
+        if item.type != "function_call_output" or item.call_id is None:
+            return
+        if not self._conversation.has_call(item.call_id):
+            raise ClientError(
+                f"no function_call with call_id {item.call_id!r} is in the conversation; "
+                "a function_call_output answers a call the assistant made",
+                "invalid_value",
+                "item.call_id",
+            )
 
     def retrieve(self, event: ItemIdIn) -> None:
         public = self.get(event.item_id).public(with_audio=True)

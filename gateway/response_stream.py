@@ -16,12 +16,16 @@ Rules of this module:
    into deltas of at most `output_chunk_ms`; the resampler's held-back tail goes out when
    the response completes.
 4. An event for a response id not known here is a bug below, not client input: it raises.
+5. A response's output items are numbered (`output_index`) in the order they open: the
+   message (text or audio) and each function call, which opens on its first arguments
+   delta and closes, with `function_call_arguments.done`, when the response finishes.
+   A call carries no content part and is never spoken.
 """
 
 from __future__ import annotations
 
 import base64
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -46,7 +50,9 @@ class Response:
     input_item_id: str | None  # the user item whose audio this response transcribes
     status: str = "in_progress"
     cancel_reason: str | None = None  # set once a cancel went down (rule 2)
-    item: Item | None = None
+    item: Item | None = None  # the message (text or audio) item
+    calls: dict[int, Item] = field(default_factory=dict)  # call index -> function_call item
+    outputs: list[Item] = field(default_factory=list)  # every output item, in order (rule 5)
     resampler: StreamResampler | None = None
     text: str = ""
     audio_ms: float = 0.0
@@ -126,6 +132,8 @@ class ResponseStream:
             self._text(response, event.text)
         elif event.kind == "audio":
             self._audio(response, event)
+        elif event.kind == "tool_call":
+            self._tool_call(response, event)
         else:
             raise RuntimeError(f"{event.kind!r} output is not a response output")
 
@@ -162,6 +170,25 @@ class ResponseStream:
             )
         self._send_audio(response, fmt, encoded)
         item.add_audio(encoded, spoken)
+
+    def _tool_call(self, response: Response, out: ResponseOutput) -> None:
+        item = response.calls.get(out.call_index)
+        if item is None:
+            item = Item.function_call(new_id("item"), new_id("call"), out.name)
+            response.calls[out.call_index] = item
+            self._add_output(response, item)
+        response.output_tokens += 1
+        if not out.text:
+            return
+        item.arguments += out.text
+        self._out.emit(
+            "response.function_call_arguments.delta",
+            response_id=response.id,
+            item_id=item.id,
+            output_index=response.outputs.index(item),
+            call_id=item.call_id,
+            delta=out.text,
+        )
 
     def _flush_audio(self, response: Response) -> None:
         """Send the resampler's held-back tail: the engine's audio is complete."""
@@ -214,10 +241,17 @@ class ResponseStream:
         item.set_output_format(response.options.output_format)
         response.item = item
         self.voice_locked = self.voice_locked or response.spoken
+        self._add_output(response, item)
+        self._out.emit("response.content_part.added", **self._ids(response), part=item.part())
+        return item
+
+    def _add_output(self, response: Response, item: Item) -> None:
+        """Announce a new output item of `response` and add it to the conversation."""
+        response.outputs.append(item)
         self._out.emit(
             "response.output_item.added",
             response_id=response.id,
-            output_index=0,
+            output_index=len(response.outputs) - 1,
             item=item.public(),
         )
         if not response.options.out_of_band:
@@ -230,15 +264,13 @@ class ResponseStream:
                 self._out.emit(
                     "conversation.item.added", previous_item_id=previous, item=item.public()
                 )
-        self._out.emit("response.content_part.added", **self._ids(response), part=item.part())
-        return item
 
     def _ids(self, response: Response) -> dict[str, Any]:
         assert response.item is not None
         return {
             "response_id": response.id,
             "item_id": response.item.id,
-            "output_index": 0,
+            "output_index": response.outputs.index(response.item),
             "content_index": 0,
         }
 
@@ -249,32 +281,48 @@ class ResponseStream:
             self.active_id = None
         response.status = status
         response.status_details = details
-        item = response.item
-        if item is not None:
+        for item in response.outputs:
             item.status = "completed" if status == "completed" else "incomplete"
-            ids = self._ids(response)
-            if response.spoken:
-                self._out.emit("response.output_audio.done", **ids)
-                self._out.emit(
-                    "response.output_audio_transcript.done", **ids, transcript=response.text
-                )
+            if item is response.item:
+                self._close_message(response, item)
             else:
-                self._out.emit("response.output_text.done", **ids, text=response.text)
-            self._out.emit("response.content_part.done", **ids, part=item.part())
-            if item.id in self._conversation:
-                previous = self._conversation.previous_id(item.id)
-                self._out.emit(
-                    "conversation.item.done", previous_item_id=previous, item=item.public()
-                )
-            self._out.emit(
-                "response.output_item.done",
-                response_id=response.id,
-                output_index=0,
-                item=item.public(),
-            )
+                self._close_call(response, item)
         if response.usage is None:
             response.usage = realtime_usage({"completion_tokens": response.output_tokens})
         self._out.emit("response.done", response=self._response_object(response))
+
+    def _close_message(self, response: Response, item: Item) -> None:
+        ids = self._ids(response)
+        if response.spoken:
+            self._out.emit("response.output_audio.done", **ids)
+            self._out.emit("response.output_audio_transcript.done", **ids, transcript=response.text)
+        else:
+            self._out.emit("response.output_text.done", **ids, text=response.text)
+        self._out.emit("response.content_part.done", **ids, part=item.part())
+        self._close_output(response, item)
+
+    def _close_call(self, response: Response, item: Item) -> None:
+        self._out.emit(
+            "response.function_call_arguments.done",
+            response_id=response.id,
+            item_id=item.id,
+            output_index=response.outputs.index(item),
+            call_id=item.call_id,
+            name=item.name,
+            arguments=item.arguments,
+        )
+        self._close_output(response, item)
+
+    def _close_output(self, response: Response, item: Item) -> None:
+        if item.id in self._conversation:
+            previous = self._conversation.previous_id(item.id)
+            self._out.emit("conversation.item.done", previous_item_id=previous, item=item.public())
+        self._out.emit(
+            "response.output_item.done",
+            response_id=response.id,
+            output_index=response.outputs.index(item),
+            item=item.public(),
+        )
 
     def _response_object(self, response: Response) -> dict[str, Any]:
         options = response.options
@@ -283,7 +331,7 @@ class ResponseStream:
             "id": response.id,
             "status": response.status,
             "status_details": response.status_details,
-            "output": [response.item.public()] if response.item is not None else [],
+            "output": [item.public() for item in response.outputs],
             "conversation_id": None if options.out_of_band else self._conversation_id,
             "output_modalities": list(options.output_modalities),
             "max_output_tokens": "inf"

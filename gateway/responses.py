@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from duplex.turn import Tool, ToolChoice
 from gateway.audio import AudioFormat
 from gateway.config import GatewayConfig
 from gateway.conversation import Item
@@ -17,6 +18,7 @@ from gateway.session_config import (
     _max_tokens,
     _modalities,
 )
+from gateway.tools import ToolSettingError, check_choice, parse_tool_choice, parse_tools
 
 __all__ = ["ResponseOptions", "parse_response_options"]
 
@@ -32,6 +34,8 @@ class ResponseOptions:
     metadata: dict[str, str] | None = None
     # None: the conversation; else items (or ids of conversation items) as the context.
     input: list[Item | str] | None = None
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = ToolChoice()
 
     @classmethod
     def from_session(cls, settings: SessionSettings) -> ResponseOptions:
@@ -41,6 +45,8 @@ class ResponseOptions:
             max_output_tokens=settings.max_output_tokens,
             voice=settings.voice,
             output_format=settings.output_format,
+            tools=settings.tools,
+            tool_choice=settings.tool_choice,
         )
 
 
@@ -53,10 +59,7 @@ def parse_response_options(
     )
     options = ResponseOptions.from_session(settings)
     changes: dict[str, Any] = {}
-    if spec.tools:
-        raise SettingError("function tools are not supported by this gateway", "response.tools")
-    if spec.tool_choice not in (None, "auto", "none"):
-        raise SettingError("tool_choice must be 'auto' or 'none'", "response.tool_choice")
+    changes.update(_tool_overrides(spec, options))
     if spec.prompt is not None:
         raise SettingError("stored prompts are not supported", "response.prompt")
     if spec.conversation not in (None, "auto", "none"):
@@ -78,6 +81,21 @@ def parse_response_options(
         )
     fields = {**options.__dict__, **changes}
     return ResponseOptions(**fields)
+
+
+def _tool_overrides(
+    spec: BetaResponseIn | GAResponseIn, options: ResponseOptions
+) -> dict[str, Any]:
+    given = spec.model_fields_set
+    try:
+        tools = parse_tools(spec.tools, "response.tools") if "tools" in given else options.tools
+        choice = options.tool_choice
+        if spec.tool_choice is not None:
+            choice = parse_tool_choice(spec.tool_choice, "response.tool_choice")
+        check_choice(tools, choice, "response.tool_choice")
+    except ToolSettingError as exc:
+        raise SettingError(str(exc), exc.param) from None
+    return {"tools": tools, "tool_choice": choice}
 
 
 def _ga_overrides(spec: GAResponseIn) -> dict[str, Any]:

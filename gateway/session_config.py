@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from duplex.turn import Tool, ToolChoice
 from gateway.audio import PCM16, AudioFormat, AudioFormatError, format_from_beta, format_from_ga
 from gateway.config import GatewayConfig
 from gateway.protocol import (
@@ -20,6 +21,14 @@ from gateway.protocol import (
     GASessionIn,
     TranscriptionIn,
     TurnDetectionIn,
+)
+from gateway.tools import (
+    ToolSettingError,
+    check_choice,
+    parse_tool_choice,
+    parse_tools,
+    tool_choice_object,
+    tool_objects,
 )
 
 __all__ = ["SessionSettings", "SettingError", "TurnDetection", "apply_update"]
@@ -67,6 +76,8 @@ class SessionSettings:
     turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
     max_output_tokens: int | None = None
     truncation: str = "auto"
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = ToolChoice()
     expires_at: int = field(default_factory=lambda: int(time.time()) + 3600)
 
     def ga_object(self) -> dict[str, Any]:
@@ -77,8 +88,8 @@ class SessionSettings:
             "model": self.model,
             "output_modalities": list(self.output_modalities),
             "instructions": self.instructions,
-            "tools": [],
-            "tool_choice": "auto",
+            "tools": tool_objects(self.tools),
+            "tool_choice": tool_choice_object(self.tool_choice),
             "max_output_tokens": "inf"
             if self.max_output_tokens is None
             else self.max_output_tokens,
@@ -116,8 +127,8 @@ class SessionSettings:
             "input_audio_transcription": self.transcription,
             "input_audio_noise_reduction": None,
             "turn_detection": self.turn_detection and self.turn_detection.as_dict(),
-            "tools": [],
-            "tool_choice": "auto",
+            "tools": tool_objects(self.tools),
+            "tool_choice": tool_choice_object(self.tool_choice),
             "max_response_output_tokens": "inf"
             if self.max_output_tokens is None
             else self.max_output_tokens,
@@ -163,15 +174,25 @@ def _shared_changes(
         changes["model"] = update.model
     if "instructions" in given:
         changes["instructions"] = update.instructions or ""
-    if update.tools:
-        raise SettingError("function tools are not supported by this gateway", "session.tools")
-    if "tool_choice" in given and update.tool_choice not in (None, "auto", "none"):
-        raise SettingError("tool_choice must be 'auto' or 'none'", "session.tool_choice")
+    changes.update(_tool_changes(update, current))
     if update.tracing is not None:
         raise SettingError("tracing is not supported", "session.tracing")
     if update.include:
         raise SettingError("include is not supported", "session.include")
     return changes
+
+
+def _tool_changes(update: GASessionIn | BetaSessionIn, current: SessionSettings) -> dict[str, Any]:
+    given = update.model_fields_set
+    try:
+        tools = parse_tools(update.tools, "session.tools") if "tools" in given else current.tools
+        choice = current.tool_choice
+        if "tool_choice" in given and update.tool_choice is not None:
+            choice = parse_tool_choice(update.tool_choice, "session.tool_choice")
+        check_choice(tools, choice, "session.tool_choice")
+    except ToolSettingError as exc:
+        raise SettingError(str(exc), exc.param) from None
+    return {"tools": tools, "tool_choice": choice}
 
 
 def _ga_changes(update: GASessionIn, current: SessionSettings) -> dict[str, Any]:

@@ -6,6 +6,10 @@ user item last, the reply follows the history alone. The turn ends in speech whe
 response's output modalities include audio, else in text. Everything before the answered
 item is the history, led by the instructions as a system message.
 
+The response's tools and tool choice travel with the turn; the calls and results in the
+history are messages of their own (an assistant message carrying the calls, a `tool`
+message per result), and calls made one after another are one assistant message.
+
 Because a prepared turn and the response that takes it over are both built here from
 the same items and settings, equal inputs give equal turns, as adoption requires.
 """
@@ -19,12 +23,18 @@ from gateway.conversation import Item
 from gateway.responses import ResponseOptions
 from gateway.session_config import SessionSettings
 
-__all__ = ["answered_item", "response_turn", "transcription_turn"]
+__all__ = ["answered_item", "has_input", "response_turn", "transcription_turn"]
 
 
 def answered_item(context: Sequence[Item]) -> Item | None:
     """The user item a response to `context` answers, if the context ends with one."""
     return context[-1] if context and context[-1].role == "user" else None
+
+
+def has_input(context: Sequence[Item]) -> bool:
+    """Whether `context` gives a reply something to answer: a user message or a
+    function call's result."""
+    return any(item.role == "user" or item.type == "function_call_output" for item in context)
 
 
 def response_turn(
@@ -40,7 +50,7 @@ def response_turn(
     audio = answered.pending_audio if answered is not None else None
     text = answered.text() if answered is not None and audio is None else None
     spoken = "audio" in options.output_modalities
-    messages = [m for m in (item.message() for item in history) if m is not None]
+    messages = _merge_calls([m for m in (item.message() for item in history) if m is not None])
     if settings.truncation == "auto":
         messages = messages[-max_context_messages:]
     if options.instructions:
@@ -56,7 +66,22 @@ def response_turn(
         # The conversation's prompt cache; an out-of-band reply shares none of it.
         cache_key=None if options.out_of_band else settings.id,
         truncate=settings.truncation == "auto",
+        tools=options.tools,
+        tool_choice=options.tool_choice,
     )
+
+
+def _merge_calls(messages: list[Message]) -> list[Message]:
+    """Calls made one after another as one assistant message carrying them all."""
+    merged: list[Message] = []
+    for message in messages:
+        previous = merged[-1] if merged else None
+        if message.tool_calls and previous is not None and previous.tool_calls:
+            calls = previous.tool_calls + message.tool_calls
+            merged[-1] = Message("assistant", previous.content, tool_calls=calls)
+        else:
+            merged.append(message)
+    return merged
 
 
 def transcription_turn(item: Item) -> TurnRequest:

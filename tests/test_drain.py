@@ -155,6 +155,9 @@ async def start_text_response(ws: ClientConnection) -> None:
     session = {"type": "realtime", "output_modalities": ["text"]}
     await ws.send(json.dumps({"type": "session.update", "session": session}))
     await recv_until(ws, "session.updated")
+    content = [{"type": "input_text", "text": "Hello."}]
+    item = {"type": "message", "role": "user", "content": content}
+    await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
     await ws.send(json.dumps({"type": "response.create"}))
     await recv_until(ws, "response.output_text.delta")
 

@@ -88,6 +88,12 @@ def manual(session: RealtimeSession, modalities: list[str] | None = None) -> Non
     session.actions()
 
 
+def say(session: RealtimeSession, words: str = "Hi") -> None:
+    """A user text item, so that a response has something to answer."""
+    content = [{"type": "input_text", "text": words}]
+    send(session, type="conversation.item.create", item={**_USER_TEXT, "content": content})
+
+
 def test_session_created_first_with_full_ga_object() -> None:
     session = make()
     (event,) = session.events_to_send()
@@ -133,7 +139,11 @@ def test_session_update_merges_partial_turn_detection() -> None:
             {"type": "realtime", "audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}},
             "session.audio.input.turn_detection.type",
         ),
-        ({"type": "realtime", "tools": [{"type": "function", "name": "f"}]}, "session.tools"),
+        (
+            {"type": "realtime", "tools": [{"type": "mcp", "server_label": "f"}]},
+            "session.tools.0.type",
+        ),
+        ({"type": "realtime", "tool_choice": "required"}, "session.tool_choice"),
         ({"type": "realtime", "audio": {"output": {"voice": "nobody"}}}, "session.voice"),
         ({"type": "realtime", "output_modalities": ["text", "audio"]}, "output_modalities"),
         ({"type": "realtime", "model": "other"}, "session.model"),
@@ -245,6 +255,7 @@ def test_booleans_are_not_integers_in_a_response_or_a_truncate() -> None:
 def test_response_metadata_is_bounded_as_documented(metadata: dict[str, str]) -> None:
     session = make()
     manual(session, ["text"])
+    say(session)
     (event,) = send(session, type="response.create", response={"metadata": metadata})
     assert event["type"] == "error" and event["error"]["param"] == "response.metadata"
     message = event["error"]["message"]
@@ -372,6 +383,7 @@ def test_text_turn_event_order_and_turn() -> None:
 def test_usage_without_engine_counts_reports_the_deltas() -> None:
     session = make()
     manual(session, ["text"])
+    say(session)
     send(session, type="response.create")
     (start,) = session.actions()
     text(session, start.response_id, "a")
@@ -384,6 +396,7 @@ def test_usage_without_engine_counts_reports_the_deltas() -> None:
 def test_second_response_while_active_is_an_error() -> None:
     session = make()
     manual(session)
+    say(session)
     send(session, type="response.create")
     (event,) = send(session, type="response.create", event_id="e2")
     assert event["error"]["code"] == "conversation_already_has_active_response"
@@ -517,6 +530,7 @@ def test_voice_turn_with_server_vad_transcription_and_audio_order() -> None:
 def test_output_audio_is_resampled_once_per_response_and_encoded_once() -> None:
     session = make()
     manual(session)
+    say(session)
     send(session, type="response.create")
     (start,) = session.actions()
     chunks = [voice(ms, amp=0.01 * ms / 50) for ms in (30, 170, 45, 200)]
@@ -541,6 +555,7 @@ def test_output_audio_is_resampled_once_per_response_and_encoded_once() -> None:
 def test_a_voice_changing_rate_mid_response_is_a_bug_below() -> None:
     session = make()
     manual(session)
+    say(session)
     send(session, type="response.create")
     (start,) = session.actions()
     audio(session, start.response_id, 100)
@@ -619,6 +634,7 @@ def test_barge_in_cancels_and_finishes_on_the_cancelled_done() -> None:
 def test_a_new_response_can_start_before_the_cancelled_one_is_done() -> None:
     session = make()
     manual(session, ["text"])
+    say(session)
     send(session, type="response.create")
     (first,) = session.actions()
     text(session, first.response_id, "partial")
@@ -644,6 +660,7 @@ def test_a_new_response_can_start_before_the_cancelled_one_is_done() -> None:
 def test_cancel_of_a_cancelled_or_done_response_is_not_active() -> None:
     session = make()
     manual(session, ["text"])
+    say(session)
     send(session, type="response.create")
     (start,) = session.actions()
     send(session, type="response.cancel")
@@ -659,6 +676,7 @@ def test_cancel_of_a_cancelled_or_done_response_is_not_active() -> None:
 def test_a_response_that_ended_before_its_cancel_arrived_reports_how_it_ended() -> None:
     session = make()
     manual(session, ["text"])
+    say(session)
     send(session, type="response.create")
     (start,) = session.actions()
     text(session, start.response_id, "all of it")
@@ -670,6 +688,7 @@ def test_a_response_that_ended_before_its_cancel_arrived_reports_how_it_ended() 
 def test_max_tokens_and_failure_statuses() -> None:
     session = make()
     manual(session, ["text"])
+    say(session)
     send(session, type="response.create", response={"max_output_tokens": 5})
     (start,) = session.actions()
     assert start.turn.max_output_tokens == 5

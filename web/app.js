@@ -18,6 +18,7 @@ const demo = {
   errors: [],
   latencyMs: [],
   eventCounts: {},
+  toolCalls: [], // {name, arguments, output} of every call the page answered
 };
 window.duplexDemo = demo;
 
@@ -31,6 +32,31 @@ let speechStoppedAt = null;
 let awaitingFirstAudio = false;
 let playingItem = null; // assistant item whose audio is queued or playing
 const bubbles = new Map(); // item id -> element
+const answeredResponses = new Set(); // responses whose calls the page answered
+
+// The page's one built-in tool: it runs here, in the browser, not on the server.
+const LOCAL_TIME_TOOL = {
+  type: "function",
+  name: "get_local_time",
+  description: "The current local date and time of the user",
+  parameters: { type: "object", properties: {}, additionalProperties: false },
+};
+
+function runTool(name) {
+  if (name !== LOCAL_TIME_TOOL.name) return JSON.stringify({ error: `unknown tool ${name}` });
+  const now = new Date();
+  return JSON.stringify({ time: now.toLocaleTimeString(), date: now.toLocaleDateString() });
+}
+
+// A finished call: run it, show it, and send its result; the answer is asked for once
+// the calling response is done (only one response may be active).
+function answerCall(e) {
+  const output = runTool(e.name);
+  demo.toolCalls.push({ name: e.name, arguments: e.arguments, output });
+  setBubbleText(e.item_id, "tool", `${e.name}(${e.arguments}) → ${output}`);
+  send({ type: "conversation.item.create", item: { type: "function_call_output", call_id: e.call_id, output } });
+  answeredResponses.add(e.response_id);
+}
 const flushedItems = new Set(); // assistant items cut off by barge-in
 
 function setState(state, detail = "") {
@@ -61,7 +87,7 @@ function bubble(itemId, role) {
     el.className = `bubble ${role}`;
     el.dataset.item = itemId;
     el.innerHTML = `<span class="who"></span><span class="text"></span>`;
-    el.querySelector(".who").textContent = role === "user" ? "You" : "Assistant";
+    el.querySelector(".who").textContent = { user: "You", tool: "Tool call" }[role] || "Assistant";
     $("log").appendChild(el);
     bubbles.set(itemId, el);
   }
@@ -236,7 +262,9 @@ const handlers = {
     if (typed) setBubbleText(item.id, "user", typed.text);
   },
   "response.created": () => setState("connected", "answering"),
-  "response.output_item.added": (e) => bubble(e.item.id, "assistant"),
+  "response.output_item.added": (e) => bubble(e.item.id, e.item.type === "function_call" ? "tool" : "assistant"),
+  "response.function_call_arguments.delta": (e) => setBubbleText(e.item_id, "tool", e.delta, true),
+  "response.function_call_arguments.done": answerCall,
   "response.output_audio_transcript.delta": (e) => setBubbleText(e.item_id, "assistant", e.delta, true),
   "response.output_text.delta": (e) => setBubbleText(e.item_id, "assistant", e.delta, true),
   "response.output_audio_transcript.done": (e) => demo.assistantTexts.push(e.transcript),
@@ -254,6 +282,10 @@ const handlers = {
   "response.done": (e) => {
     const r = e.response;
     demo.responses.push(r.status);
+    if (answeredResponses.delete(r.id) && r.status === "completed") {
+      // The answer that uses the result; it may not call again.
+      send({ type: "response.create", response: { tool_choice: "none" } });
+    }
     if (r.status === "failed") showError(`Response failed: ${(r.status_details && r.status_details.error && r.status_details.error.message) || "unknown error"}`);
     setState("connected", r.status === "cancelled" ? "interrupted" : "ready");
   },
@@ -277,6 +309,8 @@ function showSession(s) {
   if (td && td.threshold !== undefined) $("threshold").value = td.threshold;
   if (td && td.silence_duration_ms !== undefined) $("silence").value = td.silence_duration_ms;
   $("commit").hidden = Boolean(td);
+  const choice = (s.tools || []).length ? s.tool_choice : "off";
+  $("tools").value = typeof choice === "string" ? choice : "required";
 }
 
 function applySettings(event) {
@@ -294,6 +328,9 @@ function applySettings(event) {
   };
   const voice = $("voice").value.trim();
   if (voice) update.audio.output = { voice };
+  const tools = $("tools").value;
+  update.tools = tools === "off" ? [] : [LOCAL_TIME_TOOL];
+  update.tool_choice = tools === "off" ? "auto" : tools;
   send({ type: "session.update", session: update });
 }
 

@@ -69,9 +69,10 @@ ResponseEvent = ResponseOutput | ResponseDone
 @dataclass(frozen=True)
 class SpeechEvent:
     """Server VAD: speech `started` or `stopped` at session time `ms`; `paused` (the
-    silence that began at `ms` may become a stop) and `resumed` (it did not)."""
+    silence that began at `ms` may become a stop) and `resumed` (it did not);
+    `confirmed` (the speech that started at `ms` has lasted long enough to interrupt)."""
 
-    kind: Literal["started", "stopped", "paused", "resumed"]
+    kind: Literal["started", "stopped", "paused", "resumed", "confirmed"]
     ms: float
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -113,7 +114,8 @@ class SpeechSource(Protocol):
         self, settings: TurnDetection | None, start_ms: float, pause_after_ms: int | None = None
     ) -> None:
         """Restart detection with new server-VAD settings (None stops it); with
-        `pause_after_ms`, silences that long are reported as pauses."""
+        `pause_after_ms`, silences that long are reported as pauses (semantic_vad scores
+        the turn then)."""
 
     def feed(self, samples: np.ndarray) -> None:
         """Float32 16 kHz audio, in order, as the client appends it."""

@@ -99,6 +99,7 @@ async def _serve(args: argparse.Namespace) -> int:
             **config.model_dump(),
             "voices": (voice,),
             "default_instructions": profile.get("system_prompt", ""),
+            "semantic_vad": backend.semantic_vad,
         }
     )
     server = GatewayServer(config, backend)
@@ -134,7 +135,7 @@ async def _start_engine(
         # join; the process must not exit while the engine thread is inside MLX.
         await asyncio.to_thread(bundle.core.shutdown, 120.0)
 
-    backend = EngineBackend(manager, bundle.engine, on_close=stop_engine)
+    backend = EngineBackend(manager, bundle.engine, on_close=stop_engine, turns=config.turns)
     return backend, engine_config.stages.tts.voice
 
 

@@ -53,6 +53,24 @@ class SessionLimits(BaseModel):
     handshake_timeout_s: float = Field(default=10.0, gt=0)
 
 
+class TurnSettings(BaseModel):
+    """Turn-taking thresholds (docs/protocol.md, "Turn detection", has the measurements).
+
+    semantic_vad: once a silence in speech lasts `semantic_score_after_ms`, the turn-end
+    model scores the speech so far; at `semantic_complete_threshold` or above the turn
+    ends there, below it the turn waits for more speech up to the eagerness's longest
+    wait. Interruptions: while a response is running, speech starts an interruption
+    only once it has lasted `min_interruption_ms`; shorter speech (a backchannel, a
+    cough) neither cancels the response nor reaches the client.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    semantic_score_after_ms: int = Field(default=160, ge=32, le=2000)
+    semantic_complete_threshold: float = Field(default=0.5, gt=0.0, lt=1.0)
+    min_interruption_ms: int = Field(default=0, ge=0, le=5000)
+
+
 class GatewayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -71,6 +89,9 @@ class GatewayConfig(BaseModel):
     # detector waits out overlaps the model work. Speech going on discards it; None
     # turns it off. Below the session's silence_duration_ms to have any effect.
     prepare_after_silence_ms: int | None = Field(default=150, ge=0)
+    # Whether the engine has the turn-end model behind semantic_vad (the CLI sets it).
+    semantic_vad: bool = False
+    turns: TurnSettings = TurnSettings()
     web_root: Path | None = None
     limits: SessionLimits = SessionLimits()
 

@@ -164,6 +164,8 @@ class RealtimeConnection:
                 self.core.speech_paused(event.ms)
             case "resumed":
                 self.core.speech_resumed()
+            case "confirmed":
+                self.core.speech_confirmed(event.ms)
             case "stopped":
                 self._speech_stopped_at = time.monotonic()
                 self.core.speech_stopped(event.ms)

@@ -2,6 +2,14 @@
 `SpeechDetector` turns them into start/stop decisions (and, with `pause_after_ms`, the
 pauses that may become a stop) on the session clock.
 
+semantic_vad uses the same detector with the eagerness's longest wait as its silence:
+when a silence reaches `pause_after_ms`, the engine's turn-end model scores the speech
+heard so far (its last 8 s), and a score of `semantic_complete_threshold` or more ends
+the turn at the start of that silence. Speech coming back first makes the score moot.
+
+With `min_interruption_ms`, each speech also reports once that it is `confirmed` (heard
+that long); the gateway interrupts the assistant only then.
+
 Each (re)configuration opens a fresh VAD stream and detector, so new settings apply from
 the next appended audio and never to a half-detected utterance.
 
@@ -22,9 +30,17 @@ from typing import Protocol
 
 import numpy as np
 
-from engine.speech_detector import SpeechDetector, SpeechPaused, SpeechResumed, SpeechStarted
+from engine.speech_detector import (
+    SpeechConfirmed,
+    SpeechDetector,
+    SpeechPaused,
+    SpeechResumed,
+    SpeechStarted,
+    SpeechStopped,
+)
 from engine.stage import StageOutput
 from gateway.backend import SpeechEvent
+from gateway.config import TurnSettings
 from gateway.session_config import TurnDetection
 
 __all__ = ["FEED_PIECE_SAMPLES", "MAX_UNHEARD_SAMPLES", "EngineSpeechSource", "VadEngine"]
@@ -35,6 +51,10 @@ logger = logging.getLogger(__name__)
 # under the 30 s the stage holds per stream, so a feed is never refused.
 FEED_PIECE_SAMPLES = 4 * 16_000
 MAX_UNHEARD_SAMPLES = 12 * 16_000
+# Audio kept for the turn-end model: its 8 s window plus what the VAD may not yet have
+# heard.
+KEEP_FOR_SCORING_SAMPLES = 8 * 16_000 + MAX_UNHEARD_SAMPLES
+SAMPLES_PER_MS = 16
 
 
 class VadEngine(Protocol):
@@ -78,10 +98,34 @@ class _Progress:
             await self._changed.wait()
 
 
+class _RecentAudio:
+    """The newest samples of one VAD stream, addressable by stream time."""
+
+    def __init__(self) -> None:
+        self._samples = np.zeros(0, np.float32)
+        self._offset = 0  # stream sample index of self._samples[0]
+
+    def append(self, samples: np.ndarray) -> None:
+        self._samples = np.concatenate([self._samples, samples])
+        extra = len(self._samples) - KEEP_FOR_SCORING_SAMPLES
+        if extra > 0:
+            self._samples = self._samples[extra:]
+            self._offset += extra
+
+    def clip(self, start_ms: int, end_ms: int) -> np.ndarray:
+        start = max(start_ms * SAMPLES_PER_MS - self._offset, 0)
+        return self._samples[start : max(end_ms * SAMPLES_PER_MS - self._offset, start)]
+
+
 class EngineSpeechSource:
-    def __init__(self, engine: VadEngine, session_id: str) -> None:
+    def __init__(
+        self, engine: VadEngine, session_id: str, turns: TurnSettings | None = None
+    ) -> None:
         self._engine = engine
         self._session_id = session_id
+        self._turns = turns or TurnSettings()
+        self._audio = _RecentAudio()
+        self._scoring: set[asyncio.Task[None]] = set()
         self._serial = itertools.count()
         self._stream_id: str | None = None
         self._progress = _Progress()
@@ -90,6 +134,7 @@ class EngineSpeechSource:
         self._reader: asyncio.Task[None] | None = None
         self._feeder = asyncio.create_task(self._feed_loop(), name="vad-feed")
         self._closed = False
+        self._semantic = False
 
     def configure(
         self, settings: TurnDetection | None, start_ms: float, pause_after_ms: int | None = None
@@ -97,12 +142,17 @@ class EngineSpeechSource:
         self._stop_stream()
         if settings is None or self._closed:
             return
+        semantic = settings.semantic
+        confirm = self._turns.min_interruption_ms or None
         detector = SpeechDetector(
             threshold=settings.threshold,
             prefix_padding_ms=settings.prefix_padding_ms,
-            silence_duration_ms=settings.silence_duration_ms,
+            silence_duration_ms=settings.max_wait_ms if semantic else settings.silence_duration_ms,
             pause_after_ms=pause_after_ms,
+            confirm_after_ms=confirm,
         )
+        self._semantic = semantic
+        self._audio = _RecentAudio()
         stream_id = f"{self._session_id}.vad{next(self._serial)}"
         self._stream_id = stream_id
         self._progress = _Progress()
@@ -112,6 +162,7 @@ class EngineSpeechSource:
 
     def feed(self, samples: np.ndarray) -> None:
         if self._stream_id is not None and samples.size:
+            self._audio.append(samples)
             self._feeds.put_nowait((self._stream_id, samples))
 
     async def events(self) -> AsyncIterator[SpeechEvent]:
@@ -129,6 +180,9 @@ class EngineSpeechSource:
         self._events.put_nowait(None)
 
     def _stop_stream(self) -> None:
+        for task in self._scoring:
+            task.cancel()
+        self._scoring.clear()
         self._progress.close()
         if self._reader is not None:
             self._reader.cancel()
@@ -184,6 +238,7 @@ class EngineSpeechSource:
         start_ms: float,
         progress: _Progress,
     ) -> None:
+        speech_start_ms = 0
         async for output in outputs:
             if output.error:
                 logger.warning("VAD stream failed: %s", output.error)
@@ -192,11 +247,54 @@ class EngineSpeechSource:
             progress.hear(len(probabilities) * detector.chunk)
             for decision in detector.push(probabilities):
                 if isinstance(decision, SpeechStarted):
+                    speech_start_ms = decision.audio_start_ms
                     event = SpeechEvent("started", start_ms + decision.audio_start_ms)
+                elif isinstance(decision, SpeechConfirmed):
+                    event = SpeechEvent("confirmed", start_ms + decision.audio_start_ms)
                 elif isinstance(decision, SpeechPaused):
                     event = SpeechEvent("paused", start_ms + decision.audio_end_ms)
+                    if self._semantic:
+                        clip = self._audio.clip(speech_start_ms, detector.position_ms)
+                        self._score(clip, detector, decision.audio_end_ms, start_ms)
                 elif isinstance(decision, SpeechResumed):
                     event = SpeechEvent("resumed", start_ms + decision.detected_ms)
                 else:
                     event = SpeechEvent("stopped", start_ms + decision.audio_end_ms)
                 self._events.put_nowait(event)
+
+    def _score(
+        self, clip: np.ndarray, detector: SpeechDetector, silence_ms: int, start_ms: float
+    ) -> None:
+        """Ask the turn-end model about the speech before the silence at `silence_ms`."""
+        request_id = f"{self._session_id}.turn{next(self._serial)}"
+        task = asyncio.create_task(
+            self._end_if_complete(request_id, clip, detector, silence_ms, start_ms),
+            name="turn-score",
+        )
+        self._scoring.add(task)
+        task.add_done_callback(self._scoring.discard)
+
+    async def _end_if_complete(
+        self,
+        request_id: str,
+        clip: np.ndarray,
+        detector: SpeechDetector,
+        silence_ms: int,
+        start_ms: float,
+    ) -> None:
+        probability = None
+        try:
+            async for output in self._engine.stream("turn", request_id, clip):
+                if output.error:
+                    logger.warning("turn-end scoring failed: %s", output.error)
+                    return
+                probability = float(output.payload)
+        finally:
+            self._engine.abort("turn", request_id)
+        if probability is None or probability < self._turns.semantic_complete_threshold:
+            return  # incomplete: the detector ends the turn at the eagerness's longest wait
+        if detector.silent_since_ms != silence_ms:
+            return  # the speaker went on (or the turn already ended)
+        stop: SpeechStopped | None = detector.end_silence()
+        if stop is not None:
+            self._events.put_nowait(SpeechEvent("stopped", start_ms + stop.audio_end_ms))

@@ -160,13 +160,13 @@ def test_remote_backend_loads_no_local_llm(monkeypatch: pytest.MonkeyPatch) -> N
     from engine import build
 
     loaded: list[str] = []
-    for name in ("_asr_stage", "_tts_stage", "_vad_stage", "_llm_stage"):
+    for name in ("_asr_stage", "_tts_stage", "_vad_stage", "_llm_stage", "_turn_stage"):
         monkeypatch.setattr(build, name, lambda config, progress, n=name: loaded.append(n))
     build.load_stages(load_config(CONFIGS / "remote-llm.yaml"), progress=False)
-    assert sorted(loaded) == ["_asr_stage", "_tts_stage", "_vad_stage"]
+    assert sorted(loaded) == ["_asr_stage", "_tts_stage", "_turn_stage", "_vad_stage"]
     loaded.clear()
     build.load_stages(load_config(CONFIGS / "default.yaml"), progress=False)
-    assert sorted(loaded) == ["_asr_stage", "_llm_stage", "_tts_stage", "_vad_stage"]
+    assert sorted(loaded) == ["_asr_stage", "_llm_stage", "_tts_stage", "_turn_stage", "_vad_stage"]
 
 
 def test_warm_up_reports_a_stage_that_never_finishes() -> None:

@@ -110,6 +110,7 @@ class SpeechDetector:
         self._chunks = 0  # chunks seen: the stream clock
         self._start_ms = 0  # the reported start of the speech under way
         self._voiced = 0  # chunks at or above threshold in the speech under way
+        self._speeches = 0
         self._confirmed = False
         self._speaking = False
         self._silence_start: int | None = None  # chunk index where the open silence began
@@ -153,6 +154,23 @@ class SpeechDetector:
         return SpeechConfirmed(audio_start_ms=self._start_ms, detected_ms=self.position_ms)
 
     @property
+    def voiced_ms(self) -> int:
+        """How long the speech under way has been heard (its chunks at or above threshold)."""
+        return self._ms(self._voiced) if self._speaking else 0
+
+    @property
+    def speech_number(self) -> int:
+        """Counts the speeches started so far: tells a late answer about one from the next."""
+        return self._speeches
+
+    def confirm(self) -> SpeechConfirmed | None:
+        """Confirm the speech under way now (its words showed it is meant), once."""
+        if not self._speaking or self._confirmed:
+            return None
+        self._confirmed = True
+        return SpeechConfirmed(audio_start_ms=self._start_ms, detected_ms=self.position_ms)
+
+    @property
     def silent_since_ms(self) -> int | None:
         """Where the open silence in speech began (None: speaking, or no speech)."""
         return None if self._silence_start is None else self._ms(self._silence_start)
@@ -176,6 +194,7 @@ class SpeechDetector:
             self._speaking = True
             self._silence_start = None
             self._voiced = 1
+            self._speeches += 1
             self._confirmed = False
             self._start_ms = max(0, self._ms(index) - self.prefix_padding_ms)
             return SpeechStarted(audio_start_ms=self._start_ms, detected_ms=self.position_ms)

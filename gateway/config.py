@@ -60,14 +60,22 @@ class TurnSettings(BaseModel):
     model scores the speech so far; at `semantic_complete_threshold` or above the turn
     ends there, below it the turn waits for more speech up to the eagerness's longest
     wait. Interruptions: while a response is running, speech starts an interruption
-    only once it has lasted `min_interruption_ms`; shorter speech (a backchannel, a
-    cough) neither cancels the response nor reaches the client.
+    only once it has lasted `min_interruption_ms`, or earlier once its words are not
+    all backchannels; shorter speech (a backchannel, a cough) neither cancels the
+    response nor reaches the client. 0 interrupts on any speech at once.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     semantic_score_after_ms: int = Field(default=160, ge=32, le=2000)
     semantic_complete_threshold: float = Field(default=0.5, gt=0.0, lt=1.0)
+    # Also transcribe the speech at the silence: a turn ending on "for", "the", "and"...
+    # is not over, whatever the model heard.
+    semantic_words: bool = True
+    # Speech over a running response is transcribed once it has been heard this long
+    # (and every as long again until `min_interruption_ms`): words other than
+    # backchannels ("yeah", "mm hmm", "okay") confirm the interruption early. None: off.
+    interruption_words_after_ms: int | None = Field(default=None, ge=32, le=5000)
     min_interruption_ms: int = Field(default=0, ge=0, le=5000)
 
 

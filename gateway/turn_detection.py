@@ -4,8 +4,11 @@ pauses that may become a stop) on the session clock.
 
 semantic_vad uses the same detector with the eagerness's longest wait as its silence:
 when a silence reaches `pause_after_ms`, the engine's turn-end model scores the speech
-heard so far (its last 8 s), and a score of `semantic_complete_threshold` or more ends
-the turn at the start of that silence. Speech coming back first makes the score moot.
+heard so far (its last 8 s) while the ASR stage transcribes it. The turn ends at the
+start of that silence if the score is `semantic_complete_threshold` or more and the
+words do not stop on one that cannot end an English sentence ("for", "the", "and"...).
+The model hears prosody, the words catch what prosody misses (synthetic voices fool
+the model both ways). Speech coming back first makes the decision moot.
 
 With `min_interruption_ms`, each speech also reports once that it is `confirmed` (heard
 that long); the gateway interrupts the assistant only then.
@@ -25,8 +28,9 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import re
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -55,6 +59,36 @@ MAX_UNHEARD_SAMPLES = 12 * 16_000
 # heard.
 KEEP_FOR_SCORING_SAMPLES = 8 * 16_000 + MAX_UNHEARD_SAMPLES
 SAMPLES_PER_MS = 16
+# Words an English sentence almost never ends with: articles, possessives, most
+# prepositions, conjunctions, subject pronouns. A transcript ending on one is cut off.
+# Words that can close a sentence ("so", "in", "is", "can") are left out on purpose.
+UNFINISHED_ENDINGS = frozenset(
+    ("a", "an", "the", "my", "your", "his", "her", "our", "their", "every")
+    + ("to", "of", "for", "with", "from", "into", "onto", "at", "by", "about", "than")
+    + ("and", "or", "but", "because", "if", "when", "while", "although", "unless")
+    + ("whether", "been", "being", "very", "i", "we", "they", "he", "she", "i'm")
+)
+
+
+# What a listener says to show they follow, not to take the turn; whisper's habit of
+# hearing "Thank you." in short noise is in here too.
+BACKCHANNELS = frozenset(
+    ("mm", "mmm", "hmm", "mhm", "mm-hmm", "uh", "huh", "uh-huh", "um", "ah", "oh", "ooh")
+    + ("yeah", "yep", "yes", "ya", "yup", "okay", "ok", "right", "sure", "alright", "cool")
+    + ("i", "see", "got", "it", "nice", "wow", "really", "true", "exactly", "great", "good")
+    + ("fine", "thanks", "thank", "you", "so", "well")
+)
+
+
+def is_backchannel(transcript: str) -> bool:
+    """Whether a transcript holds only backchannel words (or none at all)."""
+    return all(word in BACKCHANNELS for word in re.findall(r"[a-z'-]+", transcript.lower()))
+
+
+def sounds_unfinished(transcript: str) -> bool:
+    """Whether a transcript stops on a word no English sentence ends with."""
+    words = re.findall(r"[a-z']+", transcript.lower())
+    return bool(words) and words[-1] in UNFINISHED_ENDINGS
 
 
 class VadEngine(Protocol):
@@ -135,6 +169,7 @@ class EngineSpeechSource:
         self._feeder = asyncio.create_task(self._feed_loop(), name="vad-feed")
         self._closed = False
         self._semantic = False
+        self._stream_start_ms = 0.0
 
     def configure(
         self, settings: TurnDetection | None, start_ms: float, pause_after_ms: int | None = None
@@ -153,6 +188,7 @@ class EngineSpeechSource:
         )
         self._semantic = semantic
         self._audio = _RecentAudio()
+        self._stream_start_ms = start_ms
         stream_id = f"{self._session_id}.vad{next(self._serial)}"
         self._stream_id = stream_id
         self._progress = _Progress()
@@ -239,6 +275,7 @@ class EngineSpeechSource:
         progress: _Progress,
     ) -> None:
         speech_start_ms = 0
+        next_word_check_ms = self._turns.interruption_words_after_ms
         async for output in outputs:
             if output.error:
                 logger.warning("VAD stream failed: %s", output.error)
@@ -261,6 +298,46 @@ class EngineSpeechSource:
                 else:
                     event = SpeechEvent("stopped", start_ms + decision.audio_end_ms)
                 self._events.put_nowait(event)
+            next_word_check_ms = self._check_words(detector, speech_start_ms, next_word_check_ms)
+
+    def _check_words(
+        self, detector: SpeechDetector, speech_start_ms: int, due_ms: int | None
+    ) -> int | None:
+        """Transcribe the speech under way once it has been heard `due_ms`; returns when
+        the next check is due (a new speech starts the count again)."""
+        every = self._turns.interruption_words_after_ms
+        limit = self._turns.min_interruption_ms
+        if every is None or due_ms is None:
+            return due_ms
+        if not detector.speaking:
+            return every
+        if detector.voiced_ms < due_ms or (limit and detector.voiced_ms >= limit):
+            return due_ms
+        clip = self._audio.clip(speech_start_ms, detector.position_ms)
+        request_id = f"{self._session_id}.words{next(self._serial)}"
+        task = asyncio.create_task(
+            self._confirm_if_meant(request_id, clip, detector, detector.speech_number),
+            name="interruption-words",
+        )
+        self._scoring.add(task)
+        task.add_done_callback(self._scoring.discard)
+        return due_ms + every
+
+    async def _confirm_if_meant(
+        self, request_id: str, clip: np.ndarray, detector: SpeechDetector, speech: int
+    ) -> None:
+        words = self._result("asr", request_id, clip)
+        try:
+            transcript = await words
+        finally:
+            words.cancel()
+        if transcript is None or is_backchannel(transcript):
+            return
+        if detector.speech_number == speech:
+            confirmed = detector.confirm()
+            if confirmed is not None:
+                start = self._stream_start_ms + confirmed.audio_start_ms
+                self._events.put_nowait(SpeechEvent("confirmed", start))
 
     def _score(
         self, clip: np.ndarray, detector: SpeechDetector, silence_ms: int, start_ms: float
@@ -282,19 +359,38 @@ class EngineSpeechSource:
         silence_ms: int,
         start_ms: float,
     ) -> None:
-        probability = None
+        score = self._result("turn", request_id, clip)
+        words = self._result("asr", request_id, clip) if self._turns.semantic_words else None
         try:
-            async for output in self._engine.stream("turn", request_id, clip):
-                if output.error:
-                    logger.warning("turn-end scoring failed: %s", output.error)
-                    return
-                probability = float(output.payload)
-        finally:
-            self._engine.abort("turn", request_id)
+            probability = await score
+            transcript = await words if words is not None else ""
+        finally:  # a stream closed meanwhile cancels this task: stop both requests too
+            score.cancel()
+            if words is not None:
+                words.cancel()
         if probability is None or probability < self._turns.semantic_complete_threshold:
             return  # incomplete: the detector ends the turn at the eagerness's longest wait
+        if transcript is None or sounds_unfinished(transcript):
+            return
         if detector.silent_since_ms != silence_ms:
             return  # the speaker went on (or the turn already ended)
         stop: SpeechStopped | None = detector.end_silence()
         if stop is not None:
             self._events.put_nowait(SpeechEvent("stopped", start_ms + stop.audio_end_ms))
+
+    def _result(self, stage: str, request_id: str, clip: np.ndarray) -> asyncio.Task[Any]:
+        """The one output of a request on `stage`, as a task (None if it failed)."""
+
+        async def run() -> Any:
+            result = None
+            try:
+                async for output in self._engine.stream(stage, request_id, clip):
+                    if output.error:
+                        logger.warning("%s for the turn end failed: %s", stage, output.error)
+                        return None
+                    result = output.payload
+            finally:
+                self._engine.abort(stage, request_id)
+            return result
+
+        return asyncio.create_task(run(), name=f"turn-{stage}")

@@ -290,6 +290,10 @@ async def run_mode(url: str, mode: str, clips: dict[str, list[bytes]]) -> dict[s
         nonspeech = [(await session.over_answer(ws, pcm))[0] for pcm in clips["nonspeech"]]
         backchannel = [(await session.over_answer(ws, pcm))[0] for pcm in clips["backchannels"]]
         interrupts = [await session.over_answer(ws, pcm) for pcm in clips["interruptions"]]
+        trace = {"premature": premature, "waits_ms": [round(w) for w in waits]}
+        trace |= {"nonspeech": nonspeech, "backchannel": backchannel}
+        trace["interrupts"] = [(hit, round(ms), stale) for hit, ms, stale in interrupts]
+        print(mode, json.dumps(trace), file=sys.stderr)
         for task in tasks:
             task.cancel()
     return {

@@ -120,6 +120,10 @@ class SpeechSource(Protocol):
     def feed(self, samples: np.ndarray) -> None:
         """Float32 16 kHz audio, in order, as the client appends it."""
 
+    def watch_words(self) -> None:
+        """Check the words of the speech under way: if they are more than a backchannel,
+        report it `confirmed` before it has lasted the minimum interruption."""
+
     def events(self) -> AsyncIterator[SpeechEvent]:
         """Speech decisions, in order, until `close()`."""
 

@@ -31,6 +31,7 @@ from gateway.actions import (
     FeedVad,
     PrepareResponse,
     StartResponse,
+    WatchWords,
 )
 from gateway.backend import Backend, SpeechEvent
 from gateway.config import GatewayConfig
@@ -221,6 +222,8 @@ class RealtimeConnection:
                 self.speech.feed(samples)
             case ConfigureVad(settings, start_ms, pause_after_ms):
                 self.speech.configure(settings, start_ms, pause_after_ms)
+            case WatchWords():
+                self.speech.watch_words()
             case CloseSession():
                 self._finish(action)
             case _:

@@ -29,6 +29,7 @@ import contextlib
 import itertools
 import logging
 import re
+import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -80,9 +81,18 @@ BACKCHANNELS = frozenset(
 )
 
 
+# Short words whisper makes of a sound's first syllable, which say nothing on their own.
+FILLERS = frozenset(("then", "so", "it", "is", "in", "on", "that", "this", "there"))
+
+
 def is_backchannel(transcript: str) -> bool:
-    """Whether a transcript holds only backchannel words (or none at all)."""
-    return all(word in BACKCHANNELS for word in re.findall(r"[a-z'-]+", transcript.lower()))
+    """Whether a transcript holds no word that means to take the turn: only backchannels,
+    words that cannot stand alone ("and", "the"), or single letters. Whisper transcribes
+    the first few hundred ms of speech loosely ("and then", "M.S." for "mm hmm"); only a
+    word with content of its own ("wait", "no", "stop") counts."""
+    words = re.findall(r"[a-z'-]+", transcript.lower())
+    ignored = BACKCHANNELS | UNFINISHED_ENDINGS | FILLERS
+    return all(len(word) < 2 or word in ignored for word in words)
 
 
 def sounds_unfinished(transcript: str) -> bool:
@@ -170,6 +180,7 @@ class EngineSpeechSource:
         self._closed = False
         self._semantic = False
         self._stream_start_ms = 0.0
+        self._watch_words = False  # the speech under way is a candidate interruption
 
     def configure(
         self, settings: TurnDetection | None, start_ms: float, pause_after_ms: int | None = None
@@ -195,6 +206,9 @@ class EngineSpeechSource:
         outputs = self._engine.stream("vad", stream_id, None)
         reading = self._read(outputs, detector, start_ms, self._progress)
         self._reader = asyncio.create_task(reading, name="vad-read")
+
+    def watch_words(self) -> None:
+        self._watch_words = True
 
     def feed(self, samples: np.ndarray) -> None:
         if self._stream_id is not None and samples.size:
@@ -285,6 +299,7 @@ class EngineSpeechSource:
             for decision in detector.push(probabilities):
                 if isinstance(decision, SpeechStarted):
                     speech_start_ms = decision.audio_start_ms
+                    self._watch_words = False
                     event = SpeechEvent("started", start_ms + decision.audio_start_ms)
                 elif isinstance(decision, SpeechConfirmed):
                     event = SpeechEvent("confirmed", start_ms + decision.audio_start_ms)
@@ -311,6 +326,8 @@ class EngineSpeechSource:
             return due_ms
         if not detector.speaking:
             return every
+        if not self._watch_words:
+            return due_ms
         if detector.voiced_ms < due_ms or (limit and detector.voiced_ms >= limit):
             return due_ms
         clip = self._audio.clip(speech_start_ms, detector.position_ms)
@@ -359,6 +376,7 @@ class EngineSpeechSource:
         silence_ms: int,
         start_ms: float,
     ) -> None:
+        asked = time.monotonic()
         score = self._result("turn", request_id, clip)
         words = self._result("asr", request_id, clip) if self._turns.semantic_words else None
         try:
@@ -368,6 +386,13 @@ class EngineSpeechSource:
             score.cancel()
             if words is not None:
                 words.cancel()
+        logger.debug(
+            "turn end at %d ms: complete %.3f, words %r, after %.0f ms",
+            silence_ms,
+            probability or 0.0,
+            transcript,
+            (time.monotonic() - asked) * 1000,
+        )
         if probability is None or probability < self._turns.semantic_complete_threshold:
             return  # incomplete: the detector ends the turn at the eagerness's longest wait
         if transcript is None or sounds_unfinished(transcript):
@@ -389,6 +414,7 @@ class EngineSpeechSource:
                         logger.warning("%s for the turn end failed: %s", stage, output.error)
                         return None
                     result = output.payload
+                logger.debug("%s %s done", stage, request_id)
             finally:
                 self._engine.abort(stage, request_id)
             return result

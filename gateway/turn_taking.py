@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gateway.actions import ConfigureVad, DiscardPrepared, FeedVad, PrepareResponse
+from gateway.actions import ConfigureVad, DiscardPrepared, FeedVad, PrepareResponse, WatchWords
 from gateway.audio import AudioFormatError, decode_base64
 from gateway.config import GatewayConfig
 from gateway.conversation import AudioLimitError, Conversation, Item
@@ -204,6 +204,7 @@ class TurnTaking:
         needs_confirming = self._config.turns.min_interruption_ms > 0
         if needs_confirming and self._responses.active_id is not None:
             self._candidate_ms = audio_start_ms  # rule 3: not yet an interruption
+            self._out.act(WatchWords())
             return
         self._begin_speech(audio_start_ms)
 

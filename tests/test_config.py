@@ -21,7 +21,13 @@ def test_default_profile_loads_with_embedded_models() -> None:
     assert config.stages.vad.model.name == "silero-vad"
     assert config.stages.tts.voice == "joe"
     assert "sentence" in config.system_prompt
-    assert config.gateway == {}
+    assert config.stages.turn.model is not None
+    assert config.stages.turn.model.name == "smart-turn-v3.2"
+    # The gateway section is the gateway's to validate, and it does.
+    from gateway.config import GatewayConfig
+
+    turns = GatewayConfig.model_validate(config.gateway).turns
+    assert turns.min_interruption_ms > 0 and turns.interruption_words_after_ms is not None
 
 
 def test_remote_profile_loads() -> None:

@@ -13,12 +13,19 @@ import numpy as np
 import pytest
 
 from engine.stage import StageOutput
-from gateway.actions import CancelResponse, ConfigureVad, PrepareResponse, StartResponse
+from gateway.actions import (
+    CancelResponse,
+    ConfigureVad,
+    PrepareResponse,
+    StartResponse,
+    WatchWords,
+)
 from gateway.backend import ResponseOutput, SpeechEvent
 from gateway.config import GatewayConfig, TurnSettings
 from gateway.realtime import RealtimeSession
 from gateway.session_config import TurnDetection
 from gateway.turn_detection import EngineSpeechSource, is_backchannel, sounds_unfinished
+from tests.helpers import wait_until
 
 RATE = 24000
 
@@ -161,7 +168,9 @@ def test_unconfirmed_speech_over_an_answer_changes_nothing() -> None:
     rt.speech_paused(1300)
     rt.speech_stopped(1300)
     assert rt.events_to_send() == []
-    assert not [a for a in rt.actions() if isinstance(a, (CancelResponse, PrepareResponse))]
+    actions = rt.actions()
+    assert not [a for a in actions if isinstance(a, (CancelResponse, PrepareResponse))]
+    assert WatchWords() in actions
     assert rt.active_id == response_id
 
 
@@ -292,9 +301,13 @@ async def test_words_confirm_an_interruption_before_the_minimum() -> None:
     )
     source.configure(TurnDetection(), start_ms=0)
     source.feed(np.zeros(16000, np.float32))
-    engine.push(*[0.9] * 8)  # 256 ms heard: the words are checked
-    events = await decisions(source, 2)
-    assert [e.kind for e in events] == ["started", "confirmed"]
+    engine.push(0.9)
+    (started,) = await decisions(source, 1)
+    source.watch_words()  # the session saw it start over a running answer
+    engine.push(*[0.9] * 7)  # 256 ms heard: the words are checked
+    (confirmed,) = await decisions(source, 1)
+    assert (started.kind, confirmed.kind) == ("started", "confirmed")
+    assert confirmed.ms == started.ms
     assert ("asr", 256 * 16) in engine.requests
     await source.close()
 
@@ -306,7 +319,27 @@ async def test_backchannel_words_do_not_confirm() -> None:
     )
     source.configure(TurnDetection(), start_ms=0)
     source.feed(np.zeros(16000, np.float32))
+    engine.push(0.9)
+    await decisions(source, 1)
+    source.watch_words()
+    engine.push(*[0.9] * 9)  # the words are checked after this much speech ...
+    engine.push(*[0.0] * 16)  # ... and said nothing: the speech stops unconfirmed
+    (event,) = await decisions(source, 1)
+    assert event.kind == "stopped"
+    await wait_until(lambda: bool(engine.requests), 5, "the words check")
+    assert [stage for stage, _ in engine.requests] == ["asr"]
+    await source.close()
+
+
+async def test_words_are_checked_only_when_asked() -> None:
+    engine = ScriptedEngine(score=0.1, transcript="Wait, stop")
+    source = EngineSpeechSource(
+        engine, "s", TurnSettings(min_interruption_ms=1000, interruption_words_after_ms=256)
+    )
+    source.configure(TurnDetection(), start_ms=0)
+    source.feed(np.zeros(16000, np.float32))
     engine.push(*[0.9] * 10, *[0.0] * 16)
     events = await decisions(source, 2)
     assert [e.kind for e in events] == ["started", "stopped"]
+    assert engine.requests == []
     await source.close()

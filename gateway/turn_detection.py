@@ -74,7 +74,7 @@ UNFINISHED_ENDINGS = frozenset(
 # What a listener says to show they follow, not to take the turn; whisper's habit of
 # hearing "Thank you." in short noise is in here too.
 BACKCHANNELS = frozenset(
-    ("mm", "mmm", "hmm", "mhm", "mm-hmm", "uh", "huh", "uh-huh", "um", "ah", "oh", "ooh")
+    ("mm", "mmm", "hm", "hmm", "mhm", "uh", "huh", "um", "ah", "oh", "ooh", "aha")
     + ("yeah", "yep", "yes", "ya", "yup", "okay", "ok", "right", "sure", "alright", "cool")
     + ("i", "see", "got", "it", "nice", "wow", "really", "true", "exactly", "great", "good")
     + ("fine", "thanks", "thank", "you", "so", "well")
@@ -90,7 +90,7 @@ def is_backchannel(transcript: str) -> bool:
     words that cannot stand alone ("and", "the"), or single letters. Whisper transcribes
     the first few hundred ms of speech loosely ("and then", "M.S." for "mm hmm"); only a
     word with content of its own ("wait", "no", "stop") counts."""
-    words = re.findall(r"[a-z'-]+", transcript.lower())
+    words = re.findall(r"[a-z']+", transcript.lower())  # "mm-hmm": "mm", "hmm"
     ignored = BACKCHANNELS | UNFINISHED_ENDINGS | FILLERS
     return all(len(word) < 2 or word in ignored for word in words)
 
@@ -348,6 +348,7 @@ class EngineSpeechSource:
             transcript = await words
         finally:
             words.cancel()
+        logger.debug("words over the answer: %r", transcript)
         if transcript is None or is_backchannel(transcript):
             return
         if detector.speech_number == speech:
@@ -414,7 +415,6 @@ class EngineSpeechSource:
                         logger.warning("%s for the turn end failed: %s", stage, output.error)
                         return None
                     result = output.payload
-                logger.debug("%s %s done", stage, request_id)
             finally:
                 self._engine.abort(stage, request_id)
             return result

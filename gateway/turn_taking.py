@@ -8,10 +8,10 @@ Rules of this module:
    speech stop, or the idle timeout. The committed span becomes a user item; a response
    answers it when the settings say so, otherwise a transcription job transcribes it.
 3. Speech heard while a response is running is a candidate interruption: nothing is sent
-   and nothing cancelled until it is confirmed (it lasted `min_interruption_ms`, see
+   and nothing cancelled until it is confirmed (by its length or its words, see
    `GatewayConfig.turns`), and then `speech_started` carries its true start. A candidate
    that stops unconfirmed (a backchannel, a cough) is no turn: no event, no item; the
-   response goes on. If the response ends first, the candidate is an ordinary turn.
+   response goes on, and it stays no turn if the response ended meanwhile.
 4. While a silence may still become the stop, the turn that the stop would start is
    prepared (`PrepareResponse`); the stop starts an equal turn, which takes that work
    over, and anything else discards it (`DiscardPrepared`). Both read the same stored
@@ -256,11 +256,11 @@ class TurnTaking:
 
     def speech_stopped(self, audio_end_ms: float) -> None:
         detection = self.settings.turn_detection
-        candidate, self._candidate_ms = self._candidate_ms, None
-        if candidate is not None and detection is not None:
-            if self._responses.active_id is not None:
-                return  # rule 3: unconfirmed speech over the response is no turn
-            self._begin_speech(candidate)  # the response ended meanwhile: a turn after all
+        if self._candidate_ms is not None:
+            # Rule 3: unconfirmed speech that began over a response is no turn, even if
+            # the response has ended since (its audio was most likely still playing).
+            self._candidate_ms = None
+            return
         item_id, self._speech_item_id = self._speech_item_id, None
         if detection is None or item_id is None:
             self._discard_prepared()

@@ -20,7 +20,7 @@ from gateway.actions import (
     StartResponse,
     WatchWords,
 )
-from gateway.backend import ResponseOutput, SpeechEvent
+from gateway.backend import ResponseDone, ResponseOutput, SpeechEvent
 from gateway.config import GatewayConfig, TurnSettings
 from gateway.realtime import RealtimeSession
 from gateway.session_config import TurnDetection
@@ -343,3 +343,16 @@ async def test_words_are_checked_only_when_asked() -> None:
     assert [e.kind for e in events] == ["started", "stopped"]
     assert engine.requests == []
     await source.close()
+
+
+def test_a_backchannel_stays_no_turn_when_the_answer_ends_meanwhile() -> None:
+    rt = make(turns={"min_interruption_ms": 1000})
+    response_id = answering(rt)
+    for _ in range(5):
+        send(rt, type="input_audio_buffer.append", audio=tone_b64(100))
+    rt.speech_started(1000)
+    rt.receive_response_event(ResponseDone(response_id, "completed"))
+    assert types(rt.events_to_send())[-1] == "response.done"
+    rt.speech_stopped(1300)
+    assert rt.events_to_send() == []
+    assert not [a for a in rt.actions() if isinstance(a, StartResponse)]

@@ -195,18 +195,28 @@ def of(kind: str) -> Callable[[dict[str, Any]], bool]:
     return lambda e: e["type"] == kind
 
 
+def done_of(response_id: str) -> Callable[[dict[str, Any]], bool]:
+    return lambda e: e["type"] == "response.done" and e["response"]["id"] == response_id
+
+
 # --- scenarios --------------------------------------------------------------------------
 
 
 class Session:
-    def __init__(self, mic: Microphone, events: Events) -> None:
+    def __init__(self, ws: ClientConnection, mic: Microphone, events: Events) -> None:
+        self.ws = ws
         self.mic = mic
         self.events = events
 
-    async def settle(self) -> None:
-        """Let the last answer finish and a second of silence pass."""
-        if any(e["type"] == "response.created" for e in self.events.since(self._mark)):
-            await self.events.next(self._mark, of("response.done"), timeout=180)
+    async def settle(self, ws: ClientConnection) -> None:
+        """Stop the answer under way (its measurement is taken) and let a second of
+        silence pass."""
+        since = self.events.since(self._mark)
+        created = {e["response"]["id"] for e in since if e["type"] == "response.created"}
+        done = {e["response"]["id"] for e in since if e["type"] == "response.done"}
+        for response_id in created - done:
+            await ws.send(json.dumps({"type": "response.cancel", "response_id": response_id}))
+            await self.events.next(self._mark, done_of(response_id))
         await self.mic.sent(self.mic.frames_sent * FRAME_MS + 1000)
 
     def mark(self) -> int:
@@ -221,7 +231,7 @@ class Session:
         start = self.mic.play(pcm)
         await self.mic.sent(start + last + 6000)  # past the longest semantic wait
         stops = [e for e in self.events.since(mark) if e["type"].endswith("speech_stopped")]
-        await self.settle()
+        await self.settle(self.ws)
         return any(e["audio_end_ms"] < start + gap_end - 100 for e in stops)
 
     async def answer_wait(self, pcm: bytes) -> float:
@@ -230,7 +240,7 @@ class Session:
         start = self.mic.play(pcm)
         spoken_end = await self.mic.sent(start + last)
         _, at, _ = await self.events.next(mark, of("response.output_audio.delta"), 120)
-        await self.settle()
+        await self.settle(self.ws)
         return (at - spoken_end) * 1000
 
     async def over_answer(self, ws: ClientConnection, pcm: bytes) -> tuple[bool, float, int]:
@@ -244,21 +254,20 @@ class Session:
         start = self.mic.play(pcm)
         sound_at = await self.mic.sent(start + first)
         await self.mic.sent(start + last + 1500)
-        i, _, done = await self.events.next(
-            mark, lambda e: e["type"] == "response.done" and e["response"]["id"] == response_id
-        )
         started = [
             at
             for at, e in self.events.log[mark:]
             if e["type"] == "input_audio_buffer.speech_started" and at >= sound_at
         ]
-        await self.settle()
+        await self.settle(ws)
+        i, _, done = await self.events.next(mark, done_of(response_id))
         stale = sum(
             1
             for e in self.events.since(i + 1)
             if e.get("response_id") == response_id and e["type"].endswith("audio.delta")
         )
-        cancelled = done["response"]["status"] == "cancelled"
+        details = done["response"].get("status_details") or {}
+        cancelled = details.get("reason") == "turn_detected"
         detect_ms = (started[0] - sound_at) * 1000 if started else float("nan")
         return bool(started) or cancelled, detect_ms, stale
 
@@ -283,7 +292,7 @@ async def run_mode(url: str, mode: str, clips: dict[str, list[bytes]]) -> dict[s
         update = {"type": "realtime", "audio": {"input": {"turn_detection": detection}}}
         await ws.send(json.dumps({"type": "session.update", "session": update}))
         await events.next(0, of("session.updated"))
-        session = Session(mic, events)
+        session = Session(ws, mic, events)
         session.mark()
         premature = [await session.hesitation(pcm) for pcm in clips["hesitations"]]
         waits = [await session.answer_wait(pcm) for pcm in clips["sentences"]]

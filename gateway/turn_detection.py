@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -47,8 +46,16 @@ from engine.stage import StageOutput
 from gateway.backend import SpeechEvent
 from gateway.config import TurnSettings
 from gateway.session_config import TurnDetection
+from gateway.turn_words import is_backchannel, sounds_unfinished
 
-__all__ = ["FEED_PIECE_SAMPLES", "MAX_UNHEARD_SAMPLES", "EngineSpeechSource", "VadEngine"]
+__all__ = [
+    "FEED_PIECE_SAMPLES",
+    "MAX_UNHEARD_SAMPLES",
+    "EngineSpeechSource",
+    "VadEngine",
+    "is_backchannel",
+    "sounds_unfinished",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -60,45 +67,6 @@ MAX_UNHEARD_SAMPLES = 12 * 16_000
 # heard.
 KEEP_FOR_SCORING_SAMPLES = 8 * 16_000 + MAX_UNHEARD_SAMPLES
 SAMPLES_PER_MS = 16
-# Words an English sentence almost never ends with: articles, possessives, most
-# prepositions, conjunctions, subject pronouns. A transcript ending on one is cut off.
-# Words that can close a sentence ("so", "in", "is", "can") are left out on purpose.
-UNFINISHED_ENDINGS = frozenset(
-    ("a", "an", "the", "my", "your", "his", "her", "our", "their", "every")
-    + ("to", "of", "for", "with", "from", "into", "onto", "at", "by", "about", "than")
-    + ("and", "or", "but", "because", "if", "when", "while", "although", "unless")
-    + ("whether", "been", "being", "very", "i", "we", "they", "he", "she", "i'm")
-)
-
-
-# What a listener says to show they follow, not to take the turn; whisper's habit of
-# hearing "Thank you." in short noise is in here too.
-BACKCHANNELS = frozenset(
-    ("mm", "mmm", "hm", "hmm", "mhm", "uh", "huh", "um", "ah", "oh", "ooh", "aha")
-    + ("yeah", "yep", "yes", "ya", "yup", "okay", "ok", "right", "sure", "alright", "cool")
-    + ("i", "see", "got", "it", "nice", "wow", "really", "true", "exactly", "great", "good")
-    + ("fine", "thanks", "thank", "you", "so", "well")
-)
-
-
-# Short words whisper makes of a sound's first syllable, which say nothing on their own.
-FILLERS = frozenset(("then", "so", "it", "is", "in", "on", "that", "this", "there"))
-
-
-def is_backchannel(transcript: str) -> bool:
-    """Whether a transcript holds no word that means to take the turn: only backchannels,
-    words that cannot stand alone ("and", "the"), or single letters. Whisper transcribes
-    the first few hundred ms of speech loosely ("and then", "M.S." for "mm hmm"); only a
-    word with content of its own ("wait", "no", "stop") counts."""
-    words = re.findall(r"[a-z']+", transcript.lower())  # "mm-hmm": "mm", "hmm"
-    ignored = BACKCHANNELS | UNFINISHED_ENDINGS | FILLERS
-    return all(len(word) < 2 or word in ignored for word in words)
-
-
-def sounds_unfinished(transcript: str) -> bool:
-    """Whether a transcript stops on a word no English sentence ends with."""
-    words = re.findall(r"[a-z']+", transcript.lower())
-    return bool(words) and words[-1] in UNFINISHED_ENDINGS
 
 
 class VadEngine(Protocol):
@@ -143,22 +111,29 @@ class _Progress:
 
 
 class _RecentAudio:
-    """The newest samples of one VAD stream, addressable by stream time."""
+    """The newest samples of one VAD stream, addressable by stream time. Appends fill a
+    buffer twice the size kept; when it is full the newest half moves to its front."""
 
     def __init__(self) -> None:
-        self._samples = np.zeros(0, np.float32)
-        self._offset = 0  # stream sample index of self._samples[0]
+        self._buffer = np.zeros(2 * KEEP_FOR_SCORING_SAMPLES, np.float32)
+        self._used = 0
+        self._offset = 0  # stream sample index of self._buffer[0]
 
     def append(self, samples: np.ndarray) -> None:
-        self._samples = np.concatenate([self._samples, samples])
-        extra = len(self._samples) - KEEP_FOR_SCORING_SAMPLES
-        if extra > 0:
-            self._samples = self._samples[extra:]
-            self._offset += extra
+        samples = samples[-KEEP_FOR_SCORING_SAMPLES:]
+        if self._used + len(samples) > len(self._buffer):
+            keep = KEEP_FOR_SCORING_SAMPLES - len(samples)
+            drop = self._used - keep
+            self._buffer[:keep] = self._buffer[drop : self._used]
+            self._used, self._offset = keep, self._offset + drop
+        self._buffer[self._used : self._used + len(samples)] = samples
+        self._used += len(samples)
 
     def clip(self, start_ms: int, end_ms: int) -> np.ndarray:
-        start = max(start_ms * SAMPLES_PER_MS - self._offset, 0)
-        return self._samples[start : max(end_ms * SAMPLES_PER_MS - self._offset, start)]
+        start = min(max(start_ms * SAMPLES_PER_MS - self._offset, 0), self._used)
+        end = min(max(end_ms * SAMPLES_PER_MS - self._offset, start), self._used)
+        clip: np.ndarray = self._buffer[start:end].copy()
+        return clip
 
 
 class EngineSpeechSource:

@@ -356,3 +356,14 @@ def test_a_backchannel_stays_no_turn_when_the_answer_ends_meanwhile() -> None:
     rt.speech_stopped(1300)
     assert rt.events_to_send() == []
     assert not [a for a in rt.actions() if isinstance(a, StartResponse)]
+
+
+def test_the_audio_kept_for_scoring_is_the_newest_in_order() -> None:
+    from gateway.turn_detection import KEEP_FOR_SCORING_SAMPLES, _RecentAudio
+
+    recent = _RecentAudio()
+    fed = np.arange(3 * KEEP_FOR_SCORING_SAMPLES + 123, dtype=np.float32)
+    for i in range(0, len(fed), 640):  # 40 ms appends
+        recent.append(fed[i : i + 640])
+    end_ms = len(fed) // 16
+    np.testing.assert_array_equal(recent.clip(end_ms - 8000, end_ms), fed[-8000 * 16 - 123 : -123])

@@ -366,4 +366,5 @@ def test_the_audio_kept_for_scoring_is_the_newest_in_order() -> None:
     for i in range(0, len(fed), 640):  # 40 ms appends
         recent.append(fed[i : i + 640])
     end_ms = len(fed) // 16
-    np.testing.assert_array_equal(recent.clip(end_ms - 8000, end_ms), fed[-8000 * 16 - 123 : -123])
+    expected = fed[(end_ms - 8000) * 16 : end_ms * 16]
+    np.testing.assert_array_equal(recent.clip(end_ms - 8000, end_ms), expected)

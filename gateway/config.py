@@ -68,6 +68,8 @@ class TurnSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     semantic_score_after_ms: int = Field(default=160, ge=32, le=2000)
+    # ... and scores it again every this much longer silence (None: once).
+    semantic_rescore_ms: int | None = Field(default=400, ge=100, le=8000)
     semantic_complete_threshold: float = Field(default=0.5, gt=0.0, lt=1.0)
     # Also transcribe the speech at the silence: a turn ending on "for", "the", "and"...
     # is not over, whatever the model heard.

@@ -67,6 +67,8 @@ MAX_UNHEARD_SAMPLES = 12 * 16_000
 # heard.
 KEEP_FOR_SCORING_SAMPLES = 8 * 16_000 + MAX_UNHEARD_SAMPLES
 SAMPLES_PER_MS = 16
+# How long a silence ends speech heard over a running answer, in either mode.
+CANDIDATE_SILENCE_MS = TurnDetection().silence_duration_ms
 
 
 class VadEngine(Protocol):
@@ -156,6 +158,8 @@ class EngineSpeechSource:
         self._semantic = False
         self._stream_start_ms = 0.0
         self._watch_words = False  # the speech under way is a candidate interruption
+        # (silence start, silence length at which the turn is next scored)
+        self._next_score: tuple[int, int] | None = None
 
     def configure(
         self, settings: TurnDetection | None, start_ms: float, pause_after_ms: int | None = None
@@ -280,15 +284,41 @@ class EngineSpeechSource:
                     event = SpeechEvent("confirmed", start_ms + decision.audio_start_ms)
                 elif isinstance(decision, SpeechPaused):
                     event = SpeechEvent("paused", start_ms + decision.audio_end_ms)
-                    if self._semantic:
-                        clip = self._audio.clip(speech_start_ms, detector.position_ms)
-                        self._score(clip, detector, decision.audio_end_ms, start_ms)
                 elif isinstance(decision, SpeechResumed):
                     event = SpeechEvent("resumed", start_ms + decision.detected_ms)
                 else:
                     event = SpeechEvent("stopped", start_ms + decision.audio_end_ms)
                 self._events.put_nowait(event)
             next_word_check_ms = self._check_words(detector, speech_start_ms, next_word_check_ms)
+            if self._semantic:
+                self._follow_silence(detector, speech_start_ms, start_ms)
+
+    def _follow_silence(
+        self, detector: SpeechDetector, speech_start_ms: int, start_ms: float
+    ) -> None:
+        """semantic_vad: have the turn scored at `semantic_score_after_ms` into a silence
+        and every `semantic_rescore_ms` after. Speech over a running answer (words
+        watched) is no turn to score: it ends after server_vad's default silence, so a
+        backchannel does not hold the detector for the eagerness's long wait."""
+        silent_since = detector.silent_since_ms
+        if silent_since is None:
+            self._next_score = None
+            return
+        silence = detector.position_ms - silent_since
+        if self._watch_words:
+            if silence >= CANDIDATE_SILENCE_MS:
+                stop = detector.end_silence()
+                if stop is not None:
+                    self._events.put_nowait(SpeechEvent("stopped", start_ms + stop.audio_end_ms))
+            return
+        if self._next_score is None or self._next_score[0] != silent_since:
+            self._next_score = (silent_since, self._turns.semantic_score_after_ms)
+        if silence < self._next_score[1]:
+            return
+        rescore = self._turns.semantic_rescore_ms
+        self._next_score = (silent_since, self._next_score[1] + rescore if rescore else 10**9)
+        clip = self._audio.clip(speech_start_ms, detector.position_ms)
+        self._score(clip, detector, silent_since, start_ms)
 
     def _check_words(
         self, detector: SpeechDetector, speech_start_ms: int, due_ms: int | None

@@ -203,8 +203,8 @@ class ScriptedEngine:
     """VAD probabilities as the test pushes them; turn scores and transcripts from
     scripts; records the requests."""
 
-    def __init__(self, score: float, transcript: str) -> None:
-        self.score = score
+    def __init__(self, score: float | list[float], transcript: str) -> None:
+        self.scores = score if isinstance(score, list) else [score]
         self.transcript = transcript
         self.vad: asyncio.Queue[StageOutput] = asyncio.Queue()
         self.requests: list[tuple[str, int]] = []
@@ -218,7 +218,8 @@ class ScriptedEngine:
                 yield await self.vad.get()
         assert isinstance(inputs, np.ndarray)
         self.requests.append((stage, len(inputs)))
-        payload: object = self.score if stage == "turn" else self.transcript
+        score = self.scores.pop(0) if len(self.scores) > 1 else self.scores[0]
+        payload: object = score if stage == "turn" else self.transcript
         yield StageOutput(request_id, payload, finished=True)
 
     async def call(self, stage: str, method: str, *args: object) -> object:
@@ -368,3 +369,28 @@ def test_the_audio_kept_for_scoring_is_the_newest_in_order() -> None:
     end_ms = len(fed) // 16
     expected = fed[(end_ms - 8000) * 16 : end_ms * 16]
     np.testing.assert_array_equal(recent.clip(end_ms - 8000, end_ms), expected)
+
+
+async def test_a_turn_scored_again_ends_when_the_model_changes_its_mind() -> None:
+    engine = ScriptedEngine(score=[0.2, 0.8], transcript="How far away is the moon?")
+    source = semantic_source(engine)
+    engine.push(*[0.9] * 20, *[0.0] * 6)  # scored at 160 ms of silence: incomplete
+    assert [e.kind for e in await decisions(source, 2)] == ["started", "paused"]
+    await wait_until(lambda: len(engine.requests) == 2, 5, "the first scoring")
+    engine.push(*[0.0] * 13)  # 576 ms of silence: scored again, complete
+    (event,) = await decisions(source, 1)
+    assert (event.kind, event.ms) == ("stopped", 640)
+    await source.close()
+
+
+async def test_speech_over_an_answer_ends_after_a_short_silence_in_semantic_mode() -> None:
+    engine = ScriptedEngine(score=0.1, transcript="Mm-hmm.")
+    source = semantic_source(engine)
+    engine.push(0.9)
+    await decisions(source, 1)
+    source.watch_words()
+    engine.push(*[0.9] * 9)
+    engine.push(*[0.0] * 17)  # 544 ms: not the eagerness's 4 s
+    kinds = [e.kind for e in await decisions(source, 2)]
+    assert kinds == ["paused", "stopped"]
+    await source.close()

@@ -307,7 +307,10 @@ async def run_mode(url: str, mode: str, clips: dict[str, list[bytes]]) -> dict[s
             task.cancel()
     return {
         "premature_end_rate": round(float(np.mean(premature)), 3),
-        "end_of_speech_to_first_audio_ms_p50": percentile(waits, 50),
+        # An answer whose audio began before the sentence ended (the turn was cut inside
+        # it) has no wait to measure; it is counted instead.
+        "end_of_speech_to_first_audio_ms_p50": percentile([w for w in waits if w > 0], 50),
+        "sentences_answered_before_their_end": sum(w <= 0 for w in waits),
         "false_interruption_rate_nonspeech": round(float(np.mean(nonspeech)), 3),
         "false_interruption_rate_backchannel": round(float(np.mean(backchannel)), 3),
         "interrupt_detect_ms_p95": percentile([d for _, d, _ in interrupts], 95),

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["BACKCHANNELS", "FILLERS", "UNFINISHED_ENDINGS", "is_backchannel", "sounds_unfinished"]
+__all__ = [
+    "BACKCHANNELS",
+    "FILLERS",
+    "GUESSED_OBJECTS",
+    "UNFINISHED_ENDINGS",
+    "is_backchannel",
+    "sounds_unfinished",
+]
 
 # Words an English sentence almost never ends with: articles, possessives, most
 # prepositions, conjunctions, subject pronouns. A transcript ending on one is cut off.
@@ -43,7 +50,15 @@ def is_backchannel(transcript: str) -> bool:
     return all(len(word) < 2 or word in ignored for word in words)
 
 
+# Whisper completes speech cut after a preposition with a pronoun of its own ("a table
+# for" becomes "a table for it."): after such a word, these prove nothing.
+GUESSED_OBJECTS = frozenset(("it", "you", "me", "them", "him", "us"))
+
+
 def sounds_unfinished(transcript: str) -> bool:
-    """Whether a transcript stops on a word no English sentence ends with."""
+    """Whether a transcript stops on a word no English sentence ends with, or on a
+    pronoun right after one (a real "...for you." then waits a little longer)."""
     words = re.findall(r"[a-z']+", transcript.lower())
+    if len(words) >= 2 and words[-1] in GUESSED_OBJECTS and words[-2] in UNFINISHED_ENDINGS:
+        return True
     return bool(words) and words[-1] in UNFINISHED_ENDINGS

@@ -133,6 +133,7 @@ def test_semantic_vad_without_the_model_is_refused() -> None:
 def test_the_word_rules() -> None:
     assert sounds_unfinished("I would like to book a table for")
     assert sounds_unfinished("Can you add eggs and")
+    assert sounds_unfinished("I would like to book a table for it.")  # whisper's guess
     assert not sounds_unfinished("What is the capital of France?")
     assert not sounds_unfinished("")
     assert is_backchannel("Mm-hmm.") and is_backchannel("Yeah, okay.") and is_backchannel("")

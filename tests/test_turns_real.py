@@ -194,7 +194,8 @@ async def test_a_backchannel_does_not_cancel_an_answer_and_an_interruption_does(
         kinds = [e.type for e in events]
         assert "input_audio_buffer.speech_started" not in kinds
         assert events[-1].response.id == response_id
-        assert events[-1].response.status == "completed"
+        # It ran to its end (or its token limit: a long story is "incomplete").
+        assert events[-1].response.status in ("completed", "incomplete")
 
         response_id = await answer_underway(conn)
         await append(conn, speech("Wait, stop, I have a different question.") + silence(1500))

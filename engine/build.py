@@ -68,7 +68,11 @@ async def build_engine(config: EngineConfig, *, progress: bool = True) -> Engine
     # VAD gets a thread of its own so speech start is never stuck behind a TTS/LLM step.
     # The engine thread steps the others in MAIN_LANE_ORDER.
     heavy = {name: stages[name] for name in MAIN_LANE_ORDER if name in stages}
-    core = EngineLanes({"main": heavy, "vad": {"vad": stages["vad"]}})
+    lanes = {"main": heavy, "vad": {"vad": stages["vad"]}}
+    if "turn" in stages:
+        # Turn-end scoring takes tens of ms: on its own thread it delays neither VAD nor TTS.
+        lanes["turn"] = {"turn": stages["turn"]}
+    core = EngineLanes(lanes)
     core.start()
     engine = AsyncEngine(core)
     llm = config.stages.llm
@@ -114,6 +118,8 @@ def load_stages(config: EngineConfig, *, progress: bool = True) -> dict[str, Sta
     }
     if config.stages.llm.backend == "local":
         loaders["llm"] = _llm_stage
+    if config.stages.turn.model is not None:
+        loaders["turn"] = _turn_stage
     stages = {}
     for name, load in loaders.items():
         logger.info("loading the %s stage", name)
@@ -161,6 +167,15 @@ def _vad_stage(config: EngineConfig, progress: bool) -> Stage:
     return VadStage(SileroVad(prepare_model("vad", config.stages.vad.model, progress=progress)))
 
 
+def _turn_stage(config: EngineConfig, progress: bool) -> Stage:
+    from engine.turn_end import TurnEndModel, TurnEndStage
+
+    turn = config.stages.turn
+    assert turn.model is not None  # load_stages asks only then
+    model = TurnEndModel(prepare_model("turn", turn.model, progress=progress))
+    return TurnEndStage(model, max_batch=turn.max_batch)
+
+
 def warm_up(stages: dict[str, Stage]) -> None:
     """Run one tiny request through each model stage before the engine thread starts."""
     from engine.llm import LlmInput
@@ -175,6 +190,9 @@ def warm_up(stages: dict[str, Stage]) -> None:
         hello = [{"role": "user", "content": "Hello"}]
         stages["llm"].add(WARMUP_ID, LlmInput(messages=hello, sampling_params=params))
         _drain(stages["llm"])
+    if "turn" in stages:
+        stages["turn"].add(WARMUP_ID, np.zeros(16000, np.float32))
+        _drain(stages["turn"])
     tts = stages.get("tts")
     if isinstance(tts, TtsStage):
         tts.add(WARMUP_ID, TtsRequest())

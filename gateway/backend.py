@@ -74,9 +74,10 @@ ResponseEvent = ResponseOutput | ResponseDone
 @dataclass(frozen=True)
 class SpeechEvent:
     """Server VAD: speech `started` or `stopped` at session time `ms`; `paused` (the
-    silence that began at `ms` may become a stop) and `resumed` (it did not)."""
+    silence that began at `ms` may become a stop) and `resumed` (it did not);
+    `confirmed` (the speech that started at `ms` has lasted long enough to interrupt)."""
 
-    kind: Literal["started", "stopped", "paused", "resumed"]
+    kind: Literal["started", "stopped", "paused", "resumed", "confirmed"]
     ms: float
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -118,7 +119,8 @@ class SpeechSource(Protocol):
         self, settings: TurnDetection | None, start_ms: float, pause_after_ms: int | None = None
     ) -> None:
         """Restart detection with new server-VAD settings (None stops it); with
-        `pause_after_ms`, silences that long are reported as pauses."""
+        `pause_after_ms`, silences that long are reported as pauses (semantic_vad scores
+        the turn then)."""
 
     def feed(self, samples: np.ndarray) -> None:
         """Float32 16 kHz audio, in order, as the client appends it."""
@@ -126,6 +128,10 @@ class SpeechSource(Protocol):
     async def room(self) -> None:
         """Return once the audio fed and not yet heard is within its bound: the
         connection reads no more of the client's frames until then."""
+
+    def watch_words(self) -> None:
+        """Check the words of the speech under way: if they are more than a backchannel,
+        report it `confirmed` before it has lasted the minimum interruption."""
 
     def events(self) -> AsyncIterator[SpeechEvent]:
         """Speech decisions, in order, until `close()`."""

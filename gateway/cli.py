@@ -181,6 +181,7 @@ async def _serve(args: argparse.Namespace) -> int:
             **config.model_dump(),
             "voices": (voice,),
             "default_instructions": profile.get("system_prompt", ""),
+            "semantic_vad": backend.semantic_vad,
         }
     )
     server = GatewayServer(config, backend)
@@ -234,7 +235,11 @@ async def _start_engine(
         await asyncio.to_thread(bundle.core.shutdown, 120.0)
 
     backend = EngineBackend(
-        manager, bundle.engine, on_close=stop_engine, llm_tokens=bundle.llm_tokens
+        manager,
+        bundle.engine,
+        on_close=stop_engine,
+        llm_tokens=bundle.llm_tokens,
+        turns=config.turns,
     )
     return backend, engine_config.stages.tts.voice
 

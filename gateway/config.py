@@ -62,6 +62,34 @@ class SessionLimits(BaseModel):
     handshake_timeout_s: float = Field(default=10.0, gt=0)
 
 
+class TurnSettings(BaseModel):
+    """Turn-taking thresholds (docs/protocol.md, "Turn detection", has the measurements).
+
+    semantic_vad: once a silence in speech lasts `semantic_score_after_ms`, the turn-end
+    model scores the speech so far; at `semantic_complete_threshold` or above the turn
+    ends there, below it the turn waits for more speech up to the eagerness's longest
+    wait. Interruptions: while a response is running, speech starts an interruption
+    only once it has lasted `min_interruption_ms`, or earlier once its words are not
+    all backchannels; shorter speech (a backchannel, a cough) neither cancels the
+    response nor reaches the client. 0 interrupts on any speech at once.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    semantic_score_after_ms: int = Field(default=160, ge=32, le=2000)
+    # ... and scores it again every this much longer silence (None: once).
+    semantic_rescore_ms: int | None = Field(default=400, ge=100, le=8000)
+    semantic_complete_threshold: float = Field(default=0.5, gt=0.0, lt=1.0)
+    # Also transcribe the speech at the silence: a turn ending on "for", "the", "and"...
+    # is not over, whatever the model heard.
+    semantic_words: bool = True
+    # Speech over a running response is transcribed once it has been heard this long
+    # (and every as long again until `min_interruption_ms`): words other than
+    # backchannels ("yeah", "mm hmm", "okay") confirm the interruption early. None: off.
+    interruption_words_after_ms: int | None = Field(default=None, ge=32, le=5000)
+    min_interruption_ms: int = Field(default=0, ge=0, le=5000)
+
+
 class GatewayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -90,6 +118,9 @@ class GatewayConfig(BaseModel):
     # detector waits out overlaps the model work. Speech going on discards it; None
     # turns it off. Below the session's silence_duration_ms to have any effect.
     prepare_after_silence_ms: int | None = Field(default=150, ge=0)
+    # Whether the engine has the turn-end model behind semantic_vad (the CLI sets it).
+    semantic_vad: bool = False
+    turns: TurnSettings = TurnSettings()
     web_root: Path | None = None
     limits: SessionLimits = SessionLimits()
 

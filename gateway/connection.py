@@ -31,6 +31,7 @@ from gateway.actions import (
     FeedVad,
     PrepareResponse,
     StartResponse,
+    WatchWords,
 )
 from gateway.backend import Backend, SpeechEvent
 from gateway.config import GatewayConfig
@@ -173,6 +174,8 @@ class RealtimeConnection:
                 self.core.speech_paused(event.ms)
             case "resumed":
                 self.core.speech_resumed()
+            case "confirmed":
+                self.core.speech_confirmed(event.ms)
             case "stopped":
                 self._speech_stopped_at = time.monotonic()
                 self.core.speech_stopped(event.ms)
@@ -228,6 +231,8 @@ class RealtimeConnection:
                 self.speech.feed(samples)
             case ConfigureVad(settings, start_ms, pause_after_ms):
                 self.speech.configure(settings, start_ms, pause_after_ms)
+            case WatchWords():
+                self.speech.watch_words()
             case CloseSession():
                 self._finish(action)
             case _:

@@ -19,6 +19,7 @@ from duplex.events import TurnDone, TurnOutput
 from duplex.manager import DuplexSessionHandle, DuplexSessionManager
 from duplex.turn import TurnRequest
 from gateway.backend import ResponseDone, ResponseEvent, ResponseOutput
+from gateway.config import TurnSettings
 from gateway.turn_detection import EngineSpeechSource, VadEngine
 
 __all__ = ["EngineBackend", "EngineBackendSession"]
@@ -123,17 +124,24 @@ class EngineBackend:
         *,
         on_close: Callable[[], Awaitable[None]] | None = None,
         llm_tokens: Callable[[], dict[str, int]] | None = None,
+        turns: TurnSettings | None = None,
     ) -> None:
         self.manager = manager
         self.vad_engine = vad_engine
+        self._turn_settings = turns
         self._on_close = on_close
         self._llm_tokens = llm_tokens
 
     def open_session(self, session_id: str) -> EngineBackendSession:
         return EngineBackendSession(self.manager.open(session_id))
 
+    @property
+    def semantic_vad(self) -> bool:
+        """Whether the engine runs the turn-end model semantic_vad asks."""
+        return "turn" in self.vad_engine.pending()
+
     def open_speech(self, session_id: str) -> EngineSpeechSource:
-        return EngineSpeechSource(self.vad_engine, session_id)
+        return EngineSpeechSource(self.vad_engine, session_id, self._turn_settings)
 
     def pending(self) -> dict[str, int]:
         # The VAD port is the whole engine (`AsyncEngine`), so it counts every stage.

@@ -141,6 +141,10 @@ class RealtimeSession:
         """VAD heard speech begin; with `interrupt_response` it cancels the active response."""
         self._turns.speech_started(audio_start_ms)
 
+    def speech_confirmed(self, audio_start_ms: float) -> None:
+        """The speech that began at `audio_start_ms` lasted long enough to interrupt."""
+        self._turns.speech_confirmed(audio_start_ms)
+
     def speech_paused(self, audio_end_ms: float) -> None:
         """VAD heard a silence begin that may become the stop: the turn the stop would
         start is prepared, so its work runs while the silence does."""

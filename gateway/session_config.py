@@ -41,16 +41,44 @@ class SettingError(ValueError):
         self.code = code
 
 
+# semantic_vad's eagerness -> the longest silence it waits before ending a turn the
+# turn-end model scored incomplete (OpenAI's documented 8 s / 4 s / 2 s; auto = medium).
+EAGERNESS_MAX_WAIT_MS = {"low": 8000, "medium": 4000, "high": 2000, "auto": 4000}
+# server_vad's tuning fields, which semantic_vad does not take.
+_SERVER_VAD_ONLY = ("threshold", "prefix_padding_ms", "silence_duration_ms", "idle_timeout_ms")
+
+
 @dataclass(frozen=True)
 class TurnDetection:
+    """`type` "server_vad" ends a turn after `silence_duration_ms` of silence;
+    "semantic_vad" asks the turn-end model when a silence begins (see
+    `gateway.turn_detection`) and waits at most `max_wait_ms` for its `eagerness`."""
+
     threshold: float = 0.5
     prefix_padding_ms: int = 300
     silence_duration_ms: int = 500
     create_response: bool = True
     interrupt_response: bool = True
     idle_timeout_ms: int | None = None
+    type: str = "server_vad"
+    eagerness: str = "auto"
+
+    @property
+    def semantic(self) -> bool:
+        return self.type == "semantic_vad"
+
+    @property
+    def max_wait_ms(self) -> int:
+        return EAGERNESS_MAX_WAIT_MS[self.eagerness]
 
     def as_dict(self) -> dict[str, Any]:
+        if self.semantic:
+            return {
+                "type": "semantic_vad",
+                "eagerness": self.eagerness,
+                "create_response": self.create_response,
+                "interrupt_response": self.interrupt_response,
+            }
         return {
             "type": "server_vad",
             "threshold": self.threshold,
@@ -155,6 +183,13 @@ def apply_update(
     changes.update(_shared_changes(update, current, config))
     new = replace(current, **changes)
     _check_supported(new, current, config, voice_locked)
+    if new.turn_detection and new.turn_detection.semantic and not config.semantic_vad:
+        where = "session.turn_detection" if beta else "session.audio.input.turn_detection"
+        raise SettingError(
+            "semantic_vad needs the turn-end model, which this server has not loaded "
+            "(profile stages.turn.model); use server_vad or null",
+            f"{where}.type",
+        )
     return new
 
 
@@ -323,17 +358,25 @@ def _turn_detection(
 ) -> TurnDetection | None:
     if value is None:
         return None
-    if value.type == "semantic_vad":
-        raise SettingError("semantic_vad is not supported; use server_vad or null", f"{param}.type")
-    if value.eagerness is not None:
-        raise SettingError("eagerness applies only to semantic_vad", f"{param}.eagerness")
     # Fields left out keep their current value: a partial update never drops the type.
-    base = current or TurnDetection()
+    # A new type starts from that type's defaults.
+    kind = value.type or (current.type if current else "server_vad")
+    base = current if current is not None and current.type == kind else TurnDetection(type=kind)
     given = {
         k: v
-        for k, v in value.model_dump(exclude={"type", "eagerness"}).items()
+        for k, v in value.model_dump(exclude={"type"}).items()
         if k in value.model_fields_set and (v is not None or k == "idle_timeout_ms")
     }
+    if kind == "semantic_vad":
+        for name in _SERVER_VAD_ONLY:
+            if name in given:
+                raise SettingError(
+                    f"{name} applies only to server_vad; semantic_vad takes eagerness, "
+                    "create_response and interrupt_response",
+                    f"{param}.{name}",
+                )
+    elif "eagerness" in given:
+        raise SettingError("eagerness applies only to semantic_vad", f"{param}.eagerness")
     return replace(base, **given)
 
 

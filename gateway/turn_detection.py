@@ -2,6 +2,17 @@
 `SpeechDetector` turns them into start/stop decisions (and, with `pause_after_ms`, the
 pauses that may become a stop) on the session clock.
 
+semantic_vad uses the same detector with the eagerness's longest wait as its silence:
+when a silence reaches `pause_after_ms`, the engine's turn-end model scores the speech
+heard so far (its last 8 s) while the ASR stage transcribes it. The turn ends at the
+start of that silence if the score is `semantic_complete_threshold` or more and the
+words do not stop on one that cannot end an English sentence ("for", "the", "and"...).
+The model hears prosody, the words catch what prosody misses (synthetic voices fool
+the model both ways). Speech coming back first makes the decision moot.
+
+With `min_interruption_ms`, each speech also reports once that it is `confirmed` (heard
+that long); the gateway interrupts the assistant only then.
+
 Each (re)configuration opens a fresh VAD stream and detector, so new settings apply from
 the next appended audio and never to a half-detected utterance.
 
@@ -21,15 +32,25 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-from engine.speech_detector import SpeechDetector, SpeechPaused, SpeechResumed, SpeechStarted
+from engine.speech_detector import (
+    SpeechConfirmed,
+    SpeechDetector,
+    SpeechPaused,
+    SpeechResumed,
+    SpeechStarted,
+    SpeechStopped,
+)
 from engine.stage import StageOutput
 from gateway.backend import SpeechEvent
+from gateway.config import TurnSettings
 from gateway.session_config import TurnDetection
+from gateway.turn_words import is_backchannel, sounds_unfinished
 
 __all__ = [
     "FEED_PIECE_SAMPLES",
@@ -37,6 +58,8 @@ __all__ = [
     "MAX_UNHEARD_SAMPLES",
     "EngineSpeechSource",
     "VadEngine",
+    "is_backchannel",
+    "sounds_unfinished",
 ]
 
 logger = logging.getLogger(__name__)
@@ -48,6 +71,12 @@ MAX_UNHEARD_SAMPLES = 12 * 16_000
 # Appended audio waiting to be fed, beyond which the client's frames wait unread: about
 # 4 MB, heard by the VAD in a fraction of a second (bench/vad.py).
 MAX_QUEUED_SAMPLES = 60 * 16_000
+# Audio kept for the turn-end model: its 8 s window plus what the VAD may not yet have
+# heard.
+KEEP_FOR_SCORING_SAMPLES = 8 * 16_000 + MAX_UNHEARD_SAMPLES
+SAMPLES_PER_MS = 16
+# How long a silence ends speech heard over a running answer, in either mode.
+CANDIDATE_SILENCE_MS = TurnDetection().silence_duration_ms
 
 
 class VadEngine(Protocol):
@@ -91,10 +120,41 @@ class _Progress:
             await self._changed.wait()
 
 
+class _RecentAudio:
+    """The newest samples of one VAD stream, addressable by stream time. Appends fill a
+    buffer twice the size kept; when it is full the newest half moves to its front."""
+
+    def __init__(self) -> None:
+        self._buffer = np.zeros(2 * KEEP_FOR_SCORING_SAMPLES, np.float32)
+        self._used = 0
+        self._offset = 0  # stream sample index of self._buffer[0]
+
+    def append(self, samples: np.ndarray) -> None:
+        samples = samples[-KEEP_FOR_SCORING_SAMPLES:]
+        if self._used + len(samples) > len(self._buffer):
+            keep = KEEP_FOR_SCORING_SAMPLES - len(samples)
+            drop = self._used - keep
+            self._buffer[:keep] = self._buffer[drop : self._used]
+            self._used, self._offset = keep, self._offset + drop
+        self._buffer[self._used : self._used + len(samples)] = samples
+        self._used += len(samples)
+
+    def clip(self, start_ms: int, end_ms: int) -> np.ndarray:
+        start = min(max(start_ms * SAMPLES_PER_MS - self._offset, 0), self._used)
+        end = min(max(end_ms * SAMPLES_PER_MS - self._offset, start), self._used)
+        clip: np.ndarray = self._buffer[start:end].copy()
+        return clip
+
+
 class EngineSpeechSource:
-    def __init__(self, engine: VadEngine, session_id: str) -> None:
+    def __init__(
+        self, engine: VadEngine, session_id: str, turns: TurnSettings | None = None
+    ) -> None:
         self._engine = engine
         self._session_id = session_id
+        self._turns = turns or TurnSettings()
+        self._audio = _RecentAudio()
+        self._scoring: set[asyncio.Task[None]] = set()
         self._serial = itertools.count()
         self._stream_id: str | None = None
         self._progress = _Progress()
@@ -106,6 +166,11 @@ class EngineSpeechSource:
         self._reader: asyncio.Task[None] | None = None
         self._feeder = asyncio.create_task(self._feed_loop(), name="vad-feed")
         self._closed = False
+        self._semantic = False
+        self._stream_start_ms = 0.0
+        self._watch_words = False  # the speech under way is a candidate interruption
+        # (silence start, silence length at which the turn is next scored)
+        self._next_score: tuple[int, int] | None = None
 
     def configure(
         self, settings: TurnDetection | None, start_ms: float, pause_after_ms: int | None = None
@@ -113,12 +178,18 @@ class EngineSpeechSource:
         self._stop_stream()
         if settings is None or self._closed:
             return
+        semantic = settings.semantic
+        confirm = self._turns.min_interruption_ms or None
         detector = SpeechDetector(
             threshold=settings.threshold,
             prefix_padding_ms=settings.prefix_padding_ms,
-            silence_duration_ms=settings.silence_duration_ms,
+            silence_duration_ms=settings.max_wait_ms if semantic else settings.silence_duration_ms,
             pause_after_ms=pause_after_ms,
+            confirm_after_ms=confirm,
         )
+        self._semantic = semantic
+        self._audio = _RecentAudio()
+        self._stream_start_ms = start_ms
         stream_id = f"{self._session_id}.vad{next(self._serial)}"
         self._stream_id = stream_id
         self._progress = _Progress()
@@ -126,8 +197,12 @@ class EngineSpeechSource:
         reading = self._read(outputs, detector, start_ms, self._progress)
         self._reader = asyncio.create_task(reading, name="vad-read")
 
+    def watch_words(self) -> None:
+        self._watch_words = True
+
     def feed(self, samples: np.ndarray) -> None:
         if self._stream_id is not None and samples.size:
+            self._audio.append(samples)
             self._feeds.put_nowait((self._stream_id, samples))
             self._queued += samples.size
             if self._queued > MAX_QUEUED_SAMPLES:
@@ -152,6 +227,9 @@ class EngineSpeechSource:
         self._events.put_nowait(None)
 
     def _stop_stream(self) -> None:
+        for task in self._scoring:
+            task.cancel()
+        self._scoring.clear()
         self._progress.close()
         if self._reader is not None:
             self._reader.cancel()
@@ -210,6 +288,8 @@ class EngineSpeechSource:
         start_ms: float,
         progress: _Progress,
     ) -> None:
+        speech_start_ms = 0
+        next_word_check_ms = self._turns.interruption_words_after_ms
         async for output in outputs:
             if output.error:
                 logger.warning("VAD stream failed: %s", output.error)
@@ -218,7 +298,11 @@ class EngineSpeechSource:
             progress.hear(len(probabilities) * detector.chunk)
             for decision in detector.push(probabilities):
                 if isinstance(decision, SpeechStarted):
+                    speech_start_ms = decision.audio_start_ms
+                    self._watch_words = False
                     event = SpeechEvent("started", start_ms + decision.audio_start_ms)
+                elif isinstance(decision, SpeechConfirmed):
+                    event = SpeechEvent("confirmed", start_ms + decision.audio_start_ms)
                 elif isinstance(decision, SpeechPaused):
                     event = SpeechEvent("paused", start_ms + decision.audio_end_ms)
                 elif isinstance(decision, SpeechResumed):
@@ -226,3 +310,139 @@ class EngineSpeechSource:
                 else:
                     event = SpeechEvent("stopped", start_ms + decision.audio_end_ms)
                 self._events.put_nowait(event)
+            next_word_check_ms = self._check_words(detector, speech_start_ms, next_word_check_ms)
+            if self._semantic:
+                self._follow_silence(detector, speech_start_ms, start_ms)
+
+    def _follow_silence(
+        self, detector: SpeechDetector, speech_start_ms: int, start_ms: float
+    ) -> None:
+        """semantic_vad: have the turn scored at `semantic_score_after_ms` into a silence
+        and every `semantic_rescore_ms` after. Speech over a running answer (words
+        watched) is no turn to score: it ends after server_vad's default silence, so a
+        backchannel does not hold the detector for the eagerness's long wait."""
+        silent_since = detector.silent_since_ms
+        if silent_since is None:
+            self._next_score = None
+            return
+        silence = detector.position_ms - silent_since
+        if self._watch_words:
+            if silence >= CANDIDATE_SILENCE_MS:
+                stop = detector.end_silence()
+                if stop is not None:
+                    self._events.put_nowait(SpeechEvent("stopped", start_ms + stop.audio_end_ms))
+            return
+        if self._next_score is None or self._next_score[0] != silent_since:
+            self._next_score = (silent_since, self._turns.semantic_score_after_ms)
+        if silence < self._next_score[1]:
+            return
+        rescore = self._turns.semantic_rescore_ms
+        self._next_score = (silent_since, self._next_score[1] + rescore if rescore else 10**9)
+        clip = self._audio.clip(speech_start_ms, detector.position_ms)
+        self._score(clip, detector, silent_since, start_ms)
+
+    def _check_words(
+        self, detector: SpeechDetector, speech_start_ms: int, due_ms: int | None
+    ) -> int | None:
+        """Transcribe the speech under way once it has been heard `due_ms`; returns when
+        the next check is due (a new speech starts the count again)."""
+        every = self._turns.interruption_words_after_ms
+        limit = self._turns.min_interruption_ms
+        if every is None or due_ms is None:
+            return due_ms
+        if not detector.speaking:
+            return every
+        if not self._watch_words:
+            return due_ms
+        if detector.voiced_ms < due_ms or (limit and detector.voiced_ms >= limit):
+            return due_ms
+        clip = self._audio.clip(speech_start_ms, detector.position_ms)
+        request_id = f"{self._session_id}.words{next(self._serial)}"
+        task = asyncio.create_task(
+            self._confirm_if_meant(request_id, clip, detector, detector.speech_number),
+            name="interruption-words",
+        )
+        self._scoring.add(task)
+        task.add_done_callback(self._scoring.discard)
+        return due_ms + every
+
+    async def _confirm_if_meant(
+        self, request_id: str, clip: np.ndarray, detector: SpeechDetector, speech: int
+    ) -> None:
+        words = self._result("asr", request_id, clip)
+        try:
+            transcript = await words
+        finally:
+            words.cancel()
+        logger.debug("words over the answer: %r", transcript)
+        if transcript is None or is_backchannel(transcript):
+            return
+        if detector.speech_number == speech:
+            confirmed = detector.confirm()
+            if confirmed is not None:
+                start = self._stream_start_ms + confirmed.audio_start_ms
+                self._events.put_nowait(SpeechEvent("confirmed", start))
+
+    def _score(
+        self, clip: np.ndarray, detector: SpeechDetector, silence_ms: int, start_ms: float
+    ) -> None:
+        """Ask the turn-end model about the speech before the silence at `silence_ms`."""
+        request_id = f"{self._session_id}.turn{next(self._serial)}"
+        task = asyncio.create_task(
+            self._end_if_complete(request_id, clip, detector, silence_ms, start_ms),
+            name="turn-score",
+        )
+        self._scoring.add(task)
+        task.add_done_callback(self._scoring.discard)
+
+    async def _end_if_complete(
+        self,
+        request_id: str,
+        clip: np.ndarray,
+        detector: SpeechDetector,
+        silence_ms: int,
+        start_ms: float,
+    ) -> None:
+        asked = time.monotonic()
+        score = self._result("turn", request_id, clip)
+        words = self._result("asr", request_id, clip) if self._turns.semantic_words else None
+        try:
+            probability = await score
+            transcript = await words if words is not None else ""
+        finally:  # a stream closed meanwhile cancels this task: stop both requests too
+            score.cancel()
+            if words is not None:
+                words.cancel()
+        logger.debug(
+            "turn end at %d ms: complete %.3f, words %r, after %.0f ms",
+            silence_ms,
+            probability or 0.0,
+            transcript,
+            (time.monotonic() - asked) * 1000,
+        )
+        if probability is None or probability < self._turns.semantic_complete_threshold:
+            return  # incomplete: the detector ends the turn at the eagerness's longest wait
+        if transcript is None or sounds_unfinished(transcript):
+            return
+        if detector.silent_since_ms != silence_ms:
+            return  # the speaker went on (or the turn already ended)
+        stop: SpeechStopped | None = detector.end_silence()
+        if stop is not None:
+            self._events.put_nowait(SpeechEvent("stopped", start_ms + stop.audio_end_ms))
+
+    def _result(self, stage: str, request_id: str, clip: np.ndarray) -> asyncio.Task[Any]:
+        """The one output of a request on `stage`, as a task (None if it failed)."""
+
+        async def run() -> Any:
+            result = None
+            try:
+                async for output in self._engine.stream(stage, request_id, clip):
+                    if output.error:
+                        logger.warning("%s for the turn end failed: %s", stage, output.error)
+                        return None
+                    result = output.payload
+            finally:
+                self._engine.abort(stage, request_id)
+            return result
+
+        return asyncio.create_task(run(), name=f"turn-{stage}")

@@ -7,7 +7,12 @@ Rules of this module:
 2. A turn ends with a commit: the client's `input_audio_buffer.commit` (manual), VAD's
    speech stop, or the idle timeout. The committed span becomes a user item; a response
    answers it when the settings say so, otherwise a transcription job transcribes it.
-3. While a silence may still become the stop, the turn that the stop would start is
+3. Speech heard while a response is running is a candidate interruption: nothing is sent
+   and nothing cancelled until it is confirmed (by its length or its words, see
+   `GatewayConfig.turns`), and then `speech_started` carries its true start. A candidate
+   that stops unconfirmed (a backchannel, a cough) is no turn: no event, no item; the
+   response goes on, and it stays no turn if the response ended meanwhile.
+4. While a silence may still become the stop, the turn that the stop would start is
    prepared (`PrepareResponse`); the stop starts an equal turn, which takes that work
    over, and anything else discards it (`DiscardPrepared`). Both read the same stored
    samples of the same span, so the two turns are equal values.
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gateway.actions import ConfigureVad, DiscardPrepared, FeedVad, PrepareResponse
+from gateway.actions import ConfigureVad, DiscardPrepared, FeedVad, PrepareResponse, WatchWords
 from gateway.audio import AudioFormatError, decode_base64
 from gateway.config import GatewayConfig
 from gateway.conversation import AudioLimitError, Conversation, Item
@@ -66,6 +71,8 @@ class TurnTaking:
         self.input = InputBuffer(settings.input_format)
         self._speech_item_id: str | None = None  # the user item of the speech under way
         self._speech_start_ms = 0.0
+        # The start of speech heard over a running response, not yet confirmed (rule 3).
+        self._candidate_ms: float | None = None
         self._prepared = False  # a PrepareResponse is out, not yet taken or discarded
         self._idle_since_ms = 0.0
         self._configure_vad()
@@ -90,6 +97,7 @@ class TurnTaking:
     def _configure_vad(self) -> None:
         detection = self.settings.turn_detection
         self._speech_item_id = None
+        self._candidate_ms = None
         self.busy()
         # The VAD starts over at the clock's now; what the resampler still holds is audio
         # from before, so it goes into the buffer without being fed.
@@ -97,6 +105,9 @@ class TurnTaking:
         self.input.take_fresh()
         self._discard_prepared()
         pause = self._config.prepare_after_silence_ms if detection is not None else None
+        if detection is not None and detection.semantic:
+            # The silence the turn-end model scores is also where the answer is prepared.
+            pause = self._config.turns.semantic_score_after_ms
         self._out.act(ConfigureVad(detection, self.now_ms, pause))
 
     # -- client events ------------------------------------------------------------------
@@ -133,6 +144,7 @@ class TurnTaking:
         self._discard_prepared()
         self.input.clear()
         self._speech_item_id = None
+        self._candidate_ms = None
         self._out.emit("input_audio_buffer.cleared")
 
     def _feed_vad(self) -> None:
@@ -189,6 +201,21 @@ class TurnTaking:
         detection = self.settings.turn_detection
         if detection is None or self._speech_item_id is not None:
             return
+        needs_confirming = self._config.turns.min_interruption_ms > 0
+        if needs_confirming and self._responses.active_id is not None:
+            self._candidate_ms = audio_start_ms  # rule 3: not yet an interruption
+            self._out.act(WatchWords())
+            return
+        self._begin_speech(audio_start_ms)
+
+    def speech_confirmed(self, audio_start_ms: float) -> None:
+        if self._candidate_ms is not None:
+            self._candidate_ms = None
+            self._begin_speech(audio_start_ms)
+
+    def _begin_speech(self, audio_start_ms: float) -> None:
+        detection = self.settings.turn_detection
+        assert detection is not None
         self._speech_item_id = new_id("item")
         self._speech_start_ms = max(audio_start_ms, self.input.start_ms)
         self._out.emit(
@@ -229,6 +256,11 @@ class TurnTaking:
 
     def speech_stopped(self, audio_end_ms: float) -> None:
         detection = self.settings.turn_detection
+        if self._candidate_ms is not None:
+            # Rule 3: unconfirmed speech that began over a response is no turn, even if
+            # the response has ended since (its audio was most likely still playing).
+            self._candidate_ms = None
+            return
         item_id, self._speech_item_id = self._speech_item_id, None
         if detection is None or item_id is None:
             self._discard_prepared()

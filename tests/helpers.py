@@ -49,10 +49,12 @@ def running_gateway(*args: str, env: dict[str, str] | None = None) -> Iterator[G
     port = free_port()
     cmd = [sys.executable, "-m", "gateway.cli", "--port", str(port), "--log-level", "WARNING"]
     outer = {k: v for k, v in os.environ.items() if k != "DUPLEX_GATEWAY_API_KEY"}
+    # The outer PYTHONPATH is kept behind the tree: a model package may be found there.
+    path = os.pathsep.join(p for p in (str(ROOT), outer.get("PYTHONPATH")) if p)
     proc = subprocess.Popen(
         [*cmd, *args],
         cwd=ROOT,
-        env={**outer, "PYTHONPATH": str(ROOT), **(env or {})},
+        env={**outer, "PYTHONPATH": path, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -21,7 +21,13 @@ def test_default_profile_loads_with_embedded_models() -> None:
     assert config.stages.vad.model.name == "silero-vad"
     assert config.stages.tts.voice == "joe"
     assert "sentence" in config.system_prompt
-    assert config.gateway == {}
+    assert config.stages.turn.model is not None
+    assert config.stages.turn.model.name == "smart-turn-v3.2"
+    # The gateway section is the gateway's to validate, and it does.
+    from gateway.config import GatewayConfig
+
+    turns = GatewayConfig.model_validate(config.gateway).turns
+    assert turns.min_interruption_ms > 0 and turns.interruption_words_after_ms is not None
 
 
 def test_remote_profile_loads() -> None:
@@ -160,13 +166,13 @@ def test_remote_backend_loads_no_local_llm(monkeypatch: pytest.MonkeyPatch) -> N
     from engine import build
 
     loaded: list[str] = []
-    for name in ("_asr_stage", "_tts_stage", "_vad_stage", "_llm_stage"):
+    for name in ("_asr_stage", "_tts_stage", "_vad_stage", "_llm_stage", "_turn_stage"):
         monkeypatch.setattr(build, name, lambda config, progress, n=name: loaded.append(n))
     build.load_stages(load_config(CONFIGS / "remote-llm.yaml"), progress=False)
-    assert sorted(loaded) == ["_asr_stage", "_tts_stage", "_vad_stage"]
+    assert sorted(loaded) == ["_asr_stage", "_tts_stage", "_turn_stage", "_vad_stage"]
     loaded.clear()
     build.load_stages(load_config(CONFIGS / "default.yaml"), progress=False)
-    assert sorted(loaded) == ["_asr_stage", "_llm_stage", "_tts_stage", "_vad_stage"]
+    assert sorted(loaded) == ["_asr_stage", "_llm_stage", "_tts_stage", "_turn_stage", "_vad_stage"]
 
 
 def test_warm_up_reports_a_stage_that_never_finishes() -> None:

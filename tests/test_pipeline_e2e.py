@@ -153,7 +153,7 @@ class Client:
         # Drained: no stage holds a request and no turn runs, so nothing is left to output.
         await self.idle()
         assert len(self.outputs) == count, "output of an aborted turn after abort_requests"
-        assert self.bundle.engine.pending() == {"asr": 0, "llm": 0, "tts": 0, "vad": 0}
+        assert self.bundle.engine.pending() == {"asr": 0, "llm": 0, "tts": 0, "vad": 0, "turn": 0}
         await self.orch.cleanup(ids)
 
 

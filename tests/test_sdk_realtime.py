@@ -372,7 +372,7 @@ ERROR_CASES = [
             "type": "session.update",
             "session": {
                 "type": "realtime",
-                "audio": {"input": {"turn_detection": {"type": "semantic_vad"}}},
+                "audio": {"input": {"turn_detection": {"type": "semantic_vad", "threshold": 0.5}}},
             },
         },
         "invalid_value",

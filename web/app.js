@@ -261,7 +261,7 @@ const handlers = {
     const typed = (item.content || []).find((c) => c.type === "input_text");
     if (typed) setBubbleText(item.id, "user", typed.text);
   },
-  "response.created": () => setState("connected", "answering"),
+  "response.created": () => setState("connected", "thinking"),
   "response.output_item.added": (e) => bubble(e.item.id, e.item.type === "function_call" ? "tool" : "assistant"),
   "response.function_call_arguments.delta": (e) => setBubbleText(e.item_id, "tool", e.delta, true),
   "response.function_call_arguments.done": answerCall,
@@ -270,6 +270,7 @@ const handlers = {
   "response.output_audio_transcript.done": (e) => demo.assistantTexts.push(e.transcript),
   "response.output_text.done": (e) => demo.assistantTexts.push(e.text),
   "response.output_audio.delta": (e) => {
+    if (demo.state !== "connected" || $("state").textContent !== "connected: speaking") setState("connected", "speaking");
     if (awaitingFirstAudio && speechStoppedAt !== null) {
       const ms = Math.round(performance.now() - speechStoppedAt);
       demo.latencyMs.push(ms);
@@ -308,19 +309,25 @@ function showSession(s) {
   $("transcribe").checked = Boolean(s.audio && s.audio.input && s.audio.input.transcription);
   if (td && td.threshold !== undefined) $("threshold").value = td.threshold;
   if (td && td.silence_duration_ms !== undefined) $("silence").value = td.silence_duration_ms;
+  if (td && td.eagerness !== undefined) $("eagerness").value = td.eagerness;
   $("commit").hidden = Boolean(td);
   const choice = (s.tools || []).length ? s.tool_choice : "off";
   $("tools").value = typeof choice === "string" ? choice : "required";
+  showModeFields();
+}
+
+// Each turn-detection mode shows only the fields it takes.
+function showModeFields() {
+  const mode = $("turnDetection").value;
+  for (const label of document.querySelectorAll("label[data-for]")) label.hidden = label.dataset.for !== mode;
 }
 
 function applySettings(event) {
   if (event) event.preventDefault();
   const mode = $("turnDetection").value;
-  const turnDetection = mode === "none" ? null : {
-    type: mode,
-    threshold: Number($("threshold").value),
-    silence_duration_ms: Number($("silence").value),
-  };
+  const turnDetection = mode === "none" ? null
+    : mode === "semantic_vad" ? { type: mode, eagerness: $("eagerness").value }
+    : { type: mode, threshold: Number($("threshold").value), silence_duration_ms: Number($("silence").value) };
   const update = {
     type: "realtime",
     instructions: $("instructions").value,
@@ -371,3 +378,5 @@ $("settings").addEventListener("submit", applySettings);
 $("composer").addEventListener("submit", sendText);
 $("commit").addEventListener("click", commitAudio);
 setState("disconnected");
+$("turnDetection").addEventListener("change", showModeFields);
+showModeFields();

@@ -1,0 +1,64 @@
+"""What the words of a turn say about it: does it stop mid-sentence, is it only a
+backchannel. English only, like the transcription the gateway offers.
+
+Whisper transcribes the first few hundred milliseconds of speech loosely ("and then",
+"M.S." for "mm hmm", "Earth." for "uh huh"), so a word counts as meaning to take the turn
+only if it has content of its own.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "BACKCHANNELS",
+    "FILLERS",
+    "GUESSED_OBJECTS",
+    "UNFINISHED_ENDINGS",
+    "is_backchannel",
+    "sounds_unfinished",
+]
+
+# Words an English sentence almost never ends with: articles, possessives, most
+# prepositions, conjunctions, subject pronouns. A transcript ending on one is cut off.
+# Words that can close a sentence ("so", "in", "is", "can") are left out on purpose.
+UNFINISHED_ENDINGS = frozenset(
+    ("a", "an", "the", "my", "your", "his", "her", "our", "their", "every")
+    + ("to", "of", "for", "with", "from", "into", "onto", "at", "by", "about", "than")
+    + ("and", "or", "but", "because", "if", "when", "while", "although", "unless")
+    + ("whether", "been", "being", "very", "i", "we", "they", "he", "she", "i'm")
+)
+
+# What a listener says to show they follow, not to take the turn; whisper's habit of
+# hearing "Thank you." in short noise is in here too.
+BACKCHANNELS = frozenset(
+    ("mm", "mmm", "hm", "hmm", "mhm", "uh", "huh", "um", "ah", "oh", "ooh", "aha")
+    + ("yeah", "yep", "yes", "ya", "yup", "okay", "ok", "right", "sure", "alright", "cool")
+    + ("i", "see", "got", "it", "nice", "wow", "really", "true", "exactly", "great", "good")
+    + ("fine", "thanks", "thank", "you", "so", "well")
+)
+
+# Short words whisper makes of a sound's first syllable, which say nothing on their own.
+FILLERS = frozenset(("then", "so", "it", "is", "in", "on", "that", "this", "there"))
+
+
+def is_backchannel(transcript: str) -> bool:
+    """Whether a transcript holds no word that means to take the turn: only backchannels,
+    words that cannot stand alone ("and", "the"), or single letters."""
+    words = re.findall(r"[a-z']+", transcript.lower())  # "mm-hmm": "mm", "hmm"
+    ignored = BACKCHANNELS | UNFINISHED_ENDINGS | FILLERS
+    return all(len(word) < 2 or word in ignored for word in words)
+
+
+# Whisper completes speech cut after a preposition with a pronoun of its own ("a table
+# for" becomes "a table for it."): after such a word, these prove nothing.
+GUESSED_OBJECTS = frozenset(("it", "you", "me", "them", "him", "us"))
+
+
+def sounds_unfinished(transcript: str) -> bool:
+    """Whether a transcript stops on a word no English sentence ends with, or on a
+    pronoun right after one (a real "...for you." then waits a little longer)."""
+    words = re.findall(r"[a-z']+", transcript.lower())
+    if len(words) >= 2 and words[-1] in GUESSED_OBJECTS and words[-2] in UNFINISHED_ENDINGS:
+        return True
+    return bool(words) and words[-1] in UNFINISHED_ENDINGS

@@ -1,0 +1,397 @@
+"""semantic_vad settings, the turn-end decision and confirmed interruptions, driven event
+by event (sans-I/O session; the speech source with a scripted engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engine.stage import StageOutput
+from gateway.actions import (
+    CancelResponse,
+    ConfigureVad,
+    PrepareResponse,
+    StartResponse,
+    WatchWords,
+)
+from gateway.backend import ResponseDone, ResponseOutput, SpeechEvent
+from gateway.config import GatewayConfig, TurnSettings
+from gateway.realtime import RealtimeSession
+from gateway.session_config import TurnDetection
+from gateway.turn_detection import EngineSpeechSource, is_backchannel, sounds_unfinished
+from tests.helpers import wait_until
+
+RATE = 24000
+
+
+def make(beta: bool = False, **config: Any) -> RealtimeSession:
+    config.setdefault("semantic_vad", True)
+    return RealtimeSession(config=GatewayConfig(**config), model="m", beta=beta)
+
+
+def send(rt: RealtimeSession, /, **event: object) -> list[dict]:
+    rt.receive_text(json.dumps(event))
+    return rt.events_to_send()
+
+
+def types(events: list[dict]) -> list[str]:
+    return [e["type"] for e in events]
+
+
+def tone_b64(ms: int) -> str:
+    t = np.arange(RATE * ms // 1000) / RATE
+    pcm = (0.3 * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2")
+    return base64.b64encode(pcm.tobytes()).decode()
+
+
+def ga_detection(rt: RealtimeSession, detection: object) -> list[dict]:
+    session = {"type": "realtime", "audio": {"input": {"turn_detection": detection}}}
+    return send(rt, type="session.update", session=session)
+
+
+# -- settings ----------------------------------------------------------------------------
+
+
+def test_semantic_vad_in_the_ga_shape() -> None:
+    rt = make()
+    rt.events_to_send()
+    (event,) = ga_detection(rt, {"type": "semantic_vad", "eagerness": "high"})
+    detection = event["session"]["audio"]["input"]["turn_detection"]
+    assert detection == {
+        "type": "semantic_vad",
+        "eagerness": "high",
+        "create_response": True,
+        "interrupt_response": True,
+    }
+    configure = [a for a in rt.actions() if isinstance(a, ConfigureVad)][-1]
+    assert configure.settings is not None and configure.settings.max_wait_ms == 2000
+    # The silence the model scores is where the answer is prepared.
+    assert configure.pause_after_ms == TurnSettings().semantic_score_after_ms
+
+
+def test_semantic_vad_in_the_beta_shape_and_partial_updates() -> None:
+    rt = make(beta=True)
+    rt.events_to_send()
+    detection = {"type": "semantic_vad", "eagerness": "low", "create_response": False}
+    (event,) = send(rt, type="session.update", session={"turn_detection": detection})
+    assert event["type"] == "session.updated"
+    assert event["session"]["turn_detection"]["eagerness"] == "low"
+    # A partial update keeps the type and the other fields.
+    update = {"turn_detection": {"eagerness": "auto"}}
+    (event,) = send(rt, type="session.update", session=update)
+    assert event["session"]["turn_detection"] == {
+        "type": "semantic_vad",
+        "eagerness": "auto",
+        "create_response": False,
+        "interrupt_response": True,
+    }
+    # Back to server_vad: its own defaults, not semantic_vad's leftovers.
+    update = {"turn_detection": {"type": "server_vad"}}
+    (event,) = send(rt, type="session.update", session=update)
+    assert event["session"]["turn_detection"]["silence_duration_ms"] == 500
+    assert "eagerness" not in event["session"]["turn_detection"]
+
+
+@pytest.mark.parametrize(
+    ("detection", "param", "words"),
+    [
+        ({"type": "semantic_vad", "eagerness": "eager"}, "eagerness", "low"),
+        ({"type": "semantic_vad", "silence_duration_ms": 300}, "silence_duration_ms", "only"),
+        ({"type": "semantic_vad", "threshold": 0.7}, "threshold", "only to server_vad"),
+        ({"type": "server_vad", "eagerness": "low"}, "eagerness", "only to semantic_vad"),
+        ({"type": "semantic_vad", "eagerness": 3}, "eagerness", "low"),
+    ],
+)
+def test_refused_semantic_settings_get_a_clear_error(
+    detection: dict, param: str, words: str
+) -> None:
+    rt = make()
+    rt.events_to_send()
+    (event,) = ga_detection(rt, detection)
+    assert event["type"] == "error"
+    assert param in event["error"]["param"] and words in event["error"]["message"]
+    # The session goes on with its settings unchanged.
+    (event,) = ga_detection(rt, {"type": "server_vad", "silence_duration_ms": 400})
+    assert event["type"] == "session.updated"
+
+
+def test_semantic_vad_without_the_model_is_refused() -> None:
+    rt = make(semantic_vad=False)
+    rt.events_to_send()
+    (event,) = ga_detection(rt, {"type": "semantic_vad"})
+    assert event["type"] == "error"
+    assert event["error"]["param"] == "session.audio.input.turn_detection.type"
+    assert "turn-end model" in event["error"]["message"]
+
+
+def test_the_word_rules() -> None:
+    assert sounds_unfinished("I would like to book a table for")
+    assert sounds_unfinished("Can you add eggs and")
+    assert sounds_unfinished("I would like to book a table for it.")  # whisper's guess
+    assert not sounds_unfinished("What is the capital of France?")
+    assert not sounds_unfinished("")
+    assert is_backchannel("Mm-hmm.") and is_backchannel("Yeah, okay.") and is_backchannel("")
+    assert not is_backchannel("Wait, stop.")
+
+
+# -- interruptions -------------------------------------------------------------------------
+
+
+def answering(rt: RealtimeSession) -> str:
+    """Speak a turn and have its answer's audio going out; the answer's response id."""
+    rt.events_to_send()
+    for _ in range(10):
+        send(rt, type="input_audio_buffer.append", audio=tone_b64(100))
+    rt.speech_started(100)
+    rt.speech_stopped(800)
+    rt.events_to_send()
+    (start,) = [a for a in rt.actions() if isinstance(a, StartResponse)]
+    samples = np.full(22050, 0.03, np.float32).astype("<f4").tobytes()
+    rt.receive_response_event(
+        ResponseOutput(start.response_id, "audio", text="one two", audio=samples, sample_rate=22050)
+    )
+    rt.events_to_send()
+    return start.response_id
+
+
+def test_unconfirmed_speech_over_an_answer_changes_nothing() -> None:
+    rt = make(turns={"min_interruption_ms": 1000})
+    response_id = answering(rt)
+    for _ in range(5):
+        send(rt, type="input_audio_buffer.append", audio=tone_b64(100))
+    rt.speech_started(1000)
+    rt.speech_paused(1300)
+    rt.speech_stopped(1300)
+    assert rt.events_to_send() == []
+    actions = rt.actions()
+    assert not [a for a in actions if isinstance(a, (CancelResponse, PrepareResponse))]
+    assert WatchWords() in actions
+    assert rt.active_id == response_id
+
+
+def test_confirmed_speech_interrupts_from_its_true_start() -> None:
+    rt = make(turns={"min_interruption_ms": 1000})
+    response_id = answering(rt)
+    for _ in range(5):
+        send(rt, type="input_audio_buffer.append", audio=tone_b64(100))
+    rt.speech_started(1000)
+    assert rt.events_to_send() == [] and rt.active_id == response_id
+    rt.speech_confirmed(1000)
+    events = rt.events_to_send()
+    assert types(events) == ["input_audio_buffer.speech_started"]
+    assert events[0]["audio_start_ms"] == 1000
+    assert CancelResponse(response_id, "turn_detected") in rt.actions()
+
+
+def test_speech_while_the_assistant_is_silent_starts_at_once() -> None:
+    rt = make(turns={"min_interruption_ms": 1000})
+    rt.events_to_send()
+    send(rt, type="input_audio_buffer.append", audio=tone_b64(500))
+    rt.speech_started(100)
+    assert types(rt.events_to_send()) == ["input_audio_buffer.speech_started"]
+
+
+# -- the speech source: the turn-end decision ---------------------------------------------
+
+
+class ScriptedEngine:
+    """VAD probabilities as the test pushes them; turn scores and transcripts from
+    scripts; records the requests."""
+
+    def __init__(self, score: float | list[float], transcript: str) -> None:
+        self.scores = score if isinstance(score, list) else [score]
+        self.transcript = transcript
+        self.vad: asyncio.Queue[StageOutput] = asyncio.Queue()
+        self.requests: list[tuple[str, int]] = []
+        self.fed = 0
+
+    async def stream(
+        self, stage: str, request_id: str, inputs: object
+    ) -> AsyncIterator[StageOutput]:
+        if stage == "vad":
+            while True:
+                yield await self.vad.get()
+        assert isinstance(inputs, np.ndarray)
+        self.requests.append((stage, len(inputs)))
+        score = self.scores.pop(0) if len(self.scores) > 1 else self.scores[0]
+        payload: object = score if stage == "turn" else self.transcript
+        yield StageOutput(request_id, payload, finished=True)
+
+    async def call(self, stage: str, method: str, *args: object) -> object:
+        self.fed += len(args[1])  # type: ignore[arg-type]
+        return None
+
+    def abort(self, stage: str, request_id: str) -> None:
+        pass
+
+    def pending(self) -> dict[str, int]:
+        return {}
+
+    def push(self, *probabilities: float) -> None:
+        self.vad.put_nowait(StageOutput("vad", np.array(probabilities, np.float32)))
+
+
+async def decisions(source: EngineSpeechSource, count: int) -> list[SpeechEvent]:
+    out: list[SpeechEvent] = []
+    async with asyncio.timeout(5):
+        async for event in source.events():
+            out.append(event)
+            if len(out) == count:
+                return out
+    return out
+
+
+def semantic_source(engine: ScriptedEngine, **turns: Any) -> EngineSpeechSource:
+    source = EngineSpeechSource(engine, "s", TurnSettings(**turns))
+    settings = TurnDetection(type="semantic_vad", eagerness="auto")
+    source.configure(settings, start_ms=0, pause_after_ms=160)
+    source.feed(np.zeros(16000 * 3, np.float32))
+    return source
+
+
+async def test_a_complete_turn_ends_at_the_start_of_its_silence() -> None:
+    engine = ScriptedEngine(score=0.9, transcript="What is the capital of France?")
+    source = semantic_source(engine)
+    engine.push(*[0.9] * 20, *[0.0] * 6)  # 640 ms of speech, then 192 ms of silence
+    events = await decisions(source, 3)
+    assert [e.kind for e in events] == ["started", "paused", "stopped"]
+    assert events[2].ms == 640
+    assert {stage for stage, _ in engine.requests} == {"turn", "asr"}
+    await source.close()
+
+
+@pytest.mark.parametrize(
+    ("score", "transcript"),
+    [(0.2, "What is the capital of France?"), (0.9, "I would like to book a table for")],
+)
+async def test_an_unfinished_turn_waits(score: float, transcript: str) -> None:
+    engine = ScriptedEngine(score=score, transcript=transcript)
+    source = semantic_source(engine)
+    engine.push(*[0.9] * 20, *[0.0] * 6)
+    events = await decisions(source, 2)
+    assert [e.kind for e in events] == ["started", "paused"]
+    # Both answers are in once the speaker goes on; the turn did not end meanwhile.
+    async with asyncio.timeout(5):
+        while len(engine.requests) < 2:
+            await asyncio.sleep(0.001)
+    engine.push(*[0.9] * 5)
+    (event,) = await decisions(source, 1)
+    assert event.kind == "resumed"
+    await source.close()
+
+
+async def test_an_unfinished_turn_ends_at_the_eagerness_cap() -> None:
+    engine = ScriptedEngine(score=0.1, transcript="and")
+    source = semantic_source(engine)
+    engine.push(*[0.9] * 20, *[0.0] * 130)  # 4.16 s of silence: past auto's 4 s
+    events = await decisions(source, 3)
+    assert [e.kind for e in events] == ["started", "paused", "stopped"]
+    assert events[2].ms == 640
+    await source.close()
+
+
+async def test_words_confirm_an_interruption_before_the_minimum() -> None:
+    engine = ScriptedEngine(score=0.1, transcript="Wait, stop")
+    source = EngineSpeechSource(
+        engine, "s", TurnSettings(min_interruption_ms=1000, interruption_words_after_ms=256)
+    )
+    source.configure(TurnDetection(), start_ms=0)
+    source.feed(np.zeros(16000, np.float32))
+    engine.push(0.9)
+    (started,) = await decisions(source, 1)
+    source.watch_words()  # the session saw it start over a running answer
+    engine.push(*[0.9] * 7)  # 256 ms heard: the words are checked
+    (confirmed,) = await decisions(source, 1)
+    assert (started.kind, confirmed.kind) == ("started", "confirmed")
+    assert confirmed.ms == started.ms
+    assert ("asr", 256 * 16) in engine.requests
+    await source.close()
+
+
+async def test_backchannel_words_do_not_confirm() -> None:
+    engine = ScriptedEngine(score=0.1, transcript="Mm-hmm.")
+    source = EngineSpeechSource(
+        engine, "s", TurnSettings(min_interruption_ms=1000, interruption_words_after_ms=256)
+    )
+    source.configure(TurnDetection(), start_ms=0)
+    source.feed(np.zeros(16000, np.float32))
+    engine.push(0.9)
+    await decisions(source, 1)
+    source.watch_words()
+    engine.push(*[0.9] * 9)  # the words are checked after this much speech ...
+    engine.push(*[0.0] * 16)  # ... and said nothing: the speech stops unconfirmed
+    (event,) = await decisions(source, 1)
+    assert event.kind == "stopped"
+    await wait_until(lambda: bool(engine.requests), 5, "the words check")
+    assert [stage for stage, _ in engine.requests] == ["asr"]
+    await source.close()
+
+
+async def test_words_are_checked_only_when_asked() -> None:
+    engine = ScriptedEngine(score=0.1, transcript="Wait, stop")
+    source = EngineSpeechSource(
+        engine, "s", TurnSettings(min_interruption_ms=1000, interruption_words_after_ms=256)
+    )
+    source.configure(TurnDetection(), start_ms=0)
+    source.feed(np.zeros(16000, np.float32))
+    engine.push(*[0.9] * 10, *[0.0] * 16)
+    events = await decisions(source, 2)
+    assert [e.kind for e in events] == ["started", "stopped"]
+    assert engine.requests == []
+    await source.close()
+
+
+def test_a_backchannel_stays_no_turn_when_the_answer_ends_meanwhile() -> None:
+    rt = make(turns={"min_interruption_ms": 1000})
+    response_id = answering(rt)
+    for _ in range(5):
+        send(rt, type="input_audio_buffer.append", audio=tone_b64(100))
+    rt.speech_started(1000)
+    rt.receive_response_event(ResponseDone(response_id, "completed"))
+    assert types(rt.events_to_send())[-1] == "response.done"
+    rt.speech_stopped(1300)
+    assert rt.events_to_send() == []
+    assert not [a for a in rt.actions() if isinstance(a, StartResponse)]
+
+
+def test_the_audio_kept_for_scoring_is_the_newest_in_order() -> None:
+    from gateway.turn_detection import KEEP_FOR_SCORING_SAMPLES, _RecentAudio
+
+    recent = _RecentAudio()
+    fed = np.arange(3 * KEEP_FOR_SCORING_SAMPLES + 123, dtype=np.float32)
+    for i in range(0, len(fed), 640):  # 40 ms appends
+        recent.append(fed[i : i + 640])
+    end_ms = len(fed) // 16
+    expected = fed[(end_ms - 8000) * 16 : end_ms * 16]
+    np.testing.assert_array_equal(recent.clip(end_ms - 8000, end_ms), expected)
+
+
+async def test_a_turn_scored_again_ends_when_the_model_changes_its_mind() -> None:
+    engine = ScriptedEngine(score=[0.2, 0.8], transcript="How far away is the moon?")
+    source = semantic_source(engine)
+    engine.push(*[0.9] * 20, *[0.0] * 6)  # scored at 160 ms of silence: incomplete
+    assert [e.kind for e in await decisions(source, 2)] == ["started", "paused"]
+    await wait_until(lambda: len(engine.requests) == 2, 5, "the first scoring")
+    engine.push(*[0.0] * 13)  # 576 ms of silence: scored again, complete
+    (event,) = await decisions(source, 1)
+    assert (event.kind, event.ms) == ("stopped", 640)
+    await source.close()
+
+
+async def test_speech_over_an_answer_ends_after_a_short_silence_in_semantic_mode() -> None:
+    engine = ScriptedEngine(score=0.1, transcript="Mm-hmm.")
+    source = semantic_source(engine)
+    engine.push(0.9)
+    await decisions(source, 1)
+    source.watch_words()
+    engine.push(*[0.9] * 9)
+    engine.push(*[0.0] * 17)  # 544 ms: not the eagerness's 4 s
+    kinds = [e.kind for e in await decisions(source, 2)]
+    assert kinds == ["paused", "stopped"]
+    await source.close()

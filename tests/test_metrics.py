@@ -23,7 +23,7 @@ from tests.helpers import running_gateway, wait_until
 
 PENDING = "duplex_gateway_engine_pending_requests"
 LAG = "duplex_gateway_event_loop_lag_seconds"
-STAGES = {"asr", "llm", "tts", "vad"}
+STAGES = {"asr", "llm", "tts", "turn", "vad"}
 RATE = 24000
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

@@ -58,8 +58,6 @@ __all__ = [
     "MAX_UNHEARD_SAMPLES",
     "EngineSpeechSource",
     "VadEngine",
-    "is_backchannel",
-    "sounds_unfinished",
 ]
 
 logger = logging.getLogger(__name__)

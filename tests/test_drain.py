@@ -14,19 +14,17 @@ import signal
 import urllib.error
 import urllib.request
 from collections import deque
-from collections.abc import AsyncIterator
 from typing import Any
 
-import numpy as np
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from duplex.turn import TurnRequest
-from gateway.backend import ResponseDone, ResponseEvent, ResponseOutput, SpeechEvent
+from gateway.backend import ResponseDone, ResponseEvent, ResponseOutput
 from gateway.config import GatewayConfig
 from gateway.server import DRAIN_REASON, DRAIN_TIMEOUT_REASON, GatewayServer
-from gateway.session_config import TurnDetection
+from tests.fake_backend import IdleBackend, NoSpeech
 from tests.helpers import running_gateway, wait_until
 
 
@@ -79,32 +77,9 @@ class HeldSession:
         self.arrived.set()
 
 
-class NoSpeech:
+class HeldBackend(IdleBackend):
     def __init__(self) -> None:
-        self.closed = asyncio.Event()
-
-    def configure(
-        self, settings: TurnDetection | None, start_ms: float, pause_after_ms: int | None = None
-    ) -> None:
-        pass
-
-    def feed(self, samples: np.ndarray) -> None:
-        pass
-
-    async def room(self) -> None:
-        pass
-
-    async def events(self) -> AsyncIterator[SpeechEvent]:
-        await self.closed.wait()
-        return
-        yield
-
-    async def close(self) -> None:
-        self.closed.set()
-
-
-class HeldBackend:
-    def __init__(self) -> None:
+        super().__init__()
         self.release = asyncio.Event()
 
     def open_session(self, session_id: str) -> HeldSession:
@@ -112,18 +87,6 @@ class HeldBackend:
 
     def open_speech(self, session_id: str) -> NoSpeech:
         return NoSpeech()
-
-    def pending(self) -> dict[str, int]:
-        return {}
-
-    def prepared_turns(self) -> dict[str, int]:
-        return {}
-
-    def llm_tokens(self) -> dict[str, int]:
-        return {}
-
-    async def close(self) -> None:
-        pass
 
 
 async def started(**config: Any) -> tuple[GatewayServer, HeldBackend]:

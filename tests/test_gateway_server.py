@@ -29,6 +29,7 @@ from gateway.backend import ResponseDone, ResponseEvent, ResponseOutput, SpeechE
 from gateway.config import GatewayConfig
 from gateway.server import GatewayServer
 from gateway.session_config import TurnDetection
+from tests.fake_backend import IdleBackend
 
 INPUT_RATE = 24000  # the client's PCM16
 OUTPUT_RATE = 22050  # the fake engine's speech, as float32 like the real one
@@ -148,7 +149,10 @@ class EnergySpeech:
             )
 
     async def room(self) -> None:
-        pass
+        """Never behind: `feed` decides at once."""
+
+    def watch_words(self) -> None:
+        """Speech over an answer interrupts at once here (no minimum to confirm)."""
 
     def feed(self, samples: np.ndarray) -> None:
         if self.detector is None:
@@ -177,17 +181,17 @@ class EnergySpeech:
         self.queue.put_nowait(None)
 
 
-class FakeBackend:
+class FakeBackend(IdleBackend):
     def __init__(
         self, words: list[str] | None = None, chunk_ms: int = 200, delay: float = 0.005
     ) -> None:
+        super().__init__()
         self.models = ["duplex-smollm2"]
         self.words = words or ["Hello", "there", "friend"]
         self.chunk_ms = chunk_ms
         self.delay = delay
         self.sessions: list[FakeSession] = []
         self.session_closed = asyncio.Event()  # set once any session is released
-        self.closed = False
 
     def open_session(self, session_id: str) -> FakeSession:
         session = FakeSession(self.words, self.chunk_ms, self.delay, self.session_closed)
@@ -196,18 +200,6 @@ class FakeBackend:
 
     def open_speech(self, session_id: str) -> EnergySpeech:
         return EnergySpeech()
-
-    def pending(self) -> dict[str, int]:
-        return {}
-
-    def llm_tokens(self) -> dict[str, int]:
-        return {}
-
-    def prepared_turns(self) -> dict[str, int]:
-        return {}
-
-    async def close(self) -> None:
-        self.closed = True
 
 
 async def start_server(backend: FakeBackend | None = None, **config: Any) -> GatewayServer:

@@ -19,6 +19,7 @@ from websockets.asyncio.client import connect
 
 from gateway.config import GatewayConfig
 from gateway.server import GatewayServer
+from tests.fake_backend import IdleBackend
 from tests.helpers import running_gateway, wait_until
 
 PENDING = "duplex_gateway_engine_pending_requests"
@@ -29,12 +30,12 @@ RATE = 24000
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-class CountingBackend:
+class CountingBackend(IdleBackend):
     """A backend whose engine holds `counts` requests; no session is opened on it."""
 
     def __init__(self, counts: dict[str, int]) -> None:
+        super().__init__()
         self.counts = counts
-        self.closed = False
 
     def pending(self) -> dict[str, int]:
         return dict(self.counts)
@@ -50,9 +51,6 @@ class CountingBackend:
 
     def open_speech(self, session_id: str) -> None:
         raise AssertionError("this test opens no session")
-
-    async def close(self) -> None:
-        self.closed = True
 
 
 def scrape(port: int) -> Samples:

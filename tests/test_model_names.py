@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from gateway.config import GatewayConfig
 from gateway.realtime import RealtimeSession
 from gateway.server import GatewayServer
+from tests.fake_backend import IdleBackend
 from tests.helpers import RATE, GatewayProcess, running_gateway
 
 RECORDING = Path("/usr/share/sounds/alsa/Front_Center.wav")
@@ -100,22 +101,6 @@ def test_session_update_to_an_unknown_name_is_an_error_and_the_session_goes_on()
 
 
 # -- /healthz lists the names and is logged at DEBUG -----------------------------------
-
-
-class IdleBackend:
-    """Enough of a backend for HTTP routes: no session is opened here."""
-
-    def pending(self) -> dict[str, int]:
-        return {}
-
-    def prepared_turns(self) -> dict[str, int]:
-        return {}
-
-    def llm_tokens(self) -> dict[str, int]:
-        return {}
-
-    async def close(self) -> None:
-        pass
 
 
 def http_json(port: int, path: str) -> tuple[int, dict[str, Any]]:

@@ -24,7 +24,8 @@ from gateway.backend import ResponseDone, ResponseOutput, SpeechEvent
 from gateway.config import GatewayConfig, TurnSettings
 from gateway.realtime import RealtimeSession
 from gateway.session_config import TurnDetection
-from gateway.turn_detection import EngineSpeechSource, is_backchannel, sounds_unfinished
+from gateway.turn_detection import EngineSpeechSource
+from gateway.turn_words import is_backchannel, sounds_unfinished
 from tests.helpers import wait_until
 
 RATE = 24000

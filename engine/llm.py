@@ -355,8 +355,9 @@ class LlmStage:
         prefill about 0.15 s. Hence:
         - No forward prefills more than `prefill_slice_tokens` of one request (64), and
           fewer as its KV grows (`_slice_at`): attention over a longer cache makes each
-          token dearer, so 64 tokens at a depth of 2,000 cost about five times what they
-          cost at the start, and a slice there is cut to 16 to cost about the same.
+          token dearer, so a short turn arriving deep into a long prefill would otherwise
+          wait for a slice several times dearer than one near its start
+          (`bench/fairness.py --arrive-after 1500` measures that wait).
         - Shortest remaining prefill first: requests whose rest fits in a slice finish
           first, sharing padded forwards up to one chunk in all (a burst of short
           turns still starts in one step); otherwise the shortest one advances a slice.

@@ -145,6 +145,13 @@ class TurnRequest:
     than refuse the turn) to replies. `tools` and `tool_choice` say which functions the
     reply may call (rule 4).
     A transcription turn (`final=Stage.ASR`) takes `audio` alone.
+
+    Speech-to-text options, for a turn with `audio`: `utterance` names the audio the
+    session's resident speech-to-text has been transcribing live (the item id); its live
+    transcript is finished rather than started over, and the final transcript begins
+    with every word already reported live. `transcription_prompt` is text the speech
+    follows (Whisper reads it as the previous context); `logprobs` asks for each
+    transcript token's log probability.
     """
 
     final: Stage
@@ -158,6 +165,9 @@ class TurnRequest:
     truncate: bool = True
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = ToolChoice()
+    utterance: str | None = None
+    transcription_prompt: str = ""
+    logprobs: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "final", Stage(self.final))

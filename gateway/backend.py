@@ -23,17 +23,30 @@ from typing import Literal, Protocol
 import numpy as np
 
 from duplex.turn import TurnRequest
-from gateway.session_config import TurnDetection
+from gateway.session_config import LiveTranscription, TurnDetection
 
 __all__ = [
     "Backend",
     "BackendSession",
+    "LiveTranscription",
     "ResponseDone",
     "ResponseEvent",
     "ResponseOutput",
+    "SessionEvent",
     "SpeechEvent",
     "SpeechSource",
+    "TokenLogprob",
+    "TranscriptDelta",
 ]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One transcript token and its log probability (`include` asks for them)."""
+
+    token: str
+    logprob: float
+    bytes: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -50,6 +63,7 @@ class ResponseOutput:
     sample_rate: int = 0
     call_index: int = 0
     name: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()  # "transcript" only, when the turn asked
 
 
 @dataclass(frozen=True)
@@ -69,6 +83,21 @@ class ResponseDone:
 
 
 ResponseEvent = ResponseOutput | ResponseDone
+
+
+@dataclass(frozen=True)
+class TranscriptDelta:
+    """Words of the utterance being spoken (`utterance_id`, the item id `speech_started`
+    named) that the resident speech-to-text has settled on. Deltas of one utterance are
+    only ever appended, never retracted: their concatenation is a prefix of the final
+    transcript (the `transcript` output of the turn whose `utterance` names it)."""
+
+    utterance_id: str
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+SessionEvent = ResponseEvent | TranscriptDelta
 
 
 @dataclass(frozen=True)
@@ -101,10 +130,27 @@ class BackendSession(Protocol):
         """End a running turn at once; "turn_detected" is a barge-in. Its `ResponseDone`
         (cancelled, or whatever ended it first) follows; nothing if it already ended."""
 
-    def take_events(self) -> list[ResponseEvent]:
-        """The turns' outputs and done events that arrived so far, in order, without
-        waiting. A `cancel`'s `ResponseDone` is here as soon as `cancel` returns, so the
-        shell can finish the response in the same step that decided the cancel."""
+    def listen(self, options: LiveTranscription | None) -> None:
+        """Transcribe speech live with `options` from now on; None stops it (no
+        `TranscriptDelta` comes, and no live work is done)."""
+
+    def hear(self, samples: np.ndarray) -> None:
+        """Every appended sample of the session, float32 at 16 kHz, in order, once: the
+        session clock is the count of samples heard (`ms * 16`)."""
+
+    def utterance_started(self, utterance_id: str, start_ms: float) -> None:
+        """Speech began at session time `start_ms`: while listening, transcribe it live
+        as `utterance_id` and report `TranscriptDelta`s."""
+
+    def utterance_ended(self, utterance_id: str) -> None:
+        """No more live work for `utterance_id`: it was committed (its turn, started with
+        `TurnRequest.utterance`, finishes the transcript) or dropped."""
+
+    def take_events(self) -> list[SessionEvent]:
+        """The turns' outputs and done events, and live transcript deltas, that arrived
+        so far, in order, without waiting. A `cancel`'s `ResponseDone` is here as soon
+        as `cancel` returns, so the shell can finish the response in the same step that
+        decided the cancel."""
 
     async def wait_events(self) -> bool:
         """Wait until `take_events` has something; False once the session is closed and

@@ -91,6 +91,15 @@ class TurnDetection:
 
 
 @dataclass(frozen=True)
+class LiveTranscription:
+    """How the resident speech-to-text transcribes speech while it is spoken: `prompt`
+    is text the speech follows, `logprobs` asks for each token's log probability."""
+
+    prompt: str = ""
+    logprobs: bool = False
+
+
+@dataclass(frozen=True)
 class SessionSettings:
     id: str
     model: str
@@ -107,6 +116,13 @@ class SessionSettings:
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = ToolChoice()
     expires_at: int = field(default_factory=lambda: int(time.time()) + 3600)
+
+    def live_transcription(self) -> LiveTranscription | None:
+        """What the resident speech-to-text is asked for while the user speaks; None when
+        the session asks for no transcription."""
+        if self.transcription is None:
+            return None
+        return LiveTranscription(prompt=self.transcription.get("prompt") or "")
 
     def ga_object(self) -> dict[str, Any]:
         return {

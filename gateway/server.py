@@ -41,6 +41,7 @@ from gateway.handshake import (
     not_allowed,
 )
 from gateway.metrics import GatewayMetrics
+from gateway.session_config import TRANSCRIPTION_MODELS
 
 __all__ = ["GatewayServer", "KEY_PROTOCOL_PREFIX", "BETA_PROTOCOL", "DRAIN_REASON"]
 
@@ -340,9 +341,11 @@ class GatewayServer:
             model=model,
             beta=is_beta(request),
         )
-        if _intent(request) == INTENT_TRANSCRIPTION:
+        transcribing = _intent(request) == INTENT_TRANSCRIPTION
+        if transcribing:
             conn.core.open_as_transcription()
-        if not self.config.serves(model):
+        # A transcription session may be named by the transcription model it asks for.
+        if not (self.config.serves(model) or transcribing and model in TRANSCRIPTION_MODELS):
             conn.core.reject_model(model, self.config.model_name)
         self.connections.add(conn)
         self._no_sessions.clear()

@@ -23,8 +23,9 @@ One stream (every clip, in order):
 `live_streams_realtime`: the number of concurrent streams is stepped 1, 2, 4, 6, 8, 10,
 12, 16, each stream speaking `LOAD_CLIPS` clips (starting at a different clip, after a
 different lead-in silence, as independent speakers would). A step is sustained at real
-time when every utterance of every stream is transcribed and, over all of them, the p90
-of each lag stays bounded (`BOUNDS_MS`):
+time when every utterance of every stream is transcribed and, over all of them, each lag
+stays bounded: its median within `BOUNDS_MS`, its p90 within twice that (this machine
+may be shared: a tail may be another program's):
   - `completed_after_stop_ms` <= 1000: the transcript keeps up with the end of speech;
   - `stop_lag_ms` <= 1500: from the moment the client sent the audio at the utterance's
     `audio_end_ms` to `speech_stopped` arriving, the 500 ms of silence server VAD waits
@@ -68,11 +69,7 @@ ONSET_LEVEL = 0.02  # -34 dBFS: where speech starts in a clip
 STEPS = (1, 2, 4, 6, 8, 10, 12, 16)
 STAGGER_MS = 680  # between the streams' starts
 LOAD_CLIPS = 4
-BOUNDS_MS = {
-    "completed_after_stop_ms_p90": 1000.0,
-    "stop_lag_ms_p90": 1500.0,
-    "delta_lag_ms_p90": 2000.0,
-}
+BOUNDS_MS = {"completed_after_stop_ms": 1000.0, "stop_lag_ms": 1500.0, "delta_lag_ms": 2000.0}
 TAIL_TIMEOUT_S = 60.0  # for the last transcripts once a stream has sent everything
 ALSA = Path("/usr/share/sounds/alsa")
 ALSA_CLIPS = (
@@ -326,10 +323,7 @@ class Measures:
             "utterances": self.utterances,
             "untranscribed": self.untranscribed,
             "first_delta_ms_p50": pct(self.first_delta_ms, 50),
-            "completed_after_stop_ms_p50": pct(self.completed_after_stop_ms, 50),
-            "completed_after_stop_ms_p90": pct(self.completed_after_stop_ms, 90),
-            "delta_lag_ms_p90": pct(self.delta_lag_ms, 90),
-            "stop_lag_ms_p90": pct(self.stop_lag_ms, 90),
+            **{f"{name}_p{q}": pct(getattr(self, name), q) for name in BOUNDS_MS for q in (50, 90)},
             "error_events": len(self.errors),
         }
 
@@ -341,7 +335,11 @@ def pct(values: list[float], q: float) -> float | None:
 def sustained(step: dict[str, Any]) -> bool:
     if step["untranscribed"] or not step["utterances"] or step["error_events"]:
         return False
-    return all(step[k] is not None and step[k] <= bound for k, bound in BOUNDS_MS.items())
+    for name, bound in BOUNDS_MS.items():
+        median, tail = step[f"{name}_p50"], step[f"{name}_p90"]
+        if median is None or median > bound or tail > 2 * bound:
+            return False
+    return True
 
 
 # -- whole utterances ---------------------------------------------------------------------

@@ -269,7 +269,7 @@ async def run_stream(url: str, stream: Stream) -> Stream:
         drained.set()
         if not stream.pending():
             reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+        with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
             await asyncio.wait_for(reader, TAIL_TIMEOUT_S)
     finally:
         await ws.close()
@@ -364,13 +364,16 @@ async def whole_transcripts(url: str, all_clips: list[Clip]) -> list[tuple[str, 
 
 
 async def _until(ws: ClientConnection, kind: str) -> dict[str, Any]:
-    async with asyncio.timeout(120):
-        while True:
-            event = json.loads(await ws.recv())
-            if event["type"] == "error":
-                raise RuntimeError(event["error"]["message"])
-            if event["type"] == kind:
-                return event
+    return await asyncio.wait_for(_next(ws, kind), 120)
+
+
+async def _next(ws: ClientConnection, kind: str) -> dict[str, Any]:
+    while True:
+        event: dict[str, Any] = json.loads(await ws.recv())
+        if event["type"] == "error":
+            raise RuntimeError(event["error"]["message"])
+        if event["type"] == kind:
+            return event
 
 
 # -- the run --------------------------------------------------------------------------------

@@ -185,8 +185,7 @@ class RealtimeSession:
         it is greeted as one, and it never creates responses. Called before anything of
         the session was sent."""
         self._out.take_events()  # the realtime greeting, replaced
-        self.settings = transcription_session(self.settings)
-        self._turns.update(self.settings)
+        self._apply_settings(transcription_session(self.settings))
         self._greet()
 
     def close(self) -> None:
@@ -266,9 +265,13 @@ class RealtimeSession:
             raise ClientError(str(exc), exc.code, exc.param) from None
         except ValidationError as exc:
             raise validation_error(exc, prefix="session.") from None
+        self._apply_settings(new)
+        self._out.emit(self._session_event("updated"), session=self._session_object())
+
+    def _apply_settings(self, new: SessionSettings) -> None:
+        """Every change of the session's settings (an update, or the session type)."""
         self.settings = new
         self._turns.update(new)
-        self._out.emit(self._session_event("updated"), session=self._session_object())
 
     def _greet(self) -> None:
         self._out.emit(self._session_event("created"), session=self._session_object())

@@ -214,3 +214,17 @@ async def test_beta_deltas_arrive_while_the_user_speaks(gateway: str, sentence: 
         events = await transcribe(conn, sentence)
         assert "conversation.item.input_audio_transcription.delta" in kinds_before_stop(events)
         check_transcript(events)
+
+
+async def test_semantic_vad_commits_for_transcription_only(gateway: str, sentence: bytes) -> None:
+    async with client(gateway).realtime.connect(extra_query=INTENT) as conn:
+        await until(conn, "session.created")
+        detection = {"type": "semantic_vad", "eagerness": "high"}
+        await conn.session.update(
+            session={"type": "transcription", "audio": {"input": {"turn_detection": detection}}}
+        )
+        (updated,) = await until(conn, "session.updated")
+        assert updated.session.audio.input.turn_detection.type == "semantic_vad"
+        events = await transcribe(conn, sentence)
+        check_transcript(events)
+        await refuse_response(conn)

@@ -22,7 +22,7 @@ from gateway.input_buffer import Clip
 from gateway.realtime import RealtimeSession
 from gateway.session_config import LOGPROBS, LiveTranscription
 from gateway.turns import transcription_turn
-from tests.test_gateway_realtime import tone_b64
+from tests.helpers import tone_b64
 from tests.test_gateway_server import FakeBackend, recv, send_audio, start_server, url
 
 WHISPER = {"model": "whisper-1", "language": None, "prompt": None}

@@ -34,12 +34,15 @@ from gateway.values import (
 
 __all__ = [
     "AppendIn",
+    "AudioInputIn",
     "BetaResponseIn",
     "BetaSessionIn",
+    "BetaTranscriptionSessionIn",
     "ContentIn",
     "EmptyIn",
     "GAResponseIn",
     "GASessionIn",
+    "GATranscriptionSessionIn",
     "ItemCreateIn",
     "ItemIdIn",
     "ItemIn",
@@ -139,6 +142,35 @@ class BetaSessionIn(_SharedSessionIn):
     speed: Annotated[float | None, number(0.25, 1.5)] = None
     tracing: Any = None
     include: list[str] | None = None
+
+
+class TranscriptionAudioIn(StrictModel):
+    input: AudioInputIn | None = None
+
+
+class _TranscriptionSessionIn(StrictModel):
+    include: list[str] | None = None
+    # Echoed by clients that send back the session object they were given.
+    id: str | None = None
+    object: str | None = None
+    expires_at: Annotated[int | None, integer()] = None
+
+
+class GATranscriptionSessionIn(_TranscriptionSessionIn):
+    """A GA transcription session's update: input audio only, it never responds."""
+
+    type: Literal["transcription"]
+    audio: TranscriptionAudioIn | None = None
+
+
+class BetaTranscriptionSessionIn(_TranscriptionSessionIn):
+    """The session of a beta `transcription_session.update`."""
+
+    input_audio_format: str | None = None
+    input_audio_transcription: TranscriptionIn | None = None
+    turn_detection: TurnDetectionIn | None = None
+    input_audio_noise_reduction: dict[str, Any] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
 
 
 class ContentIn(StrictModel):

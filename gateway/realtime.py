@@ -47,7 +47,12 @@ from gateway.protocol import (
 )
 from gateway.response_stream import ResponseStream
 from gateway.responses import ResponseOptions, parse_response_options
-from gateway.session_config import SessionSettings, SettingError, apply_update
+from gateway.session_config import (
+    SessionSettings,
+    SettingError,
+    apply_update,
+    transcription_session,
+)
 from gateway.transcription import TranscriptionJobs, report_transcript
 from gateway.turn_taking import TurnTaking
 from gateway.turns import answered_item, has_input, response_turn
@@ -95,7 +100,7 @@ class RealtimeSession:
         )
         self._jobs = TranscriptionJobs(self._out, self.conversation)
         self._items = ItemEditor(self._out, self.conversation, self._responses, self._jobs)
-        self._out.emit("session.created", session=self._session_object())
+        self._greet()
         self._turns = TurnTaking(
             self.settings,
             config,
@@ -110,7 +115,9 @@ class RealtimeSession:
         turns, items = self._turns, self._items
         self._handlers: dict[str, _Handler] = {
             "session.update": _route(SessionUpdateIn, self._on_session_update),
-            "transcription_session.update": _route(SessionUpdateIn, self._on_session_update),
+            "transcription_session.update": _route(
+                SessionUpdateIn, self._on_transcription_session_update
+            ),
             "input_audio_buffer.append": _route(AppendIn, turns.append),
             "input_audio_buffer.commit": _route(EmptyIn, turns.commit),
             "input_audio_buffer.clear": _route(EmptyIn, turns.clear),
@@ -173,6 +180,14 @@ class RealtimeSession:
         self._out.error(ClientError(message, "invalid_model", "model"), None)
         self._out.act(CloseSession(1008, "invalid model"))
 
+    def open_as_transcription(self) -> None:
+        """The connection asked for a transcription session (`?intent=transcription`):
+        it is greeted as one, and it never creates responses. Called before anything of
+        the session was sent."""
+        self._out.take_events()  # the realtime greeting, replaced
+        self._apply_settings(transcription_session(self.settings))
+        self._greet()
+
     def close(self) -> None:
         """The connection is going away: stop every turn; later engine events are ignored."""
         if self._closed:
@@ -219,6 +234,25 @@ class RealtimeSession:
     # -- session ------------------------------------------------------------------------
 
     def _on_session_update(self, event: SessionUpdateIn) -> None:
+        if self.beta and self.settings.transcription_only:
+            raise ClientError(
+                "this is a transcription session: update it with transcription_session.update",
+                "invalid_value",
+                "type",
+            )
+        self._update_session(event)
+
+    def _on_transcription_session_update(self, event: SessionUpdateIn) -> None:
+        if not self.settings.transcription_only:
+            raise ClientError(
+                "transcription_session.update applies to transcription sessions: connect "
+                "with ?intent=transcription for one; update this session with session.update",
+                "invalid_value",
+                "type",
+            )
+        self._update_session(event)
+
+    def _update_session(self, event: SessionUpdateIn) -> None:
         try:
             new = apply_update(
                 self.settings,
@@ -231,9 +265,21 @@ class RealtimeSession:
             raise ClientError(str(exc), exc.code, exc.param) from None
         except ValidationError as exc:
             raise validation_error(exc, prefix="session.") from None
+        self._apply_settings(new)
+        self._out.emit(self._session_event("updated"), session=self._session_object())
+
+    def _apply_settings(self, new: SessionSettings) -> None:
+        """Every change of the session's settings (an update, or the session type)."""
         self.settings = new
         self._turns.update(new)
-        self._out.emit("session.updated", session=self._session_object())
+
+    def _greet(self) -> None:
+        self._out.emit(self._session_event("created"), session=self._session_object())
+
+    def _session_event(self, what: str) -> str:
+        # Beta names a transcription session's events apart; GA tells by session.type.
+        beta_transcription = self.beta and self.settings.transcription_only
+        return f"transcription_session.{what}" if beta_transcription else f"session.{what}"
 
     def _session_object(self) -> dict[str, Any]:
         return self.settings.beta_object() if self.beta else self.settings.ga_object()
@@ -252,6 +298,13 @@ class RealtimeSession:
     # -- responses ----------------------------------------------------------------------
 
     def _on_response_create(self, event: ResponseCreateIn) -> None:
+        if self.settings.transcription_only:
+            raise ClientError(
+                "response.create is not available in a transcription session: it only "
+                "transcribes input audio; connect without ?intent=transcription to get answers",
+                "invalid_value",
+                "type",
+            )
         try:
             options = parse_response_options(
                 event.response or {}, self.settings, beta=self.beta, config=self.config

@@ -41,6 +41,7 @@ from gateway.handshake import (
     not_allowed,
 )
 from gateway.metrics import GatewayMetrics
+from gateway.session_config import TRANSCRIPTION_MODELS
 
 __all__ = ["GatewayServer", "KEY_PROTOCOL_PREFIX", "BETA_PROTOCOL", "DRAIN_REASON"]
 
@@ -50,6 +51,7 @@ KEY_PROTOCOL_PREFIX = "openai-insecure-api-key."
 KEY_COOKIE = "duplex_gateway_key"
 BETA_PROTOCOL = "openai-beta.realtime-v1"
 REALTIME_PROTOCOL = Subprotocol("realtime")
+INTENT_TRANSCRIPTION = "transcription"  # ?intent=transcription: a transcription session
 DEFAULT_WEB_ROOT = Path(__file__).resolve().parent.parent / "web"
 # Close reasons (at most 123 bytes): a drained session, and one still busy at the timeout.
 DRAIN_REASON = "server draining: reconnect to continue"
@@ -83,6 +85,12 @@ def _offered_protocols(request: Request) -> list[str]:
 def is_beta(request: Request) -> bool:
     header = request.headers.get("OpenAI-Beta", "")
     return "realtime=v1" in header.replace(" ", "") or BETA_PROTOCOL in _offered_protocols(request)
+
+
+def _intent(request: Request) -> str | None:
+    """`?intent=`: "transcription" asks for a transcription session."""
+    values = parse_qs(urlsplit(request.path).query).get("intent")
+    return values[0] if values else None
 
 
 def _api_key(request: Request) -> str | None:
@@ -264,6 +272,14 @@ class GatewayServer:
                 return self._refuse(
                     HTTPStatus.UNAUTHORIZED, "invalid_api_key", "missing or invalid API key"
                 )
+        intent = _intent(request)
+        if intent not in (None, INTENT_TRANSCRIPTION):
+            return self._refuse(
+                HTTPStatus.BAD_REQUEST,
+                "invalid_intent",
+                f"unknown intent {intent!r}; the one intent is "
+                f"{INTENT_TRANSCRIPTION!r} (a transcription session)",
+            )
         if self.draining:
             return self._refuse(
                 HTTPStatus.SERVICE_UNAVAILABLE, "server_draining", "server draining; try another"
@@ -325,7 +341,11 @@ class GatewayServer:
             model=model,
             beta=is_beta(request),
         )
-        if not self.config.serves(model):
+        transcribing = _intent(request) == INTENT_TRANSCRIPTION
+        if transcribing:
+            conn.core.open_as_transcription()
+        # A transcription session may be named by the transcription model it asks for.
+        if not (self.config.serves(model) or transcribing and model in TRANSCRIPTION_MODELS):
             conn.core.reject_model(model, self.config.model_name)
         self.connections.add(conn)
         self._no_sessions.clear()

@@ -4,6 +4,12 @@ Both protocol shapes update the same `SessionSettings`; `ga_object` and `beta_ob
 render it back whole, as `session.created` / `session.updated` carry it. A setting the
 gateway cannot honour raises `SettingError`, which the session turns into an `error`
 event naming the parameter.
+
+A session is of one of two types, fixed when it connects: "realtime" (a conversation)
+or "transcription" (`?intent=transcription`: input audio is committed and transcribed,
+and nothing ever answers it). An update of the other type is refused, as the service
+refuses it. A transcription session takes only input settings; its turn detection never
+creates or interrupts responses.
 """
 
 from __future__ import annotations
@@ -17,8 +23,11 @@ from duplex.turn import Tool, ToolChoice
 from gateway.audio import PCM16, AudioFormat, AudioFormatError, format_from_beta, format_from_ga
 from gateway.config import GatewayConfig
 from gateway.protocol import (
+    AudioInputIn,
     BetaSessionIn,
+    BetaTranscriptionSessionIn,
     GASessionIn,
+    GATranscriptionSessionIn,
     TranscriptionIn,
     TurnDetectionIn,
 )
@@ -31,7 +40,15 @@ from gateway.tools import (
     tool_objects,
 )
 
-__all__ = ["SessionSettings", "SettingError", "TurnDetection", "apply_update"]
+__all__ = [
+    "LOGPROBS",
+    "TRANSCRIPTION_MODELS",
+    "SessionSettings",
+    "SettingError",
+    "TurnDetection",
+    "apply_update",
+    "transcription_session",
+]
 
 
 class SettingError(ValueError):
@@ -46,6 +63,23 @@ class SettingError(ValueError):
 EAGERNESS_MAX_WAIT_MS = {"low": 8000, "medium": 4000, "high": 2000, "auto": 4000}
 # server_vad's tuning fields, which semantic_vad does not take.
 _SERVER_VAD_ONLY = ("threshold", "prefix_padding_ms", "silence_duration_ms", "idle_timeout_ms")
+
+# The transcription model names OpenAI documents. Whichever is asked for, the profile's
+# speech-to-text (stages.asr.model, Whisper) transcribes; the session reports the name
+# it was given. Diarization (speaker labels) is not something Whisper does.
+TRANSCRIPTION_MODELS = (
+    "whisper-1",
+    "gpt-4o-transcribe",
+    "gpt-4o-mini-transcribe",
+    "gpt-4o-mini-transcribe-2025-12-15",
+    "gpt-transcribe",
+    "gpt-live-transcribe",
+    "gpt-realtime-whisper",
+)
+DEFAULT_TRANSCRIPTION = {"model": "whisper-1", "language": None, "prompt": None}
+# The one value `include` takes: each transcript token's log probability.
+LOGPROBS = "item.input_audio_transcription.logprobs"
+_NEVER_RESPONDS = "a transcription session only transcribes input audio and never responds"
 
 
 @dataclass(frozen=True)
@@ -89,6 +123,17 @@ class TurnDetection:
             "interrupt_response": self.interrupt_response,
         }
 
+    def transcription_dict(self) -> dict[str, Any]:
+        """As a transcription session shows it: no responses to create or interrupt."""
+        if self.semantic:
+            return {"type": "semantic_vad", "eagerness": self.eagerness}
+        return {
+            "type": "server_vad",
+            "threshold": self.threshold,
+            "prefix_padding_ms": self.prefix_padding_ms,
+            "silence_duration_ms": self.silence_duration_ms,
+        }
+
 
 @dataclass(frozen=True)
 class LiveTranscription:
@@ -101,9 +146,14 @@ class LiveTranscription:
 
 @dataclass(frozen=True)
 class SessionSettings:
+    """`type` is "realtime" or "transcription" (see the module's docstring); `include`
+    holds the `include` values asked for (only `LOGPROBS`)."""
+
     id: str
     model: str
     voice: str
+    type: str = "realtime"
+    include: tuple[str, ...] = ()
     instructions: str = ""
     output_modalities: tuple[str, ...] = ("audio",)
     speed: float = 1.0
@@ -117,14 +167,31 @@ class SessionSettings:
     tool_choice: ToolChoice = ToolChoice()
     expires_at: int = field(default_factory=lambda: int(time.time()) + 3600)
 
+    @property
+    def transcription_only(self) -> bool:
+        """A transcription session: it never creates responses."""
+        return self.type == "transcription"
+
+    @property
+    def include_logprobs(self) -> bool:
+        """Transcription events carry each token's log probability (`include`)."""
+        return LOGPROBS in self.include
+
     def live_transcription(self) -> LiveTranscription | None:
         """What the resident speech-to-text is asked for while the user speaks; None when
         the session asks for no transcription."""
         if self.transcription is None:
             return None
-        return LiveTranscription(prompt=self.transcription.get("prompt") or "")
+        return LiveTranscription(
+            prompt=self.transcription.get("prompt") or "", logprobs=self.include_logprobs
+        )
+
+    def _include_object(self) -> list[str] | None:
+        return list(self.include) or None
 
     def ga_object(self) -> dict[str, Any]:
+        if self.transcription_only:
+            return self._ga_transcription_object()
         return {
             "type": "realtime",
             "object": "realtime.session",
@@ -141,7 +208,7 @@ class SessionSettings:
             "prompt": None,
             "truncation": self.truncation,
             "expires_at": self.expires_at,
-            "include": None,
+            "include": self._include_object(),
             "audio": {
                 "input": {
                     "format": self.input_format.ga_shape(),
@@ -157,7 +224,27 @@ class SessionSettings:
             },
         }
 
+    def _ga_transcription_object(self) -> dict[str, Any]:
+        detection = self.turn_detection
+        return {
+            "type": "transcription",
+            "object": "realtime.transcription_session",
+            "id": self.id,
+            "expires_at": self.expires_at,
+            "include": self._include_object(),
+            "audio": {
+                "input": {
+                    "format": self.input_format.ga_shape(),
+                    "transcription": self.transcription,
+                    "noise_reduction": None,
+                    "turn_detection": detection and detection.transcription_dict(),
+                },
+            },
+        }
+
     def beta_object(self) -> dict[str, Any]:
+        if self.transcription_only:
+            return self._beta_transcription_object()
         return {
             "object": "realtime.session",
             "id": self.id,
@@ -177,7 +264,35 @@ class SessionSettings:
             if self.max_output_tokens is None
             else self.max_output_tokens,
             "expires_at": self.expires_at,
+            "include": self._include_object(),
         }
+
+    def _beta_transcription_object(self) -> dict[str, Any]:
+        detection = self.turn_detection
+        return {
+            "object": "realtime.transcription_session",
+            "id": self.id,
+            "expires_at": self.expires_at,
+            "modalities": ["text"],
+            "input_audio_format": self.input_format.beta_name,
+            "input_audio_transcription": self.transcription,
+            "input_audio_noise_reduction": None,
+            "turn_detection": detection and detection.transcription_dict(),
+            "include": self._include_object(),
+        }
+
+
+def transcription_session(settings: SessionSettings) -> SessionSettings:
+    """`settings` made a new transcription session's: transcription on (Whisper under
+    the default name), server VAD that commits speech and never responds."""
+    return replace(
+        settings,
+        type="transcription",
+        transcription=dict(DEFAULT_TRANSCRIPTION),
+        turn_detection=TurnDetection(create_response=False, interrupt_response=False),
+        tools=(),
+        tool_choice=ToolChoice(),
+    )
 
 
 def apply_update(
@@ -188,7 +303,12 @@ def apply_update(
     config: GatewayConfig,
     voice_locked: bool,
 ) -> SessionSettings:
-    """The settings after a `session.update`; raises SettingError, leaving `current` as is."""
+    """The settings after a `session.update` (or, for a beta transcription session, a
+    `transcription_session.update`); raises SettingError, leaving `current` as is."""
+    if not beta:
+        _check_type(raw, current)
+    if current.transcription_only:
+        return _transcription_update(current, raw, beta=beta, config=config)
     update: GASessionIn | BetaSessionIn
     if beta:
         update = BetaSessionIn.model_validate(raw)
@@ -199,6 +319,31 @@ def apply_update(
     changes.update(_shared_changes(update, current, config))
     new = replace(current, **changes)
     _check_supported(new, current, config, voice_locked)
+    _check_semantic(new, config, beta=beta)
+    return new
+
+
+def _check_type(raw: dict[str, Any], current: SessionSettings) -> None:
+    """A session's type is fixed when it connects, as the service fixes it."""
+    kind = raw.get("type")
+    if kind not in ("realtime", "transcription") or kind == current.type:
+        return  # a missing or unknown type is the event model's to refuse
+    if current.transcription_only:
+        message = (
+            "Passing a realtime session update event to a transcription session is not "
+            "allowed: the session type is set when connecting; connect without "
+            "?intent=transcription for a conversation"
+        )
+    else:
+        message = (
+            "Passing a transcription session update event to a realtime session is not "
+            "allowed: the session type is set when connecting; connect with "
+            "?intent=transcription for a transcription session"
+        )
+    raise SettingError(message, "session.type")
+
+
+def _check_semantic(new: SessionSettings, config: GatewayConfig, *, beta: bool) -> None:
     if new.turn_detection and new.turn_detection.semantic and not config.semantic_vad:
         where = "session.turn_detection" if beta else "session.audio.input.turn_detection"
         raise SettingError(
@@ -206,7 +351,101 @@ def apply_update(
             "(profile stages.turn.model); use server_vad or null",
             f"{where}.type",
         )
+
+
+def _transcription_update(
+    current: SessionSettings, raw: dict[str, Any], *, beta: bool, config: GatewayConfig
+) -> SessionSettings:
+    """A transcription session's update: input settings and `include`, nothing else."""
+    model = BetaTranscriptionSessionIn if beta else GATranscriptionSessionIn
+    _refuse_output_settings(raw, sorted(model.model_fields))
+    changes: dict[str, Any]
+    if beta:
+        beta_update = BetaTranscriptionSessionIn.model_validate(raw)
+        changes = _beta_transcription_changes(beta_update, current)
+        given = beta_update.model_fields_set
+        include = beta_update.include
+    else:
+        ga_update = GATranscriptionSessionIn.model_validate(raw)
+        audio = ga_update.audio
+        changes = _ga_input_changes(audio.input, current) if audio and audio.input else {}
+        given = ga_update.model_fields_set
+        include = ga_update.include
+    if "include" in given:
+        changes["include"] = _include(include)
+    new = replace(current, **changes)
+    _check_language(new, config, beta=beta)
+    _check_semantic(new, config, beta=beta)
     return new
+
+
+def _refuse_output_settings(raw: dict[str, Any], fields: list[str]) -> None:
+    """Output settings (voice, instructions, tools...) have nothing to apply to."""
+    names = [name for name in raw if name not in fields]
+    audio = raw.get("audio")
+    if isinstance(audio, dict):
+        names += [f"audio.{name}" for name in audio if name != "input"]
+    if names:
+        raise SettingError(
+            f"{names[0]} does not apply: {_NEVER_RESPONDS}; its session takes "
+            f"{', '.join(f for f in fields if f not in ('id', 'object', 'expires_at'))}",
+            f"session.{names[0]}",
+            "unknown_parameter",
+        )
+
+
+def _beta_transcription_changes(
+    update: BetaTranscriptionSessionIn, current: SessionSettings
+) -> dict[str, Any]:
+    given = update.model_fields_set
+    changes: dict[str, Any] = {}
+    if update.input_audio_format is not None:
+        changes["input_format"] = _beta_format(update.input_audio_format, "input_audio_format")
+    if "input_audio_transcription" in given:
+        changes["transcription"] = _transcription(
+            update.input_audio_transcription, "session.input_audio_transcription"
+        )
+    if update.input_audio_noise_reduction is not None:
+        raise SettingError(
+            "noise reduction is not supported", "session.input_audio_noise_reduction"
+        )
+    if "turn_detection" in given:
+        changes["turn_detection"] = _transcription_detection(
+            update.turn_detection, current.turn_detection, "session.turn_detection"
+        )
+    if update.modalities is not None and update.modalities != ["text"]:
+        raise SettingError(f"modalities is ['text']: {_NEVER_RESPONDS}", "session.modalities")
+    return changes
+
+
+def _transcription_detection(
+    value: TurnDetectionIn | None, current: TurnDetection | None, param: str
+) -> TurnDetection | None:
+    """Turn detection that commits speech for transcription and nothing more."""
+    if value is None:
+        return None
+    for name in ("create_response", "interrupt_response"):
+        if getattr(value, name):
+            raise SettingError(f"{name} must be false: {_NEVER_RESPONDS}", f"{param}.{name}")
+    if value.idle_timeout_ms is not None:
+        raise SettingError(
+            f"idle_timeout_ms starts a response after a silence: {_NEVER_RESPONDS}",
+            f"{param}.idle_timeout_ms",
+        )
+    detection = _turn_detection(value, current, param)
+    assert detection is not None
+    return replace(detection, create_response=False, interrupt_response=False)
+
+
+def _include(values: list[str] | None) -> tuple[str, ...]:
+    for index, value in enumerate(values or ()):
+        if value != LOGPROBS:
+            raise SettingError(
+                f"include takes only {LOGPROBS!r} (each transcript token's log "
+                f"probability); {value!r} is not supported",
+                f"session.include.{index}",
+            )
+    return tuple(dict.fromkeys(values or ()))
 
 
 def _shared_changes(
@@ -228,8 +467,8 @@ def _shared_changes(
     changes.update(_tool_changes(update, current))
     if update.tracing is not None:
         raise SettingError("tracing is not supported", "session.tracing")
-    if update.include:
-        raise SettingError("include is not supported", "session.include")
+    if "include" in given:
+        changes["include"] = _include(update.include)
     return changes
 
 
@@ -263,23 +502,7 @@ def _ga_changes(update: GASessionIn, current: SessionSettings) -> dict[str, Any]
         changes["truncation"] = update.truncation
     audio = update.audio
     if audio and audio.input:
-        given_in = audio.input.model_fields_set
-        if audio.input.format is not None:
-            changes["input_format"] = _ga_format(
-                audio.input.format.model_dump(exclude_none=True), "session.audio.input.format"
-            )
-        if "transcription" in given_in:
-            changes["transcription"] = _transcription(audio.input.transcription)
-        if audio.input.noise_reduction is not None:
-            raise SettingError(
-                "noise reduction is not supported", "session.audio.input.noise_reduction"
-            )
-        if "turn_detection" in given_in:
-            changes["turn_detection"] = _turn_detection(
-                audio.input.turn_detection,
-                current.turn_detection,
-                "session.audio.input.turn_detection",
-            )
+        changes.update(_ga_input_changes(audio.input, current))
     if audio and audio.output:
         if audio.output.format is not None:
             changes["output_format"] = _ga_format(
@@ -289,6 +512,29 @@ def _ga_changes(update: GASessionIn, current: SessionSettings) -> dict[str, Any]
             changes["voice"] = audio.output.voice
         if audio.output.speed is not None:
             changes["speed"] = audio.output.speed
+    return changes
+
+
+def _ga_input_changes(value: AudioInputIn, current: SessionSettings) -> dict[str, Any]:
+    """`audio.input`'s changes, in either session type."""
+    given = value.model_fields_set
+    changes: dict[str, Any] = {}
+    if value.format is not None:
+        changes["input_format"] = _ga_format(
+            value.format.model_dump(exclude_none=True), "session.audio.input.format"
+        )
+    if "transcription" in given:
+        changes["transcription"] = _transcription(
+            value.transcription, "session.audio.input.transcription"
+        )
+    if value.noise_reduction is not None:
+        raise SettingError(
+            "noise reduction is not supported", "session.audio.input.noise_reduction"
+        )
+    if "turn_detection" in given:
+        param = "session.audio.input.turn_detection"
+        detect = _transcription_detection if current.transcription_only else _turn_detection
+        changes["turn_detection"] = detect(value.turn_detection, current.turn_detection, param)
     return changes
 
 
@@ -306,7 +552,9 @@ def _beta_changes(update: BetaSessionIn, current: SessionSettings) -> dict[str, 
     if update.output_audio_format is not None:
         changes["output_format"] = _beta_format(update.output_audio_format, "output_audio_format")
     if "input_audio_transcription" in given:
-        changes["transcription"] = _transcription(update.input_audio_transcription)
+        changes["transcription"] = _transcription(
+            update.input_audio_transcription, "session.input_audio_transcription"
+        )
     if update.input_audio_noise_reduction is not None:
         raise SettingError(
             "noise reduction is not supported", "session.input_audio_noise_reduction"
@@ -359,14 +607,26 @@ def _beta_format(name: str, param: str) -> AudioFormat:
         raise SettingError(str(exc), f"session.{param}") from None
 
 
-def _transcription(value: TranscriptionIn | None) -> dict[str, Any] | None:
+def _transcription(value: TranscriptionIn | None, param: str) -> dict[str, Any] | None:
+    """Input transcription: a documented model name (the profile's Whisper runs it),
+    the language (checked against the model's), and a prompt Whisper reads as the text
+    the speech follows."""
     if value is None:
         return None
-    if value.prompt:
+    model = value.model or DEFAULT_TRANSCRIPTION["model"]
+    if model == "gpt-4o-transcribe-diarize":
         raise SettingError(
-            "transcription prompts are not supported", "session.audio.input.transcription.prompt"
+            "diarization (speaker labels) is not supported; use one of "
+            + ", ".join(TRANSCRIPTION_MODELS),
+            f"{param}.model",
         )
-    return {"model": value.model or "whisper-1", "language": value.language, "prompt": None}
+    if model not in TRANSCRIPTION_MODELS:
+        raise SettingError(
+            f"unknown transcription model {model!r}; use one of "
+            f"{', '.join(TRANSCRIPTION_MODELS)} (each runs this server's Whisper)",
+            f"{param}.model",
+        )
+    return {"model": model, "language": value.language, "prompt": value.prompt}
 
 
 def _turn_detection(
@@ -410,10 +670,15 @@ def _check_supported(
                 f"unknown voice {new.voice!r}; supported: {', '.join(config.voices)}",
                 "session.voice",
             )
+    _check_language(new, config, beta=False)
+
+
+def _check_language(new: SessionSettings, config: GatewayConfig, *, beta: bool) -> None:
     language = (new.transcription or {}).get("language")
     if language and language not in config.transcription_languages:
+        where = "session.input_audio_transcription" if beta else "session.audio.input.transcription"
         raise SettingError(
             f"transcription language {language!r} is not supported; supported: "
             f"{', '.join(config.transcription_languages)}",
-            "session.audio.input.transcription.language",
+            f"{where}.language",
         )

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from duplex.turn import Message, Stage, TurnRequest
 from gateway.conversation import Item
 from gateway.responses import ResponseOptions
-from gateway.session_config import SessionSettings
+from gateway.session_config import LiveTranscription, SessionSettings
 
 __all__ = ["answered_item", "has_input", "response_turn", "transcription_turn"]
 
@@ -50,6 +50,7 @@ def response_turn(
     audio = answered.pending_audio if answered is not None else None
     text = answered.text() if answered is not None and audio is None else None
     spoken = "audio" in options.output_modalities
+    live = settings.live_transcription() if audio is not None else None
     messages = _merge_calls([m for m in (item.message() for item in history) if m is not None])
     if settings.truncation == "auto":
         messages = messages[-max_context_messages:]
@@ -68,6 +69,9 @@ def response_turn(
         truncate=settings.truncation == "auto",
         tools=options.tools,
         tool_choice=options.tool_choice,
+        # The speech-to-text options, for a turn that hears audio.
+        transcription_prompt=live.prompt if live else "",
+        logprobs=live.logprobs if live else False,
     )
 
 
@@ -84,6 +88,12 @@ def _merge_calls(messages: list[Message]) -> list[Message]:
     return merged
 
 
-def transcription_turn(item: Item) -> TurnRequest:
-    """The turn that only transcribes `item`'s pending audio."""
-    return TurnRequest(final=Stage.ASR, audio=item.pending_audio)
+def transcription_turn(item: Item, live: LiveTranscription | None = None) -> TurnRequest:
+    """The turn that only transcribes `item`'s pending audio, with the session's
+    transcription options (`SessionSettings.live_transcription()`)."""
+    return TurnRequest(
+        final=Stage.ASR,
+        audio=item.pending_audio,
+        transcription_prompt=live.prompt if live else "",
+        logprobs=live.logprobs if live else False,
+    )

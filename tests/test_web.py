@@ -4,6 +4,10 @@ Chromium's fake microphone plays a WAV: a spoken request for a long story, a pau
 long enough for the answer to start playing, then a second spoken question that cuts
 the answer off. The page must show both transcripts, play the answer, flush playback on
 barge-in and send `conversation.item.truncate` with what it actually played.
+
+Captions only (a transcription session): the microphone plays recorded speech, and the
+page shows the user's words as live captions, then the completed transcripts, and
+nothing answers. Captions before `speech_stopped` need the engine's live transcription.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = ROOT / "tests" / "artifacts"
 FIRST = "Please tell me a long story about a brave little dragon."
 SECOND = "Stop. What is the capital of France?"
+CAPTIONED = "The children played in the park until the sun went down."
 RATE = 48000
 
 
@@ -42,6 +47,12 @@ def _espeak(text: str, path: Path) -> np.ndarray:
 
 def _silence(seconds: float) -> np.ndarray:
     return np.zeros(int(RATE * seconds), np.float32)
+
+
+def _recording(name: str) -> np.ndarray:
+    """An alsa-utils recording of a voice ("Front left"...), at the microphone's rate."""
+    audio, rate = sf.read(f"/usr/share/sounds/alsa/{name}.wav", dtype="float32")
+    return soxr.resample(audio, rate, RATE)
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +87,21 @@ def web_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield f"http://127.0.0.1:{gateway.port}/web/"
 
 
+@pytest.fixture(scope="module")
+def captions_microphone(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Recorded speech: four short phrases run together (short pauses within one
+    utterance), a pause that ends it, then an eSpeak NG sentence."""
+    folder = tmp_path_factory.mktemp("captions")
+    phrases = ("Front_Center", "Front_Left", "Front_Right", "Side_Left")
+    first = np.concatenate([np.concatenate([_recording(p), _silence(0.15)]) for p in phrases])
+    audio = np.concatenate(
+        [_silence(1.0), first, _silence(2.5), _espeak(CAPTIONED, folder / "s.wav"), _silence(60)]
+    )
+    path = folder / "microphone.wav"
+    sf.write(path, audio, RATE, subtype="PCM_16")
+    return path
+
+
 def _demo(page: Page) -> dict:
     return json.loads(page.evaluate("JSON.stringify(window.duplexDemo)"))
 
@@ -95,24 +121,26 @@ def _words(text: str) -> str:
     return " ".join(re.findall(r"[a-z']+", text.lower()))
 
 
+def _chromium_args(microphone: Path) -> list[str]:
+    return [
+        "--no-sandbox",
+        "--use-fake-ui-for-media-stream",
+        "--use-fake-device-for-media-stream",
+        f"--use-file-for-fake-audio-capture={microphone}%noloop",
+        "--autoplay-policy=no-user-gesture-required",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+    ]
+
+
 def test_voice_conversation_with_barge_in(web_url: str, microphone_wav: Path) -> None:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     problems: list[str] = []
     with sync_playwright() as pw:
         browser = pw.chromium.launch(
-            executable_path=CHROMIUM,
-            headless=True,
-            args=[
-                "--no-sandbox",
-                "--use-fake-ui-for-media-stream",
-                "--use-fake-device-for-media-stream",
-                f"--use-file-for-fake-audio-capture={microphone_wav}%noloop",
-                "--autoplay-policy=no-user-gesture-required",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                "--no-first-run",
-            ],
+            executable_path=CHROMIUM, headless=True, args=_chromium_args(microphone_wav)
         )
         try:
             page = browser.new_page()
@@ -153,3 +181,59 @@ def test_voice_conversation_with_barge_in(web_url: str, microphone_wav: Path) ->
         finally:
             browser.close()
     assert not problems, problems
+
+
+@pytest.fixture(scope="module")
+def captioned(web_url: str, captions_microphone: Path) -> dict:
+    """The demo in captions-only mode once both utterances are transcribed: its state,
+    the user bubbles' text and class, and the page's problems."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    problems: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM, headless=True, args=_chromium_args(captions_microphone)
+        )
+        try:
+            page = browser.new_page()
+            page.on("console", lambda m: m.type == "error" and problems.append(m.text))
+            page.on("pageerror", lambda e: problems.append(str(e)))
+            page.goto(web_url)
+            page.check("#captionsOnly")
+            page.click("#connect")
+            # Waits on the page's own state (Playwright re-checks it as the page runs).
+            page.wait_for_function("window.duplexDemo.userTranscripts.length >= 2", timeout=180_000)
+            page.screenshot(path=str(ARTIFACTS / "web-demo-captions.png"))
+            bubbles = page.locator(".bubble.user")
+            return {
+                "state": _demo(page),
+                "bubbles": [bubbles.nth(i).inner_text() for i in range(bubbles.count())],
+                "live": page.locator(".bubble.user.live").count(),
+                "assistant": page.locator(".bubble.assistant").count(),
+                "problems": problems,
+            }
+        finally:
+            browser.close()
+
+
+def test_captions_only_shows_the_completed_transcripts(captioned: dict) -> None:
+    state = captioned["state"]
+    assert state["sessionType"] == "transcription", state
+    first, second = state["userTranscripts"][:2]
+    assert {"front", "center", "left", "right"} <= set(_words(first).split()), state
+    assert {"children", "park", "sun"} <= set(_words(second).split()), state
+    # The captions end as the completed transcripts, and nothing answered.
+    assert [b.split("\n", 1)[-1] for b in captioned["bubbles"]] == state["userTranscripts"]
+    assert captioned["live"] == 0 and captioned["assistant"] == 0
+    assert state["responses"] == [] and "response.created" not in state["eventCounts"]
+    assert not state["errors"], state["errors"]
+    assert not captioned["problems"], captioned["problems"]
+
+
+def test_captions_appear_before_speech_stopped(captioned: dict) -> None:
+    """The words show while the user speaks: each utterance had a caption when its
+    `speech_stopped` came, and it was the start of the completed transcript."""
+    state = captioned["state"]
+    early = state["captionsAtSpeechStopped"][:2]
+    assert len(early) == 2 and all(early), state
+    for caption, final in zip(early, state["userTranscripts"], strict=True):
+        assert _words(final).startswith(_words(caption)), (caption, final)

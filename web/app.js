@@ -1,5 +1,8 @@
 // duplex-gateway voice demo: one WebSocket speaking the OpenAI Realtime protocol (GA
 // shape), microphone in through an AudioWorklet, speech out through another.
+// The user's words show as live captions while they speak (input transcription deltas),
+// then as the completed transcript. "Captions only" opens a transcription session
+// (?intent=transcription): the same captions, and nothing answers.
 
 const RATE = 24000;
 const $ = (id) => document.getElementById(id);
@@ -14,6 +17,9 @@ const demo = {
   responses: [], // final status of every response, in order
   truncatesSent: [],
   userTranscripts: [],
+  captions: {}, // item id -> the caption shown so far (deltas, then the transcript)
+  captionsAtSpeechStopped: [], // the caption of each item when its speech_stopped came
+  sessionType: null,
   assistantTexts: [],
   errors: [],
   latencyMs: [],
@@ -204,7 +210,8 @@ async function connect() {
     showError(`Gateway unreachable: ${err.message}`);
     return;
   }
-  const url = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/realtime?model=${encodeURIComponent(model)}`;
+  let url = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/realtime?model=${encodeURIComponent(model)}`;
+  if ($("captionsOnly").checked || params.get("intent") === "transcription") url += "&intent=transcription";
   const key = $("apiKey").value.trim() || params.get("api_key") || "";
   const protocols = ["realtime"];
   if (key) protocols.push(`openai-insecure-api-key.${key}`);
@@ -241,18 +248,30 @@ const handlers = {
   "session.updated": (e) => showSession(e.session),
   "input_audio_buffer.speech_started": (e) => {
     setState("connected", "listening");
-    bubble(e.item_id, "user");
+    bubble(e.item_id, "user").classList.add("live");
     interruptPlayback();
   },
-  "input_audio_buffer.speech_stopped": () => {
+  "input_audio_buffer.speech_stopped": (e) => {
+    demo.captionsAtSpeechStopped.push(demo.captions[e.item_id] || "");
+    if (demo.sessionType === "transcription") {
+      setState("connected", "transcribing");
+      return;
+    }
     speechStoppedAt = performance.now();
     awaitingFirstAudio = true;
     setState("connected", "thinking");
   },
-  "conversation.item.input_audio_transcription.delta": (e) => setBubbleText(e.item_id, "user", e.delta, true),
+  // Live captions: each delta adds the words heard so far; the completed transcript
+  // replaces them (they are the same words, now final).
+  "conversation.item.input_audio_transcription.delta": (e) => {
+    demo.captions[e.item_id] = setBubbleText(e.item_id, "user", e.delta, true);
+    bubble(e.item_id, "user").classList.add("live");
+  },
   "conversation.item.input_audio_transcription.completed": (e) => {
     demo.userTranscripts.push(e.transcript);
-    setBubbleText(e.item_id, "user", e.transcript);
+    demo.captions[e.item_id] = setBubbleText(e.item_id, "user", e.transcript);
+    bubble(e.item_id, "user").classList.remove("live");
+    if (demo.sessionType === "transcription") setState("connected", "listening");
   },
   "conversation.item.input_audio_transcription.failed": (e) => showError(`Transcription failed: ${e.error.message}`),
   "conversation.item.added": (e) => {
@@ -301,6 +320,11 @@ function onServerEvent(event) {
 
 function showSession(s) {
   session = s;
+  demo.sessionType = s.type;
+  // A transcription session has no answers to shape: only its input settings apply.
+  const transcribing = s.type === "transcription";
+  for (const id of ["instructions", "voice", "tools"]) $(id).closest("label").hidden = transcribing;
+  $("composer").hidden = transcribing;
   $("instructions").value = s.instructions || "";
   const out = (s.audio && s.audio.output) || {};
   $("voice").value = out.voice || "";
@@ -328,10 +352,16 @@ function applySettings(event) {
   const turnDetection = mode === "none" ? null
     : mode === "semantic_vad" ? { type: mode, eagerness: $("eagerness").value }
     : { type: mode, threshold: Number($("threshold").value), silence_duration_ms: Number($("silence").value) };
+  const transcription = $("transcribe").checked ? { model: "whisper-1", language: "en" } : null;
+  if (demo.sessionType === "transcription") {
+    // Input settings only: its turn detection commits speech, and nothing answers.
+    send({ type: "session.update", session: { type: "transcription", audio: { input: { turn_detection: turnDetection, transcription } } } });
+    return;
+  }
   const update = {
     type: "realtime",
     instructions: $("instructions").value,
-    audio: { input: { turn_detection: turnDetection, transcription: $("transcribe").checked ? {} : null } },
+    audio: { input: { turn_detection: turnDetection, transcription } },
   };
   const voice = $("voice").value.trim();
   if (voice) update.audio.output = { voice };
@@ -352,9 +382,10 @@ function sendText(event) {
 }
 
 function commitAudio() {
+  send({ type: "input_audio_buffer.commit" });
+  if (demo.sessionType === "transcription") return; // transcribed, never answered
   speechStoppedAt = performance.now();
   awaitingFirstAudio = true;
-  send({ type: "input_audio_buffer.commit" });
   send({ type: "response.create" });
 }
 

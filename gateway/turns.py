@@ -12,6 +12,10 @@ message per result), and calls made one after another are one assistant message.
 
 Because a prepared turn and the response that takes it over are both built here from
 the same items and settings, equal inputs give equal turns, as adoption requires.
+
+A turn that transcribes an item's audio names the item as its `utterance` (server VAD
+transcribed it live under that id, if the session listened) and carries the session's
+transcription prompt and logprobs request.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from collections.abc import Sequence
 from duplex.turn import Message, Stage, TurnRequest
 from gateway.conversation import Item
 from gateway.responses import ResponseOptions
-from gateway.session_config import SessionSettings
+from gateway.session_config import LiveTranscription, SessionSettings
 
 __all__ = ["answered_item", "has_input", "response_turn", "transcription_turn"]
 
@@ -50,6 +54,7 @@ def response_turn(
     audio = answered.pending_audio if answered is not None else None
     text = answered.text() if answered is not None and audio is None else None
     spoken = "audio" in options.output_modalities
+    live = settings.live_transcription() or LiveTranscription()
     messages = _merge_calls([m for m in (item.message() for item in history) if m is not None])
     if settings.truncation == "auto":
         messages = messages[-max_context_messages:]
@@ -68,6 +73,9 @@ def response_turn(
         truncate=settings.truncation == "auto",
         tools=options.tools,
         tool_choice=options.tool_choice,
+        utterance=answered.id if answered is not None and audio is not None else None,
+        transcription_prompt=live.prompt if audio is not None else "",
+        logprobs=live.logprobs and audio is not None,
     )
 
 
@@ -84,6 +92,13 @@ def _merge_calls(messages: list[Message]) -> list[Message]:
     return merged
 
 
-def transcription_turn(item: Item) -> TurnRequest:
-    """The turn that only transcribes `item`'s pending audio."""
-    return TurnRequest(final=Stage.ASR, audio=item.pending_audio)
+def transcription_turn(item: Item, live: LiveTranscription | None) -> TurnRequest:
+    """The turn that only transcribes `item`'s pending audio, with `live`'s options."""
+    options = live or LiveTranscription()
+    return TurnRequest(
+        final=Stage.ASR,
+        audio=item.pending_audio,
+        utterance=item.id,
+        transcription_prompt=options.prompt,
+        logprobs=options.logprobs,
+    )

@@ -14,9 +14,10 @@ Rules of this module:
    partial's newly agreed words (LocalAgreement, inside `LiveTranscript`) go out as one
    `transcript_delta`, so deltas are only ever appended. The first delta's leading
    blank is dropped, as a transcript's is.
-4. A turn that names the utterance claims it (`claim`): its partials stop and its live
-   transcript is frozen, the turn finishing it over the turn's own audio; a prepared
-   turn that is dropped gives it back (`release`), which thaws it and resumes partials.
+4. A turn that names the utterance claims it (`claim`): its partials stop (one in
+   flight is dropped unagreed) and the turn finishes the live transcript over the
+   turn's own audio, its final request freezing it; a prepared turn that is dropped
+   gives it back (`release`), which thaws it and resumes partials.
 """
 
 from __future__ import annotations
@@ -62,8 +63,6 @@ class LiveTranscript(Protocol):
     def agree(self, result: Any) -> LiveDelta | None: ...
 
     def finish(self, result: Any) -> LiveDelta: ...
-
-    def freeze(self) -> None: ...
 
     def thaw(self) -> None: ...
 
@@ -188,9 +187,9 @@ class Listener:
         if utterance is None or utterance.utterance_id != utterance_id or utterance.claimed:
             return None
         utterance.claimed = True
+        # No partial result of it is agreed from now on: its final request (the turn's)
+        # freezes the live transcript, and `release` thaws it.
         self._stop_partials()
-        if utterance.live is not None:
-            utterance.live.freeze()
         return utterance
 
     def release(self, utterance: Utterance) -> None:

@@ -101,6 +101,8 @@ class FakeLiveTranscript:
     def request(self, audio: np.ndarray, *, final: bool) -> FakeAsrRequest:
         if final:
             self.frozen = True
+        elif self.frozen:
+            raise RuntimeError("a final request was made: thaw() before more partials")
         self.events.append("final" if final else "partial")
         prefix = tuple(self.committed) if final else ()
         return FakeAsrRequest(audio, prefix, self.prompt, self.logprobs, partial=not final)

@@ -159,7 +159,8 @@ async def test_a_prepared_turn_freezes_the_utterance_and_a_discard_thaws_it(h: H
     request = turn(Stage.ASR, audio=spoken(*WORDS[:4]).tobytes(), utterance="item_1")
     prepared = DuplexPreparedTurn("s1", 0, h.orch.sampling_defaults(), request.plan().prompt, 0, 0)
     h.orch.prepare_turn(prepared)
-    assert "freeze" in live.events
+    await h.until(lambda: live.frozen)  # the prepared turn's final request froze it
+    assert live.events[-1] == "final"
     h.orch.discard_prepared("s1")
     assert live.events[-1] == "thaw" and not live.frozen
     before = len(resident.deltas())

@@ -16,8 +16,10 @@ Rules of this module:
    blank is dropped, as a transcript's is.
 4. A turn that names the utterance claims it (`claim`): its partials stop (one in
    flight is dropped unagreed) and the turn finishes the live transcript over the
-   turn's own audio, its final request freezing it; a prepared turn that is dropped
-   gives it back (`release`), which thaws it and resumes partials.
+   turn's own audio, its final request freezing it. A turn that stops before its
+   transcript went out (a prepared turn dropped, a transcription superseded) gives it
+   back (`release`): it is thawed, live again while still spoken, and the next turn
+   naming it finishes it, so the final transcript always begins with the deltas sent.
 """
 
 from __future__ import annotations
@@ -128,6 +130,8 @@ class Listener:
         self.options: Listen | None = None
         self.heard = HeardAudio()
         self.utterance: Utterance | None = None
+        # An utterance over whose turn stopped unfinished, for the turn that takes over.
+        self._released: Utterance | None = None
         self._engine = engine
         self._interval = interval_ms * SAMPLE_RATE // 1000
         self._max_samples = int(max_audio_s * SAMPLE_RATE)
@@ -184,6 +188,8 @@ class Listener:
     def claim(self, utterance_id: str | None) -> Utterance | None:
         """The utterance a turn finishes, if it is the one under way and unclaimed."""
         utterance = self.utterance
+        if utterance is None or utterance.utterance_id != utterance_id:
+            utterance, self._released = self._released, None
         if utterance is None or utterance.utterance_id != utterance_id or utterance.claimed:
             return None
         utterance.claimed = True
@@ -193,7 +199,9 @@ class Listener:
         return utterance
 
     def release(self, utterance: Utterance) -> None:
-        """A prepared turn that claimed `utterance` was dropped: it is live again."""
+        """A turn that claimed `utterance` stopped before its transcript went out (a
+        prepared turn dropped, a transcription superseded): the next turn naming it
+        finishes it instead, and while it is still spoken it is live again."""
         if not utterance.claimed:
             return
         utterance.claimed = False
@@ -201,6 +209,8 @@ class Listener:
             utterance.live.thaw()
         if utterance is self.utterance:
             self._start_partials()
+        else:
+            self._released = utterance
 
     # -- the resident request's end (rule 1) --------------------------------------------
 

@@ -29,8 +29,9 @@ Rules of this module:
    listening, emits its live transcript deltas on the resident id. A turn whose
    `TurnRequest.utterance` is the utterance under way finishes that live transcript
    over the turn's own audio (only the tail is left to decode) instead of starting
-   over; a prepared turn does the same with the transcript frozen, and gives it back if
-   dropped. Aborting the resident id ends its live work at once (rule 2).
+   over; a prepared turn does the same with its outputs held, and a turn stopped before
+   its transcript went out gives the utterance back for the turn that takes over.
+   Aborting the resident id ends its live work at once (rule 2).
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ class _Turn:
     # The live utterance this turn finishes (rule 5), claimed from the session's listener.
     utterance: Utterance | None = None
     asr_metrics: dict[str, float] = field(default_factory=dict)
+    transcribed: bool = False  # its transcript was emitted (held, for a prepared turn)
 
     def since(self, mark: str) -> float:
         return (time.perf_counter() - self.marks[mark]) * 1000.0
@@ -255,7 +257,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         prepared = self._prepared.pop(session_id, None)
         if prepared is not None:
             self.prepare_stats["discarded"] += 1
-            self._drop_prepared(prepared.turn)
+            self._stop(prepared.turn)
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         listening = self._stop_listening(request_ids)
@@ -371,13 +373,6 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             return None
         return listener.claim(request.utterance)
 
-    def _drop_prepared(self, turn: _Turn) -> None:
-        """A prepared turn nobody takes: stopped, and its utterance is live again."""
-        self._stop(turn)
-        listener = self._listeners.get(turn.session_id)
-        if turn.utterance is not None and listener is not None:
-            listener.release(turn.utterance)
-
     # --- turn lifecycle --------------------------------------------------------------
 
     def _read_turn(
@@ -435,7 +430,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         )
         if not same:
             self.prepare_stats["discarded"] += 1
-            self._drop_prepared(turn)
+            self._stop(turn)
             return None
         self.prepare_stats["adopted"] += 1
         return turn
@@ -465,7 +460,13 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         return list(turns.values())
 
     def _stop(self, turn: _Turn) -> None:
-        """Stop a turn at once: no id of it outputs again, every stage drops its request."""
+        """Stop a turn at once: no id of it outputs again, every stage drops its request;
+        a live utterance it had not transcribed yet goes back to the listener (rule 5)."""
+        unfinished = turn.held is not None or not turn.transcribed
+        listener = self._listeners.get(turn.session_id)
+        if turn.utterance is not None and unfinished and listener is not None:
+            listener.release(turn.utterance)
+        turn.utterance = None
         for rid in turn.out_ids.values():
             self._open.discard(rid)
         if turn.task is not None and turn.task is not asyncio.current_task():
@@ -607,6 +608,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             metadata["logprobs"] = logprobs
         if live:
             metadata["live"] = True
+        turn.transcribed = True
         self._emit(turn, ASR, "transcript", text=text, metadata=metadata)
         self._emit(turn, ASR, "done", finished=True)
         return text

@@ -125,6 +125,27 @@ async def test_a_turn_naming_the_utterance_finishes_its_live_transcript(h: Harne
     await h.idle()
 
 
+async def test_a_turn_stopped_unfinished_leaves_the_utterance_to_the_next(h: Harness) -> None:
+    resident = Resident(h)
+    await speak(h, resident)
+    said = spoken(*WORDS).tobytes()
+    h.asr.hold = True
+    job = h.reserve(final=0)
+    await h.submit(job, turn(Stage.ASR, audio=said, utterance="item_1"))
+    await resident.append(UtteranceEnded("item_1"))
+    await h.until(lambda: any(rid == job[0].request_id for rid, _ in h.asr.requests))
+    await h.orch.abort_requests([job[0].request_id])  # superseded before it transcribed
+    h.asr.hold = False
+    response = h.reserve(turn=1, final=0)
+    await h.submit(response, turn(Stage.ASR, audio=said, utterance="item_1"))
+    await h.until(lambda: h.finished(response[0].request_id))
+    transcript = h.of(response[0].request_id)[0]
+    assert transcript.metadata["live"] is True
+    assert transcript.text.startswith(resident.text())
+    assert h.of(job[0].request_id) == []
+    await h.idle()
+
+
 async def test_without_listening_a_turn_is_transcribed_whole(h: Harness) -> None:
     resident = Resident(h)
     await resident.append(UtteranceStarted("item_1", 0.0))

@@ -22,8 +22,11 @@ Rules:
    live-transcription options: `duplex.appends`) goes to ONE resident stage-0 request
    per epoch, `...e.{epoch}.r.stage0`, as `append` plans: the epoch's first append
    reserves it (`EnsureRequest`) and submits with `already_submitted=False`, every later
-   one with `already_submitted=True`; all with `resumable=True`. The port keeps what the
-   request heard; turns (rule 1) stay ephemeral and may name the utterance it heard.
+   one with `already_submitted=True`; all with `resumable=True`. Each prompt is one
+   append, keyed by `"append"`: `"heard"` (`audio`: float32 16 kHz bytes),
+   `"utterance_started"` (`utterance_id`, `start_ms`), `"utterance_ended"`
+   (`utterance_id`) or `"listen"` (`enabled`, `prompt`, `logprobs`). The port keeps
+   what the request heard; turns (rule 1) stay ephemeral and may name the utterance.
 5. An epoch bump (cancelling the conversation's turn) reserves the new epoch's resident
    request, then aborts and releases the old one: its outputs in flight are stale. The
    new one is submitted with the next append. Closing aborts the resident request.

@@ -9,6 +9,8 @@ values it returns.
 - `duplex.session`: `DuplexSession`, the sans-I/O state machine (`duplex.state` holds
   its transition table, `duplex.actions` the actions it returns).
 - `duplex.events`: what a session's consumer reads (`TurnOutput`, `TurnDone`, ...).
+- `duplex.appends`: what the session's resident stage-0 request hears (audio frames,
+  utterance starts and ends, live-transcription options), as append plans.
 - `duplex.manager`: `DuplexSessionManager`, the asyncio shell over a stage port.
 """
 

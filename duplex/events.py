@@ -8,6 +8,8 @@ Every session yields, in order:
   transcript, LLM text deltas, TTS audio chunks), then exactly one `TurnDone`. The
   conversation's turns come one at a time; side turns (see `duplex.session`) may
   interleave with them;
+- at any time, `UtteranceOutput`: a live transcript delta of the utterance the user is
+  speaking, from the epoch's resident stage-0 request (see `duplex.session` rule 5);
 - `SessionClosed` once, last; the iterator ends after it.
 
 No `TurnOutput` of a turn ever follows that turn's `TurnDone`: outputs still in flight
@@ -55,6 +57,7 @@ __all__ = [
     "TurnDone",
     "TurnOutput",
     "TurnStatus",
+    "UtteranceOutput",
 ]
 
 TurnStatus = Literal["completed", "incomplete", "cancelled", "failed"]
@@ -99,8 +102,17 @@ class TurnDone:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class UtteranceOutput:
+    """One output of the resident stage-0 request about utterance `utterance_id`
+    (kind `"transcript_delta"`)."""
+
+    utterance_id: str
+    output: DuplexStageOutput
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SessionClosed:
     session_id: str
 
 
-DuplexEvent = SessionOpened | TurnOutput | TurnDone | SessionClosed
+DuplexEvent = SessionOpened | TurnOutput | UtteranceOutput | TurnDone | SessionClosed

@@ -6,10 +6,12 @@ sessions return: `ensure_request` synchronously, `submit` / `abort_requests` / `
 awaited, in the order the session produced them (one lock per session, other sessions
 unblocked).
 
-Commands (`start_turn`, `barge_in`, `cancel`) are synchronous: the session decides at
-once, its events are queued at once, and the port calls they need run in order behind
-the session's lock (`settled()` waits for them). So a barge-in's `TurnDone` reaches the
-reader before any later event, and a turn started after a cancel runs after it.
+Commands (`start_turn`, `append`, `barge_in`, `cancel`) are synchronous: the session
+decides at once, its events are queued at once, and the port calls they need run in
+order on the session's one worker task (`settled()` waits for them). So a barge-in's
+`TurnDone` reaches the reader before any later event, and a turn started after a cancel
+runs after it. The worker lives as long as the session, so an append (25 a second per
+listening session) costs a queue entry and a wake-up, not a task.
 
 A turn that ends early (cancel, failure) takes its outputs still waiting in the queue
 with it: the reader never sees an output of a turn after that turn was cancelled.
@@ -46,7 +48,14 @@ from duplex.errors import (
     DuplexSessionExistsError,
     DuplexStateError,
 )
-from duplex.events import DuplexEvent, SessionClosed, SessionOpened, TurnDone, TurnOutput
+from duplex.events import (
+    DuplexEvent,
+    SessionClosed,
+    SessionOpened,
+    TurnDone,
+    TurnOutput,
+    UtteranceOutput,
+)
 from duplex.outputs import DuplexStageOutput, DuplexStreamingStagePort
 from duplex.session import DuplexSession
 from duplex.state import SessionState
@@ -61,7 +70,7 @@ DEFAULT_MAX_EVENTS = 512
 # Closed ids are refused for a while so a late output can never reach a new session
 # that reused the id.
 _CLOSED_IDS_REMEMBERED = 4096
-_EVENT_TYPES = (SessionOpened, TurnOutput, TurnDone, SessionClosed)
+_EVENT_TYPES = (SessionOpened, TurnOutput, UtteranceOutput, TurnDone, SessionClosed)
 
 
 class DuplexSessionHandle:
@@ -76,8 +85,14 @@ class DuplexSessionHandle:
         self._queue: collections.deque[DuplexEvent] = collections.deque()
         self._outputs_queued = 0
         self._ready = asyncio.Event()
-        self._lock = asyncio.Lock()
-        self._tasks: set[asyncio.Task[None]] = set()
+        # Port calls decided and not yet carried out, one batch per decision, run in
+        # order by `_worker` (started by the first batch, ended by close).
+        self._work: collections.deque[list[Action]] = collections.deque()
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._worker: asyncio.Task[None] | None = None
+        self._stopping = False
         self._close_task: asyncio.Future[None] | None = None
         self._consuming = False
         self._events_ended = False
@@ -181,6 +196,14 @@ class DuplexSessionHandle:
         """Stop work the port did ahead for this session, if any."""
         self._manager.port.discard_prepared(self.session_id)
 
+    def append(self, plan: DuplexAppendPlan) -> None:
+        """Submit `plan` (a `duplex.appends` value's plan) to the session's resident
+        stage-0 request (see `DuplexSession.append`).
+
+        Raises: as `DuplexSession.append` (ValueError, DuplexStateError).
+        """
+        self._spawn(self._session.append(plan))
+
     def barge_in(self) -> bool:
         """Cancel the conversation's turn because the user spoke; False if none ran."""
         return self._spawn(self._session.barge_in())
@@ -195,8 +218,7 @@ class DuplexSessionHandle:
 
     async def settled(self) -> None:
         """Wait until every port call decided so far has been carried out."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self._idle.wait()
 
     async def close(self) -> None:
         """Cancel every running turn, abort and release every owned request; idempotent.
@@ -256,14 +278,26 @@ class DuplexSessionHandle:
         self._spawn(list(routing.steps))
 
     def _spawn(self, steps: list[SessionStep]) -> bool:
-        """Queue the events among `steps` now and start their port actions in a task;
+        """Queue the events among `steps` now and their port actions for the worker;
         False when `steps` is empty (nothing was decided)."""
         actions = self._deliver(steps)
         if actions:
-            task = asyncio.ensure_future(self._execute(actions))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._work.append(actions)
+            self._idle.clear()
+            self._wake.set()
+            if self._worker is None:
+                self._worker = asyncio.ensure_future(self._run_work())
         return bool(steps)
+
+    async def _run_work(self) -> None:
+        while True:
+            while self._work:
+                await self._execute(self._work.popleft())
+            self._idle.set()
+            if self._stopping:
+                return
+            self._wake.clear()
+            await self._wake.wait()
 
     def _deliver(self, steps: list[SessionStep]) -> list[Action]:
         """Queue the events among `steps` now; return the port actions left to run."""
@@ -289,14 +323,13 @@ class DuplexSessionHandle:
             self._manager._count_drop("stale", dropped)
 
     async def _execute(self, actions: list[Action]) -> None:
-        async with self._lock:
-            pending = collections.deque(actions)
-            while pending:
-                action = pending.popleft()
-                try:
-                    await self._apply(action)
-                except Exception as exc:
-                    pending = self._recover(action, exc, pending)
+        pending = collections.deque(actions)
+        while pending:
+            action = pending.popleft()
+            try:
+                await self._apply(action)
+            except Exception as exc:
+                pending = self._recover(action, exc, pending)
 
     async def _apply(self, action: Action) -> None:
         port = self._manager.port
@@ -339,6 +372,10 @@ class DuplexSessionHandle:
         self._spawn(self._session.close())
         # Port calls already under way (e.g. a submit) finish before the slot is freed.
         await self.settled()
+        self._stopping = True
+        self._wake.set()
+        if self._worker is not None:
+            await self._worker
         self._manager._forget(self)
 
 

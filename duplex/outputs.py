@@ -11,6 +11,9 @@ to one sink, on the asyncio loop thread, as a `DuplexStageOutput`:
 - `"tool_call"`: an LLM function call's arguments as they stream (`text`, a delta of the
   arguments' JSON text), with `metadata["index"]` (the call's number in the reply, from
   0) and `metadata["name"]` (the function); a call is never spoken;
+- `"transcript_delta"`: words the resident stage-0 request settled on while the user
+  speaks (`text`, only ever appended), with `metadata["utterance_id"]` (the utterance
+  it transcribes) and, when asked, `metadata["logprobs"]` (`(token, logprob)` pairs);
 - `"done"`: the stage request finished without further payload;
 - `"error"`: the stage request failed (`metadata["error"]` says why).
 
@@ -52,7 +55,9 @@ __all__ = [
     "stage_id_from_request_id",
 ]
 
-OUTPUT_KINDS = frozenset({"transcript", "text", "audio", "tool_call", "done", "error"})
+OUTPUT_KINDS = frozenset(
+    {"transcript", "transcript_delta", "text", "audio", "tool_call", "done", "error"}
+)
 SAMPLE_BYTES = 4  # audio is float32
 
 

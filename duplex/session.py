@@ -18,6 +18,20 @@ Rules:
 3. `turn_id` counts the turns started; the fence `(epoch, turn_id)` only moves forward,
    so an output whose request the session no longer owns is either stale (older fence)
    or unknown, and is dropped. This is the one place stale output is filtered.
+4. The session's input as it happens (the audio heard, utterance starts and ends, the
+   live-transcription options: `duplex.appends`) goes to ONE resident stage-0 request
+   per epoch, `...e.{epoch}.r.stage0`, as `append` plans: the epoch's first append
+   reserves it (`EnsureRequest`) and submits with `already_submitted=False`, every later
+   one with `already_submitted=True`; all with `resumable=True`. Each prompt is one
+   append, keyed by `"append"`: `"heard"` (`audio`: float32 16 kHz bytes),
+   `"utterance_started"` (`utterance_id`, `start_ms`), `"utterance_ended"`
+   (`utterance_id`) or `"listen"` (`enabled`, `prompt`, `logprobs`). The port keeps
+   what the request heard; turns (rule 1) stay ephemeral and may name the utterance.
+5. An epoch bump (cancelling the conversation's turn) reserves the new epoch's resident
+   request, then aborts and releases the old one: its outputs in flight are stale. The
+   new one is submitted with the next append. Closing aborts the resident request.
+   Its `transcript_delta` outputs of the current epoch become `UtteranceOutput`
+   events; any of an older epoch are dropped as stale.
 """
 
 from __future__ import annotations
@@ -42,9 +56,12 @@ from duplex.contracts import (
     DuplexOutputDecision,
     DuplexStageRequestContext,
     DuplexStageSubmission,
+    _resource_request_fields,
     duplex_ephemeral_stage_request_id,
+    duplex_resource_request_id,
     duplex_same_turn_request_ids,
 )
+from duplex.errors import DuplexStateError
 from duplex.events import (
     CANCEL_REASONS,
     SessionClosed,
@@ -52,11 +69,14 @@ from duplex.events import (
     TurnDone,
     TurnOutput,
     TurnStatus,
+    UtteranceOutput,
 )
 from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput, fence_from_request_id
 from duplex.state import SessionState, TurnEvent, transition
 
-__all__ = ["DuplexSession"]
+__all__ = ["DuplexSession", "RESIDENT_ROLE"]
+
+RESIDENT_ROLE = "stage0"  # the resident stage-0 request's role in its id (rule 4)
 
 
 @dataclass(slots=True)
@@ -64,6 +84,18 @@ class _StageRequest:
     stage_id: int
     turn_id: int
     finished: bool = False
+
+
+@dataclass(slots=True)
+class _Resident:
+    """The epoch's resident stage-0 request (rule 4)."""
+
+    context: DuplexStageRequestContext
+    submitted: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.context.request_id
 
 
 @dataclass(slots=True)
@@ -103,6 +135,7 @@ class DuplexSession:
         self._turns: dict[int, _Turn] = {}
         self._conversation_turn: int | None = None
         self._requests: dict[str, _StageRequest] = {}
+        self._resident: _Resident | None = None
 
     # -- read-only views --------------------------------------------------------------
 
@@ -151,8 +184,15 @@ class DuplexSession:
 
     @property
     def owned_request_ids(self) -> tuple[str, ...]:
-        """Stage requests reserved and not yet released, in reservation order."""
-        return tuple(self._requests)
+        """Stage requests reserved and not yet released: the turns' in reservation
+        order, then the resident stage-0 request (rule 4), if reserved."""
+        resident = () if self._resident is None else (self._resident.request_id,)
+        return (*self._requests, *resident)
+
+    @property
+    def resident_request_id(self) -> str | None:
+        """The current epoch's resident stage-0 request, once reserved (rule 4)."""
+        return None if self._resident is None else self._resident.request_id
 
     def turn_of(self, request_id: str) -> int | None:
         """The running turn that owns `request_id`, if any."""
@@ -174,6 +214,7 @@ class DuplexSession:
         for turn in list(self._turns.values()):
             steps += self._end_turn(turn, "cancelled", reason="session_closed")
         steps += self._release(list(self._requests))
+        steps += self._release_resident()
         steps.append(SessionClosed(session_id=self.session_id))
         return steps
 
@@ -185,6 +226,74 @@ class DuplexSession:
         self._config = MappingProxyType(dict(config))
         self._config_generation += 1
         return self._config_generation
+
+    # -- the resident stage-0 request (rules 4 and 5) ----------------------------------
+
+    def append(self, plan: DuplexAppendPlan) -> list[SessionStep]:
+        """Submit `plan` (see `duplex.appends`) to the epoch's resident stage-0 request,
+        reserving it first if this is the epoch's first append.
+
+        Raises:
+            ValueError: `plan` is not a `DuplexAppendPlan`.
+            DuplexStateError: the session is not open.
+        """
+        if not isinstance(plan, DuplexAppendPlan):
+            raise ValueError(f"an append needs a DuplexAppendPlan, got {type(plan).__name__}")
+        if self._state is not SessionState.IDLE and self._state is not SessionState.RESPONDING:
+            raise DuplexStateError(f"duplex session can't append in state {self._state.value}")
+        steps: list[SessionStep] = []
+        if self._resident is None:
+            steps += self._reserve_resident()
+        resident = self._resident
+        assert resident is not None
+        submission = DuplexStageSubmission(
+            context=resident.context,
+            prompt=plan.prompt,
+            already_submitted=resident.submitted,
+            resumable=True,
+        )
+        resident.submitted = True
+        steps.append(SubmitRequest(submission))
+        return steps
+
+    def _reserve_resident(self) -> list[SessionStep]:
+        context = DuplexStageRequestContext(
+            request_id=duplex_resource_request_id(self._fence, RESIDENT_ROLE),
+            session_id=self.session_id,
+            fence=self._fence,
+            stage_id=0,
+            final_stage_id=0,
+            config_generation=self._config_generation,
+            sampling_params=self._sampling_defaults,
+            session_config=self._config,
+        )
+        self._resident = _Resident(context)
+        return [EnsureRequest(context)]
+
+    def _renew_resident(self) -> list[SessionStep]:
+        """Rule 5: after an epoch bump, the new epoch's resident request is reserved
+        before the old one is let go, so the port never sees the session without one."""
+        if self._resident is None:
+            return []
+        old = self._resident
+        steps = self._reserve_resident()
+        return [*steps, AbortRequests((old.request_id,)), CleanupRequests((old.request_id,))]
+
+    def _release_resident(self) -> list[SessionStep]:
+        if self._resident is None:
+            return []
+        rid, self._resident = self._resident.request_id, None
+        return [AbortRequests((rid,)), CleanupRequests((rid,))]
+
+    def _route_resident(self, out: DuplexStageOutput) -> OutputRouting:
+        if out.stage_id != 0:
+            return OutputRouting(OutputRoute.DROP, drop_reason="stage_mismatch")
+        utterance_id = out.metadata.get("utterance_id")
+        if out.kind == "transcript_delta" and isinstance(utterance_id, str) and out.text:
+            event = UtteranceOutput(utterance_id=utterance_id, output=out)
+            return OutputRouting(OutputRoute.FORWARD, (event,))
+        # Anything else (a failed partial, say) concerns no one but the port.
+        return OutputRouting(OutputRoute.CONSUME, decision=_decision(out))
 
     # -- turns ------------------------------------------------------------------------
 
@@ -288,10 +397,12 @@ class DuplexSession:
         if turn is None:
             transition(self._state, TurnEvent.CANCEL_TURN)  # raises in a state that can't
             return []
-        if turn.conversation:
-            # The epoch bump makes every in-flight output of the turn stale at once.
-            self._fence = replace(self._fence, epoch=self._fence.epoch + 1)
-        return self._end_turn(turn, "cancelled", reason=reason)
+        if not turn.conversation:
+            return self._end_turn(turn, "cancelled", reason=reason)
+        # The epoch bump makes every in-flight output of the turn stale at once.
+        self._fence = replace(self._fence, epoch=self._fence.epoch + 1)
+        renew = self._renew_resident()
+        return [*renew[:1], *self._end_turn(turn, "cancelled", reason=reason), *renew[1:]]
 
     def fail_turn(self, turn_id: int, error: str, *, reason: str = "error") -> list[SessionStep]:
         """Fail turn `turn_id` (e.g. its submission failed); no-op if it already ended."""
@@ -306,6 +417,8 @@ class DuplexSession:
         """Forward, consume or drop one stage output (see `duplex.actions.OutputRouting`)."""
         if self._state is SessionState.CLOSED:
             return OutputRouting(OutputRoute.DROP, drop_reason="closed")
+        if self._resident is not None and out.request_id == self._resident.request_id:
+            return self._route_resident(out)
         request = self._requests.get(out.request_id)
         if request is None:
             return OutputRouting(OutputRoute.DROP, drop_reason=self._why_unowned(out.request_id))
@@ -397,6 +510,10 @@ class DuplexSession:
         return [AbortRequests(running), cleanup] if running else [cleanup]
 
     def _why_unowned(self, request_id: str) -> str:
+        fields = _resource_request_fields(request_id)
+        if fields is not None and fields[2] == RESIDENT_ROLE:
+            mine = duplex_resource_request_id(replace(self._fence, epoch=fields[1]), RESIDENT_ROLE)
+            return "stale" if mine == request_id and fields[1] < self.epoch else "unknown_request"
         fence = fence_from_request_id(request_id)
         if fence is None or fence.session_id != self.session_id:
             return "unknown_request"

@@ -149,11 +149,13 @@ class LlmConfig(_Strict):
 
 class AsrConfig(_Strict):
     """`max_batch` utterances share one Whisper pass; longer turns than `max_audio_s`
-    are refused."""
+    are refused. While a session listens, its speech is re-transcribed whenever
+    `live_interval_ms` more of it has arrived (and none of its partials is running)."""
 
     model: ModelRef = ModelRef(name="whisper-tiny.en")
     max_batch: int = Field(4, ge=1)
     max_audio_s: float = Field(120.0, gt=0.0)
+    live_interval_ms: int = Field(400, ge=40)
 
 
 class TtsConfig(_Strict):

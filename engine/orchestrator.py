@@ -23,6 +23,15 @@ Rules of this module:
    request (and the same session config and sampling) adopts it: the held outputs go out
    first, under the submission's ids, and the rest follows as it comes. Any other
    submission of the session, or `discard_prepared`, stops it and drops what it held.
+5. The session's resident stage-0 request (`...r.stage0`, `duplex.session` rule 4)
+   takes resumable submissions: each is one `duplex.appends` value for the session's
+   `engine.listener.Listener`, which hears the audio, follows the utterance and, while
+   listening, emits its live transcript deltas on the resident id. A turn whose
+   `TurnRequest.utterance` is the utterance under way finishes that live transcript
+   over the turn's own audio (only the tail is left to decode) instead of starting
+   over; a prepared turn does the same with its outputs held, and a turn stopped before
+   its transcript went out gives the utterance back for the turn that takes over.
+   Aborting the resident id ends its live work at once (rule 2).
 """
 
 from __future__ import annotations
@@ -38,12 +47,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from duplex.appends import read_append
 from duplex.contracts import (
     DuplexFence,
     DuplexStageRequestContext,
     DuplexStageSubmission,
     DuplexStageSubmissionResult,
     duplex_ephemeral_stage_request_id,
+    duplex_resource_request_id,
     duplex_turn_id_from_request_id,
 )
 from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput, DuplexStreamingStagePort
@@ -51,6 +62,7 @@ from duplex.turn import Message, Stage, Tool, ToolChoice, TurnRequest
 from engine.clauses import ClauseSplitter
 from engine.config import EngineConfig
 from engine.core import AsyncEngine
+from engine.listener import Listener, Utterance, final_text
 from engine.llm import LlmInput
 from engine.request import RequestOutput, SamplingParams
 from engine.stage import StageOutput
@@ -114,6 +126,10 @@ class _Turn:
     # A prepared turn's outputs wait here until a submission adopts it (rule 4).
     held: list[tuple[int, str, dict[str, Any]]] | None = None
     held_finished: set[int] = field(default_factory=set)
+    # The live utterance this turn finishes (rule 5), claimed from the session's listener.
+    utterance: Utterance | None = None
+    asr_metrics: dict[str, float] = field(default_factory=dict)
+    transcribed: bool = False  # its transcript was emitted (held, for a prepared turn)
 
     def since(self, mark: str) -> float:
         return (time.perf_counter() - self.marks[mark]) * 1000.0
@@ -146,6 +162,8 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         self._turns: dict[str, _Turn] = {}  # every id of a running turn -> the turn
         self._open: set[str] = set()
         self._prepared: dict[str, _Prepared] = {}  # session id -> its prepared turn
+        self._listeners: dict[str, Listener] = {}  # session id -> its live input (rule 5)
+        self._resident_submitted: set[str] = set()
         self._serial = itertools.count()
         self.prepare_stats = {"adopted": 0, "discarded": 0}
 
@@ -173,7 +191,11 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         if len(context.sampling_params) != self.stage_count:
             raise ValueError(f"sampling_params needs one entry per stage ({self.stage_count})")
         _check_params(context.sampling_params)
+        if _is_resident(context) and (context.stage_id, context.final_stage_id) != (0, 0):
+            raise ValueError(f"resident request {context.request_id!r} runs stage 0 alone")
         self._reserved[context.request_id] = context
+        if _is_resident(context) and context.session_id not in self._listeners:
+            self._listeners[context.session_id] = self._new_listener(context.session_id)
         cached = self._sessions.get(context.session_id)
         if cached is None or cached.generation != context.config_generation:
             self._sessions[context.session_id] = _SessionParams(
@@ -191,6 +213,9 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         rid = context.request_id
         if rid not in self._reserved:
             raise ValueError(f"request {rid!r} was not reserved with ensure_request")
+        if _is_resident(context):
+            self._append(submission)
+            return DuplexStageSubmissionResult(request_id=rid, stage_id=0, replica_id=0)
         if submission.already_submitted or rid in self._turns:
             raise ValueError(f"request {rid!r} was already submitted; a turn takes one prompt")
         if duplex_turn_id_from_request_id(rid) is None:
@@ -224,6 +249,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             for stage in range(turn.entry_stage_id, turn.final_stage_id + 1)
         }
         work = _Turn(turn.session_id, ids, {}, request, turn.sampling_params, held=[])
+        work.utterance = self._claim(turn.session_id, request)
         self._prepared[turn.session_id] = _Prepared(turn, work)
         self._launch(work)
 
@@ -234,25 +260,31 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             self._stop(prepared.turn)
 
     async def abort_requests(self, request_ids: list[str]) -> None:
+        listening = self._stop_listening(request_ids)
         turns = self._close(request_ids)
         for turn in turns:
             self._stop(turn)
         await self._wait_stopped(turns)
+        if listening:
+            await asyncio.wait(listening)
 
     async def cleanup(self, request_ids: list[str], *, abort: bool = False) -> None:
         """Forget the ids. A cleaned-up id never outputs again, so a turn still running is
         stopped whether or not `abort` is set."""
         await self.abort_requests(request_ids)
         for rid in request_ids:
+            self._resident_submitted.discard(rid)
             context = self._reserved.pop(rid, None)
             if context is not None and not self._session_has_requests(context.session_id):
                 self._sessions.pop(context.session_id, None)
+                self._listeners.pop(context.session_id, None)
 
     async def shutdown(self) -> None:
         """Stop every running and prepared turn; nothing more reaches the sink."""
         for session_id in list(self._prepared):
             self.discard_prepared(session_id)
-        await self.abort_requests(list(self._turns))
+        residents = [rid for rid in self._reserved if _is_resident(self._reserved[rid])]
+        await self.abort_requests([*self._turns, *residents])
 
     # --- introspection ---------------------------------------------------------------
 
@@ -264,6 +296,82 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
 
     def prepared_turns(self) -> int:
         return len(self._prepared)
+
+    def listener(self, session_id: str) -> Listener | None:
+        """The session's live input (rule 5), once its resident request is reserved."""
+        return self._listeners.get(session_id)
+
+    # --- the resident stage-0 request (rule 5) ---------------------------------------
+
+    def _new_listener(self, session_id: str) -> Listener:
+        asr = self.config.stages.asr
+        return Listener(
+            session_id,
+            self.engine,
+            interval_ms=asr.live_interval_ms,
+            max_audio_s=asr.max_audio_s,
+            emit=lambda rid, utterance_id, text, logprobs: self._emit_delta(
+                session_id, rid, utterance_id, text, logprobs
+            ),
+        )
+
+    def _append(self, submission: DuplexStageSubmission) -> None:
+        rid = submission.context.request_id
+        if submission.already_submitted != (rid in self._resident_submitted):
+            state = "was" if rid in self._resident_submitted else "was not"
+            raise ValueError(
+                f"resident request {rid!r} {state} submitted before; already_submitted="
+                f"{submission.already_submitted} disagrees"
+            )
+        if not submission.resumable:
+            raise ValueError(f"resident request {rid!r} takes resumable submissions only")
+        append = read_append(submission.prompt)
+        listener = self._listeners[submission.context.session_id]
+        if rid not in self._resident_submitted:
+            self._resident_submitted.add(rid)
+            listener.resident_id = rid
+        listener.apply(append)
+
+    def _emit_delta(
+        self,
+        session_id: str,
+        rid: str,
+        utterance_id: str,
+        text: str,
+        logprobs: tuple[tuple[str, float], ...],
+    ) -> None:
+        metadata: dict[str, Any] = {"utterance_id": utterance_id}
+        if logprobs:
+            metadata["logprobs"] = logprobs
+        if self._sink is not None:
+            self._sink(
+                DuplexStageOutput(
+                    session_id=session_id,
+                    request_id=rid,
+                    stage_id=ASR,
+                    kind="transcript_delta",
+                    text=text,
+                    metadata=metadata,
+                )
+            )
+
+    def _stop_listening(self, request_ids: list[str]) -> list[asyncio.Task[None]]:
+        """Stop the live work of the resident ids among `request_ids` (rule 2)."""
+        tasks = []
+        for rid in request_ids:
+            context = self._reserved.get(rid)
+            listener = None if context is None else self._listeners.get(context.session_id)
+            if listener is not None and listener.resident_id == rid:
+                task = listener.stop()
+                if task is not None and task is not asyncio.current_task():
+                    tasks.append(task)
+        return tasks
+
+    def _claim(self, session_id: str, request: TurnRequest) -> Utterance | None:
+        listener = self._listeners.get(session_id)
+        if listener is None or request.utterance is None or request.audio is None:
+            return None
+        return listener.claim(request.utterance)
 
     # --- turn lifecycle --------------------------------------------------------------
 
@@ -290,6 +398,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             for stage in range(context.stage_id, context.final_stage_id + 1)
         }
         turn = _Turn(context.session_id, ids, dict(ids), request, params)
+        turn.utterance = self._claim(context.session_id, request)
         self._register(turn)
         self._launch(turn)
         return turn
@@ -351,7 +460,13 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         return list(turns.values())
 
     def _stop(self, turn: _Turn) -> None:
-        """Stop a turn at once: no id of it outputs again, every stage drops its request."""
+        """Stop a turn at once: no id of it outputs again, every stage drops its request;
+        a live utterance it had not transcribed yet goes back to the listener (rule 5)."""
+        unfinished = turn.held is not None or not turn.transcribed
+        listener = self._listeners.get(turn.session_id)
+        if turn.utterance is not None and unfinished and listener is not None:
+            listener.release(turn.utterance)
+        turn.utterance = None
         for rid in turn.out_ids.values():
             self._open.discard(rid)
         if turn.task is not None and turn.task is not asyncio.current_task():
@@ -443,20 +558,60 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         return [s for s, rid in sorted(turn.out_ids.items()) if rid in self._open]
 
     async def _transcribe(self, turn: _Turn) -> str | None:
-        rid = turn.ids[ASR]
+        """Stage 0 of a turn: finish the live utterance it names (rule 5), or transcribe
+        its audio whole, with a transcript of its own when it asks for a prompt or
+        logprobs."""
+        request = turn.request
         turn.marks["asr"] = time.perf_counter()
-        audio = np.frombuffer(turn.request.audio or b"", dtype="<f4")
-        async for out in self.engine.stream("asr", rid, audio):
+        audio = np.frombuffer(request.audio or b"", dtype="<f4")
+        utterance = turn.utterance
+        live = utterance.live if utterance is not None else None
+        if live is None and (request.transcription_prompt or request.logprobs):
+            live = await self.engine.call(
+                "asr", "new_live_transcript", request.transcription_prompt, request.logprobs
+            )
+        if live is None:
+            payload = await self._asr(turn, audio)
+            return None if payload is None else self._transcribed(turn, str(payload).strip())
+        result = await self._asr(turn, live.request(audio, final=True))
+        if result is None:
+            return None
+        tail = live.finish(result)
+        committed = utterance.committed if utterance is not None else ""
+        tokens = [*(utterance.tokens if utterance is not None else ()), *tail.tokens]
+        logprobs = tuple(tokens) if request.logprobs else ()
+        text = final_text(committed, tail.text)
+        return self._transcribed(turn, text, logprobs=logprobs, live=bool(committed))
+
+    async def _asr(self, turn: _Turn, inputs: Any) -> Any:
+        """The ASR stage's finished payload for `inputs`; None if it failed (the turn
+        failed with it) or was aborted."""
+        async for out in self.engine.stream("asr", turn.ids[ASR], inputs):
             if out.error is not None:
                 self._fail(turn, ASR, out.error)
                 return None
             if out.finished:
-                text = str(out.payload or "").strip()
-                metadata = {"asr_ms": turn.since("asr"), **out.metrics}
-                self._emit(turn, ASR, "transcript", text=text, metadata=metadata)
-                self._emit(turn, ASR, "done", finished=True)
-                return text
+                turn.asr_metrics = dict(out.metrics)
+                return out.payload
         return None  # aborted: the stream ended without a result
+
+    def _transcribed(
+        self,
+        turn: _Turn,
+        text: str,
+        *,
+        logprobs: tuple[tuple[str, float], ...] = (),
+        live: bool = False,
+    ) -> str:
+        metadata: dict[str, Any] = {"asr_ms": turn.since("asr"), **turn.asr_metrics}
+        if logprobs:
+            metadata["logprobs"] = logprobs
+        if live:
+            metadata["live"] = True
+        turn.transcribed = True
+        self._emit(turn, ASR, "transcript", text=text, metadata=metadata)
+        self._emit(turn, ASR, "done", finished=True)
+        return text
 
     async def _respond(self, turn: _Turn, text: str | None) -> None:
         """Answer `text`, or with no new input (None) continue from the history."""
@@ -645,6 +800,11 @@ def _chat_tool_choice(choice: ToolChoice) -> str | dict[str, Any]:
     if choice.name is not None:
         return {"type": "function", "function": {"name": choice.name}}
     return choice.mode
+
+
+def _is_resident(context: DuplexStageRequestContext) -> bool:
+    """Whether `context` names its session's resident stage-0 request of its epoch."""
+    return context.request_id == duplex_resource_request_id(context.fence, "stage0")
 
 
 def _check_params(params: tuple[Any, ...]) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from duplex.turn import TurnRequest
 from gateway.audio import Samples
-from gateway.session_config import TurnDetection
+from gateway.session_config import LiveTranscription, TurnDetection
 
 __all__ = [
     "Action",
@@ -18,9 +18,13 @@ __all__ = [
     "CloseSession",
     "ConfigureVad",
     "DiscardPrepared",
+    "EndUtterance",
     "FeedVad",
+    "Hear",
+    "Listen",
     "PrepareResponse",
     "StartResponse",
+    "StartUtterance",
 ]
 
 
@@ -63,6 +67,37 @@ class FeedVad:
 
 
 @dataclass(frozen=True)
+class Hear:
+    """The session's next input samples, float32 at 16 kHz (the ones VAD gets), for the
+    backend's live transcription: every sample once, in order."""
+
+    samples: Samples
+
+
+@dataclass(frozen=True)
+class StartUtterance:
+    """Speech began at `start_ms`: transcribe it live as `item_id` while listening."""
+
+    item_id: str
+    start_ms: float
+
+
+@dataclass(frozen=True)
+class EndUtterance:
+    """No more live work for `item_id`: it was committed (its turn names it and
+    finishes the transcript) or dropped."""
+
+    item_id: str
+
+
+@dataclass(frozen=True)
+class Listen:
+    """Transcribe speech live with `options` from now on; None: not at all."""
+
+    options: LiveTranscription | None
+
+
+@dataclass(frozen=True)
 class ConfigureVad:
     """(Re)start server VAD from session time `start_ms`, or stop it (`settings` None)."""
 
@@ -89,6 +124,10 @@ Action = (
     | DiscardPrepared
     | CancelResponse
     | FeedVad
+    | Hear
+    | StartUtterance
+    | EndUtterance
+    | Listen
     | ConfigureVad
     | WatchWords
     | CloseSession

@@ -28,9 +28,13 @@ from gateway.actions import (
     CloseSession,
     ConfigureVad,
     DiscardPrepared,
+    EndUtterance,
     FeedVad,
+    Hear,
+    Listen,
     PrepareResponse,
     StartResponse,
+    StartUtterance,
     WatchWords,
 )
 from gateway.backend import Backend, SpeechEvent
@@ -229,6 +233,14 @@ class RealtimeConnection:
                 self.session.cancel(response_id, reason=reason)
             case FeedVad(samples):
                 self.speech.feed(samples)
+            case Hear(samples):
+                self.session.hear(samples)
+            case StartUtterance(item_id, start_ms):
+                self.session.utterance_started(item_id, start_ms)
+            case EndUtterance(item_id):
+                self.session.utterance_ended(item_id)
+            case Listen(options):
+                self.session.listen(options)
             case ConfigureVad(settings, start_ms, pause_after_ms):
                 self.speech.configure(settings, start_ms, pause_after_ms)
             case WatchWords():

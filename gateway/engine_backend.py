@@ -6,6 +6,10 @@ conversation's turns, out-of-band responses and transcriptions as side turns. Co
 reach the duplex session synchronously, in the order the realtime core decided them, and
 `take_events()` reads the duplex session's event queue directly, with no queue in
 between, so the duplex fence is the one place stale output is dropped.
+
+What the session hears (`hear`, `utterance_started`, `utterance_ended`, `listen`) goes
+to the duplex session's resident stage-0 request as appends (`duplex.appends`); its
+live transcript deltas come back among the events as `TranscriptDelta`s.
 """
 
 from __future__ import annotations
@@ -14,11 +18,22 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Literal
 
+import numpy as np
+
+from duplex.appends import Append, Heard, Listen, UtteranceEnded, UtteranceStarted
 from duplex.errors import DuplexError
-from duplex.events import TurnDone, TurnOutput
+from duplex.events import TurnDone, TurnOutput, UtteranceOutput
 from duplex.manager import DuplexSessionHandle, DuplexSessionManager
+from duplex.outputs import DuplexStageOutput
 from duplex.turn import TurnRequest
-from gateway.backend import ResponseDone, ResponseEvent, ResponseOutput
+from gateway.backend import (
+    LiveTranscription,
+    ResponseDone,
+    ResponseOutput,
+    SessionEvent,
+    TokenLogprob,
+    TranscriptDelta,
+)
 from gateway.config import TurnSettings
 from gateway.turn_detection import EngineSpeechSource, VadEngine
 
@@ -60,13 +75,38 @@ class EngineBackendSession:
     def cancel(self, response_id: str, *, reason: str) -> None:
         self._handle.cancel(tag=response_id, reason=reason)
 
-    def take_events(self) -> list[ResponseEvent]:
-        events: list[ResponseEvent] = []
+    def listen(self, options: LiveTranscription | None) -> None:
+        if options is None:
+            self._append(Listen(enabled=False))
+        else:
+            self._append(Listen(prompt=options.prompt, logprobs=options.logprobs))
+
+    def hear(self, samples: np.ndarray) -> None:
+        if samples.size:
+            self._append(Heard(samples.astype("<f4", copy=False).tobytes()))
+
+    def utterance_started(self, utterance_id: str, start_ms: float) -> None:
+        self._append(UtteranceStarted(utterance_id, max(start_ms, 0.0)))
+
+    def utterance_ended(self, utterance_id: str) -> None:
+        self._append(UtteranceEnded(utterance_id))
+
+    def _append(self, value: Append) -> None:
+        try:
+            self._handle.append(value.plan())
+        except DuplexError as exc:  # closing: nothing more is heard
+            logger.debug("append dropped on %s: %s", self._handle.session_id, exc)
+
+    def take_events(self) -> list[SessionEvent]:
+        events: list[SessionEvent] = []
         for event in self._handle.take_events():
             if isinstance(event, TurnOutput) and event.tag is not None:
                 events.append(_response_output(event.tag, event))
             elif isinstance(event, TurnDone) and event.tag is not None:
                 events.append(_response_done(event.tag, event))
+            elif isinstance(event, UtteranceOutput):
+                out = event.output
+                events.append(TranscriptDelta(event.utterance_id, out.text, _logprobs(out)))
         return events
 
     async def wait_events(self) -> bool:
@@ -87,7 +127,23 @@ def _response_output(response_id: str, event: TurnOutput) -> ResponseOutput:
             raise RuntimeError("a tool_call output needs an int index and a str name")
         return ResponseOutput(response_id, kind, text=out.text, call_index=index, name=name)
     return ResponseOutput(
-        response_id, kind, text=out.text, audio=out.audio, sample_rate=out.sample_rate
+        response_id,
+        kind,
+        text=out.text,
+        audio=out.audio,
+        sample_rate=out.sample_rate,
+        logprobs=_logprobs(out),
+    )
+
+
+def _logprobs(out: DuplexStageOutput) -> tuple[TokenLogprob, ...]:
+    """The `(token, logprob)` pairs a transcript output carries, in the protocol's form."""
+    pairs = out.metadata.get("logprobs")
+    if not isinstance(pairs, (tuple, list)):
+        return ()
+    return tuple(
+        TokenLogprob(str(token), float(logprob), tuple(str(token).encode()))
+        for token, logprob in pairs
     )
 
 

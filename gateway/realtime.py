@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from gateway.actions import Action, CloseSession
-from gateway.backend import ResponseDone, ResponseOutput
+from gateway.backend import ResponseOutput, SessionEvent, TranscriptDelta
 from gateway.config import GatewayConfig
 from gateway.conversation import Conversation, Item
 from gateway.errors import ClientError, validation_error
@@ -361,11 +361,15 @@ class RealtimeSession:
 
     # -- backend events -----------------------------------------------------------------
 
-    def receive_response_event(self, event: ResponseOutput | ResponseDone) -> None:
-        """An output or the done event of a turn this session started (rule 3)."""
+    def receive_response_event(self, event: SessionEvent) -> None:
+        """An output or the done event of a turn this session started (rule 3), or live
+        words of the speech under way."""
         if self._closed:
             return
         report = self.settings.transcription is not None
+        if isinstance(event, TranscriptDelta):
+            self._jobs.captions.delta(event, report=report)
+            return
         turn_id = event.response_id
         if turn_id in self._jobs:
             self._jobs.receive(event, report=report)
@@ -375,7 +379,7 @@ class RealtimeSession:
             item_id = self._responses.input_item_id(turn_id)
             item = self.conversation.get(item_id) if item_id else None
             if item is not None:
-                report_transcript(self._out, item, event.text, report=report)
+                report_transcript(self._jobs.captions, item, event, report=report)
         else:
             self._responses.receive(event)
 

@@ -16,13 +16,29 @@ Rules of this module:
    prepared (`PrepareResponse`); the stop starts an equal turn, which takes that work
    over, and anything else discards it (`DiscardPrepared`). Both read the same stored
    samples of the same span, so the two turns are equal values.
+5. The backend hears every 16 kHz sample once, in order (`Hear`: the samples server VAD
+   gets, and those it skips when it starts over), so its clock is the session's. The
+   speech under way is an utterance named by its item id (`StartUtterance` once it is
+   a turn, after any barge-in it causes; `EndUtterance` once it is committed, after the
+   turn that names it, or dropped), transcribed live while the session's settings ask
+   for transcription (`Listen`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from gateway.actions import ConfigureVad, DiscardPrepared, FeedVad, PrepareResponse, WatchWords
+from gateway.actions import (
+    ConfigureVad,
+    DiscardPrepared,
+    EndUtterance,
+    FeedVad,
+    Hear,
+    Listen,
+    PrepareResponse,
+    StartUtterance,
+    WatchWords,
+)
 from gateway.audio import AudioFormatError, decode_base64
 from gateway.config import GatewayConfig
 from gateway.conversation import AudioLimitError, Conversation, Item
@@ -76,6 +92,8 @@ class TurnTaking:
         self._prepared = False  # a PrepareResponse is out, not yet taken or discarded
         self._idle_since_ms = 0.0
         self._configure_vad()
+        if settings.live_transcription() is not None:
+            self._out.act(Listen(settings.live_transcription()))
 
     @property
     def now_ms(self) -> float:
@@ -89,6 +107,8 @@ class TurnTaking:
             self.input = InputBuffer(new.input_format, self.now_ms)
         if new.turn_detection != old.turn_detection or new.input_format != old.input_format:
             self._configure_vad()
+        if new.live_transcription() != old.live_transcription():
+            self._out.act(Listen(new.live_transcription()))
 
     def busy(self) -> None:
         """The session is busy as of now (a response starts): idle time counts from here."""
@@ -96,13 +116,15 @@ class TurnTaking:
 
     def _configure_vad(self) -> None:
         detection = self.settings.turn_detection
-        self._speech_item_id = None
+        self._end_utterance()
         self._candidate_ms = None
         self.busy()
         # The VAD starts over at the clock's now; what the resampler still holds is audio
-        # from before, so it goes into the buffer without being fed.
+        # from before, so it goes into the buffer (and is heard) without being fed.
         self.input.settle()
-        self.input.take_fresh()
+        fresh = self.input.take_fresh()
+        if fresh.size:
+            self._out.act(Hear(fresh))
         self._discard_prepared()
         pause = self._config.prepare_after_silence_ms if detection is not None else None
         if detection is not None and detection.semantic:
@@ -135,23 +157,32 @@ class TurnTaking:
     def commit(self, event: EmptyIn) -> None:
         if self._speech_item_id is not None:
             # A manual commit in the middle of detected speech ends that speech turn.
-            self._speech_item_id = None
+            self._end_utterance()
             self._discard_prepared()
         item = self._commit(new_id("item"), self.input.start_ms, self.now_ms)
-        self._jobs.start(item)
+        self._jobs.start(item, self.settings.live_transcription())
 
     def clear(self, event: EmptyIn) -> None:
         self._discard_prepared()
         self.input.clear()
-        self._speech_item_id = None
+        self._end_utterance()
         self._candidate_ms = None
         self._out.emit("input_audio_buffer.cleared")
 
     def _feed_vad(self) -> None:
-        """Hand server VAD the 16 kHz samples made since it was last fed."""
+        """Hand the backend and server VAD the 16 kHz samples made since (rule 5)."""
         fresh = self.input.take_fresh()
-        if self.settings.turn_detection is not None and fresh.size:
+        if not fresh.size:
+            return
+        self._out.act(Hear(fresh))
+        if self.settings.turn_detection is not None:
             self._out.act(FeedVad(fresh))
+
+    def _end_utterance(self) -> None:
+        """The speech under way is no turn any more (rule 5)."""
+        if self._speech_item_id is not None:
+            self._out.act(EndUtterance(self._speech_item_id))
+            self._speech_item_id = None
 
     def _check_idle_timeout(self) -> None:
         detection = self.settings.turn_detection
@@ -226,6 +257,8 @@ class TurnTaking:
         active = self._responses.active_id
         if detection.interrupt_response and active is not None:
             self._responses.cancel(active, "turn_detected")
+        # After the barge-in: the utterance belongs to the epoch that follows it.
+        self._out.act(StartUtterance(self._speech_item_id, self._speech_start_ms))
 
     def speech_paused(self, audio_end_ms: float) -> None:
         detection = self.settings.turn_detection
@@ -274,6 +307,7 @@ class TurnTaking:
             item = self._commit(item_id, self._speech_start_ms, audio_end_ms)
         except ClientError as exc:
             self._discard_prepared()
+            self._out.act(EndUtterance(item_id))
             self._out.error(exc, None)
             return
         if detection.create_response and self._responses.active_id is None:
@@ -281,8 +315,10 @@ class TurnTaking:
             self._prepared = False
             self._respond(ResponseOptions.from_session(self.settings))
         else:
-            self._jobs.start(item)
+            self._jobs.start(item, self.settings.live_transcription())
             self._discard_prepared()
+        # After the turn that names it, which finishes its live transcript.
+        self._out.act(EndUtterance(item_id))
 
     def _check_still_kept(self, audio_end_ms: float) -> None:
         """Speech the VAD heard only after its audio was let go is an error, not a loss

@@ -12,6 +12,10 @@ message per result), and calls made one after another are one assistant message.
 
 Because a prepared turn and the response that takes it over are both built here from
 the same items and settings, equal inputs give equal turns, as adoption requires.
+
+A turn that transcribes an item's audio names the item as its `utterance` (server VAD
+transcribed it live under that id, if the session listened) and carries the session's
+transcription prompt and logprobs request.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ def response_turn(
     audio = answered.pending_audio if answered is not None else None
     text = answered.text() if answered is not None and audio is None else None
     spoken = "audio" in options.output_modalities
-    live = settings.live_transcription() if audio is not None else None
+    live = settings.live_transcription() or LiveTranscription()
     messages = _merge_calls([m for m in (item.message() for item in history) if m is not None])
     if settings.truncation == "auto":
         messages = messages[-max_context_messages:]
@@ -69,9 +73,9 @@ def response_turn(
         truncate=settings.truncation == "auto",
         tools=options.tools,
         tool_choice=options.tool_choice,
-        # The speech-to-text options, for a turn that hears audio.
-        transcription_prompt=live.prompt if live else "",
-        logprobs=live.logprobs if live else False,
+        utterance=answered.id if answered is not None and audio is not None else None,
+        transcription_prompt=live.prompt if audio is not None else "",
+        logprobs=live.logprobs and audio is not None,
     )
 
 
@@ -88,12 +92,13 @@ def _merge_calls(messages: list[Message]) -> list[Message]:
     return merged
 
 
-def transcription_turn(item: Item, live: LiveTranscription | None = None) -> TurnRequest:
-    """The turn that only transcribes `item`'s pending audio, with the session's
-    transcription options (`SessionSettings.live_transcription()`)."""
+def transcription_turn(item: Item, live: LiveTranscription | None) -> TurnRequest:
+    """The turn that only transcribes `item`'s pending audio, with `live`'s options."""
+    options = live or LiveTranscription()
     return TurnRequest(
         final=Stage.ASR,
         audio=item.pending_audio,
-        transcription_prompt=live.prompt if live else "",
-        logprobs=live.logprobs if live else False,
+        utterance=item.id,
+        transcription_prompt=options.prompt,
+        logprobs=options.logprobs,
     )

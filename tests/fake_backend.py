@@ -1,5 +1,7 @@
 """Stand-ins for the gateway's `Backend` and `SpeechSource` where no engine runs: a test
-subclasses `IdleBackend` with the sessions it needs, and `NoSpeech` hears nothing."""
+subclasses `IdleBackend` with the sessions it needs, and `NoSpeech` hears nothing.
+`RecordsListening` is the live-transcription part of a backend session that
+transcribes nothing live: it records what it was told."""
 
 from __future__ import annotations
 
@@ -8,10 +10,32 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 
-from gateway.backend import SpeechEvent
+from gateway.backend import LiveTranscription, SpeechEvent
 from gateway.session_config import TurnDetection
 
-__all__ = ["IdleBackend", "NoSpeech"]
+__all__ = ["IdleBackend", "NoSpeech", "RecordsListening"]
+
+
+class RecordsListening:
+    """`listen`, `hear`, `utterance_started` and `utterance_ended` of a backend session,
+    recorded: `heard` counts the samples, `utterances` lists ("started"/"ended", id)."""
+
+    def __init__(self) -> None:
+        self.heard = 0
+        self.listening: list[LiveTranscription | None] = []
+        self.utterances: list[tuple[str, str]] = []
+
+    def listen(self, options: LiveTranscription | None) -> None:
+        self.listening.append(options)
+
+    def hear(self, samples: np.ndarray) -> None:
+        self.heard += len(samples)
+
+    def utterance_started(self, utterance_id: str, start_ms: float) -> None:
+        self.utterances.append(("started", utterance_id))
+
+    def utterance_ended(self, utterance_id: str) -> None:
+        self.utterances.append(("ended", utterance_id))
 
 
 class IdleBackend:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,19 @@ from engine.request import RequestOutput
 from engine.stage import StageOutput
 from engine.tts import AudioChunk, TtsRequest
 
-__all__ = ["FakeAsr", "FakeLlm", "FakeTts", "Harness", "VOICE_RATE", "audio", "turn"]
+__all__ = [
+    "BLOCK",
+    "FakeAsr",
+    "FakeAsrRequest",
+    "FakeLiveTranscript",
+    "FakeLlm",
+    "FakeTts",
+    "Harness",
+    "VOICE_RATE",
+    "audio",
+    "spoken",
+    "turn",
+]
 
 WAIT_S = 10.0
 VOICE_RATE = 22050
@@ -34,18 +47,113 @@ VOICE_RATE = 22050
 
 # ---- fake stages --------------------------------------------------------------------
 
+BLOCK = 1600  # samples of one spoken word in `spoken` audio (100 ms at 16 kHz)
+
+
+def spoken(*words: int) -> np.ndarray:
+    """Audio that `FakeAsr` hears as words: one 100 ms block per word n ("w{n}"), and a
+    0 is a block of silence."""
+    return np.repeat(np.asarray(words, np.float32), BLOCK)
+
+
+@dataclass(frozen=True)
+class FakeAsrRequest:
+    """The fake of the ASR stage's `AsrRequest` (a `FakeLiveTranscript` builds them)."""
+
+    audio: np.ndarray
+    prefix: tuple[str, ...] = ()
+    prompt: str = ""
+    logprobs: bool = False
+    partial: bool = False
+
+
+@dataclass(frozen=True)
+class FakeTranscription:
+    words: tuple[str, ...]
+    decoded: int  # words decoded after the forced prefix
+
+    @property
+    def text(self) -> str:
+        return "".join(f" {w}" for w in self.words)
+
+
+@dataclass(frozen=True)
+class FakeLiveDelta:
+    text: str
+    tokens: tuple[tuple[str, float], ...]
+
+
+def _delta(words: list[str]) -> FakeLiveDelta:
+    return FakeLiveDelta("".join(f" {w}" for w in words), tuple((f" {w}", -0.25) for w in words))
+
+
+class FakeLiveTranscript:
+    """LocalAgreement-2 over `FakeAsr`'s words: a partial commits the words it shares
+    with the previous partial; a final request forces the committed words as prefix."""
+
+    def __init__(self, prompt: str, logprobs: bool) -> None:
+        self.prompt, self.logprobs = prompt, logprobs
+        self.committed: list[str] = []
+        self.previous: tuple[str, ...] | None = None
+        self.frozen = False
+        self.events: list[str] = []
+
+    def request(self, audio: np.ndarray, *, final: bool) -> FakeAsrRequest:
+        if final:
+            self.frozen = True
+        elif self.frozen:
+            raise RuntimeError("a final request was made: thaw() before more partials")
+        self.events.append("final" if final else "partial")
+        prefix = tuple(self.committed) if final else ()
+        return FakeAsrRequest(audio, prefix, self.prompt, self.logprobs, partial=not final)
+
+    def agree(self, result: FakeTranscription) -> FakeLiveDelta | None:
+        previous, self.previous = self.previous, result.words
+        if self.frozen or previous is None:
+            return None
+        common = 0
+        while common < min(len(previous), len(result.words)):
+            if previous[common] != result.words[common]:
+                break
+            common += 1
+        new = list(result.words[len(self.committed) : common])
+        if not new:
+            return None
+        self.committed += new
+        return _delta(new)
+
+    def finish(self, result: FakeTranscription) -> FakeLiveDelta:
+        return _delta(list(result.words[len(self.committed) :]))
+
+    def freeze(self) -> None:
+        self.frozen = True
+        self.events.append("freeze")
+
+    def thaw(self) -> None:
+        self.frozen = False
+        self.events.append("thaw")
+
 
 class FakeAsr:
-    """Transcribes audio whose first sample is n as "question n"."""
+    """Transcribes audio whose first sample is n as "question n"; a `FakeAsrRequest`'s
+    audio as the words of `spoken` (a partial hears whole blocks only)."""
 
     name = "asr"
 
     def __init__(self) -> None:
-        self.waiting: dict[str, np.ndarray] = {}
+        self.waiting: dict[str, Any] = {}
         self.hold = False
         self.fail = False
+        self.lives: list[FakeLiveTranscript] = []
+        self.requests: list[tuple[str, Any]] = []  # every request added, in order
 
-    def add(self, request_id: str, inputs: np.ndarray) -> None:
+    def new_live_transcript(self, prompt: str, logprobs: bool) -> FakeLiveTranscript:
+        live = FakeLiveTranscript(prompt, logprobs)
+        self.lives.append(live)
+        return live
+
+    def add(self, request_id: str, inputs: Any) -> None:
+        self.requests.append((request_id, inputs))
         self.waiting[request_id] = inputs
 
     def abort(self, request_id: str) -> None:
@@ -59,13 +167,24 @@ class FakeAsr:
         if self.hold:
             return []
         outs = []
-        for rid, audio in list(self.waiting.items()):
+        for rid, inputs in list(self.waiting.items()):
             del self.waiting[rid]
             if self.fail:
                 outs.append(StageOutput(rid, "", finished=True, error="asr exploded"))
+            elif isinstance(inputs, FakeAsrRequest):
+                outs.append(StageOutput(rid, _hear(inputs), finished=True))
             else:
-                outs.append(StageOutput(rid, f" question {int(audio[0])} ", finished=True))
+                outs.append(StageOutput(rid, f" question {int(inputs[0])} ", finished=True))
         return outs
+
+
+def _hear(request: FakeAsrRequest) -> FakeTranscription:
+    blocks = len(request.audio) // BLOCK if request.partial else -(-len(request.audio) // BLOCK)
+    values = [int(request.audio[i * BLOCK]) for i in range(blocks)]
+    words = tuple(f"w{v}" for v in values if v)
+    if words[: len(request.prefix)] != request.prefix:
+        raise AssertionError(f"forced prefix {request.prefix} is not what was said: {words}")
+    return FakeTranscription(words, decoded=len(words) - len(request.prefix))
 
 
 class FakeLlm:

@@ -29,14 +29,14 @@ from gateway.backend import ResponseDone, ResponseEvent, ResponseOutput, SpeechE
 from gateway.config import GatewayConfig
 from gateway.server import GatewayServer
 from gateway.session_config import TurnDetection
-from tests.fake_backend import IdleBackend
+from tests.fake_backend import IdleBackend, RecordsListening
 
 INPUT_RATE = 24000  # the client's PCM16
 OUTPUT_RATE = 22050  # the fake engine's speech, as float32 like the real one
 USAGE = {"prompt_tokens": 5, "completion_tokens": 4, "cached_tokens": 0}
 
 
-class FakeSession:
+class FakeSession(RecordsListening):
     """Stands in for the duplex session: replies with `words`, one text delta and (for a
     spoken reply) one `chunk_ms` audio chunk per word, `delay` seconds of compute apart.
 
@@ -47,6 +47,7 @@ class FakeSession:
     def __init__(
         self, words: list[str], chunk_ms: int, delay: float, closed: asyncio.Event
     ) -> None:
+        super().__init__()
         self.words = words
         self.chunk_ms = chunk_ms
         self.delay = delay

@@ -25,6 +25,12 @@ from gateway.realtime import RealtimeSession
 from tests.fake_engine import Harness, audio, turn
 from tests.helpers import running_gateway, tone_b64
 
+
+def starts(actions: list[Any]) -> list[StartResponse]:
+    """The turns among `actions` (the audio heard goes to the backend beside them)."""
+    return [a for a in actions if isinstance(a, StartResponse)]
+
+
 RECORDING = Path("/usr/share/sounds/alsa/Front_Center.wav")
 TRANSCRIBED = {"type": "realtime", "audio": {"input": {"transcription": {"model": "whisper-1"}}}}
 
@@ -91,7 +97,7 @@ def test_a_manual_commit_is_transcribed_without_a_response() -> None:
     _send(session, type="input_audio_buffer.append", audio=tone_b64(300))
     events = _send(session, type="input_audio_buffer.commit")
     item_id = events[0]["item_id"]
-    (job,) = session.actions()
+    (job,) = starts(session.actions())
     assert isinstance(job, StartResponse) and not job.conversation
     assert job.turn.final is Stage.ASR and job.turn.audio is not None
     _transcribed(session, job, "hello there")
@@ -114,7 +120,7 @@ def test_each_commit_keeps_its_words_for_later_responses() -> None:
     for words in ("first thing", "second thing"):
         _send(session, type="input_audio_buffer.append", audio=tone_b64(300))
         _send(session, type="input_audio_buffer.commit")
-        (job,) = session.actions()
+        (job,) = starts(session.actions())
         assert isinstance(job, StartResponse)
         _transcribed(session, job, words)
         jobs.append(job)
@@ -129,7 +135,7 @@ def test_a_failed_transcription_is_reported_on_its_item() -> None:
     session = _manual_session()
     _send(session, type="input_audio_buffer.append", audio=tone_b64(300))
     item_id = _send(session, type="input_audio_buffer.commit")[0]["item_id"]
-    (job,) = session.actions()
+    (job,) = starts(session.actions())
     assert isinstance(job, StartResponse)
     session.receive_response_event(
         ResponseDone(job.response_id, "failed", reason="error", error="asr exploded")
@@ -143,7 +149,7 @@ def test_deleting_the_item_stops_its_transcription() -> None:
     session = _manual_session()
     _send(session, type="input_audio_buffer.append", audio=tone_b64(300))
     item_id = _send(session, type="input_audio_buffer.commit")[0]["item_id"]
-    (job,) = session.actions()
+    (job,) = starts(session.actions())
     assert isinstance(job, StartResponse)
     _send(session, type="conversation.item.delete", item_id=item_id)
     assert session.actions() == [CancelResponse(job.response_id, "superseded")]
@@ -161,7 +167,7 @@ def test_server_vad_without_create_response_transcribes_the_turn() -> None:
     session.actions()
     session.speech_started(200)
     session.speech_stopped(900)
-    (job,) = session.actions()
+    (job,) = starts(session.actions())
     assert isinstance(job, StartResponse) and job.turn.final is Stage.ASR
     assert job.turn.audio is not None
     assert abs(len(job.turn.audio) / 4 - 0.7 * 16000) < 100

@@ -335,7 +335,7 @@ def test_include_and_prompt_in_a_realtime_session() -> None:
 def test_a_transcription_turn_carries_the_sessions_options() -> None:
     clip = Clip(b"\0" * 4800, PCM16, np.zeros(1600, np.float32))
     item = Item.user_audio("item_1", clip)
-    plain = transcription_turn(item)
+    plain = transcription_turn(item, None)
     assert plain.transcription_prompt == "" and not plain.logprobs
     asked = transcription_turn(item, LiveTranscription("Paris", logprobs=True))
     assert asked.final is Stage.ASR and asked.audio == plain.audio

@@ -1,0 +1,283 @@
+"""The engine side of a session's resident stage-0 request: what it has heard, the
+utterance being spoken, and that utterance's live transcript.
+
+Rules of this module:
+1. A `Listener` belongs to one session. The audio it heard and its clock (samples
+   heard) belong to the session and outlive epochs; the utterance and its live work
+   belong to the epoch's resident request: `stop()` (the request aborted) ends them at
+   once, and nothing is emitted after it, because emission goes through `resident_id`.
+2. Memory is bounded: without an utterance only `LOOKBACK_S` of audio is kept (speech
+   starts are reported late: VAD's window, a confirmed interruption's minimum length);
+   an utterance keeps its own audio, up to the ASR limit, past which its live work ends.
+3. While listening, one task per utterance runs a partial transcription whenever
+   `interval_ms` more audio has arrived and none of its partials is running; each
+   partial's newly agreed words (LocalAgreement, inside `LiveTranscript`) go out as one
+   `transcript_delta`, so deltas are only ever appended. The first delta's leading
+   blank is dropped, as a transcript's is.
+4. A turn that names the utterance claims it (`claim`): its partials stop (one in
+   flight is dropped unagreed) and the turn finishes the live transcript over the
+   turn's own audio, its final request freezing it. A turn that stops before its
+   transcript went out (a prepared turn dropped, a transcription superseded) gives it
+   back (`release`): it is thawed, live again while still spoken, and the next turn
+   naming it finishes it, so the final transcript always begins with the deltas sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from duplex.appends import Append, Heard, Listen, UtteranceEnded, UtteranceStarted
+from engine.core import AsyncEngine
+
+__all__ = ["LOOKBACK_S", "Listener", "LiveDelta", "LiveTranscript", "Utterance", "final_text"]
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_RATE = 16_000
+LOOKBACK_S = 10.0
+
+Emit = Callable[[str, str, str, tuple[tuple[str, float], ...]], None]
+
+
+class LiveDelta(Protocol):
+    """Newly committed words and their `(token, logprob)` pairs."""
+
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def tokens(self) -> tuple[tuple[str, float], ...]: ...
+
+
+class LiveTranscript(Protocol):
+    """One utterance's incremental transcription (the ASR stage makes them)."""
+
+    def request(self, audio: np.ndarray, *, final: bool) -> Any: ...
+
+    def agree(self, result: Any) -> LiveDelta | None: ...
+
+    def finish(self, result: Any) -> LiveDelta: ...
+
+    def thaw(self) -> None: ...
+
+
+@dataclass(eq=False)
+class Utterance:
+    """The speech under way: where it started, and what has gone out of it live."""
+
+    utterance_id: str
+    start: int  # sample on the session clock
+    live: LiveTranscript | None = None
+    committed: str = ""  # the agreed words so far: the deltas' texts, concatenated
+    tokens: list[tuple[str, float]] = field(default_factory=list)
+    claimed: bool = False
+    partial_at: int = 0  # the clock when its last partial was asked for
+
+
+def final_text(committed: str, tail: str) -> str:
+    """The whole transcript: what went out live, then the tail, with no outer blanks
+    except where cutting one would change what went out."""
+    text = committed + tail if committed else tail.lstrip()
+    trimmed = text.rstrip()
+    return trimmed if len(trimmed) >= len(committed) else text
+
+
+class HeardAudio:
+    """The session's recent input, on its clock (rule 2)."""
+
+    def __init__(self) -> None:
+        self._chunks: collections.deque[np.ndarray] = collections.deque()
+        self.start = 0  # the clock at the first sample kept
+        self.end = 0  # samples heard
+
+    def append(self, samples: np.ndarray) -> None:
+        self._chunks.append(samples)
+        self.end += len(samples)
+
+    def keep_from(self, sample: int) -> None:
+        while self._chunks and self.start + len(self._chunks[0]) <= sample:
+            self.start += len(self._chunks.popleft())
+
+    def since(self, sample: int) -> np.ndarray:
+        if not self._chunks:
+            return np.zeros(0, np.float32)
+        audio = np.concatenate(self._chunks)
+        return audio[max(sample - self.start, 0) :]
+
+
+class Listener:
+    """One session's live listening (see the module rules)."""
+
+    def __init__(
+        self,
+        session_id: str,
+        engine: AsyncEngine,
+        *,
+        interval_ms: int,
+        max_audio_s: float,
+        emit: Emit,
+    ) -> None:
+        self.session_id = session_id
+        self.resident_id: str | None = None  # where deltas go; None: nowhere (rule 1)
+        self.options: Listen | None = None
+        self.heard = HeardAudio()
+        self.utterance: Utterance | None = None
+        # An utterance over whose turn stopped unfinished, for the turn that takes over.
+        self._released: Utterance | None = None
+        self._engine = engine
+        self._interval = interval_ms * SAMPLE_RATE // 1000
+        self._max_samples = int(max_audio_s * SAMPLE_RATE)
+        self._emit = emit
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._serial = itertools.count()
+
+    # -- appends ------------------------------------------------------------------------
+
+    def apply(self, append: Append) -> None:
+        match append:
+            case Heard():
+                self.hear(np.frombuffer(append.audio, dtype="<f4"))
+            case UtteranceStarted(utterance_id, start_ms):
+                self.start_utterance(utterance_id, start_ms)
+            case UtteranceEnded(utterance_id):
+                self.end_utterance(utterance_id)
+            case Listen():
+                self.listen(append)
+
+    def hear(self, samples: np.ndarray) -> None:
+        self.heard.append(samples)
+        utterance = self.utterance
+        if utterance is None:
+            self.heard.keep_from(self.heard.end - int(LOOKBACK_S * SAMPLE_RATE))
+            return
+        if self.heard.end - utterance.start > self._max_samples:
+            self._stop_partials()  # rule 2: too long to transcribe live
+            self.heard.keep_from(self.heard.end - self._max_samples)
+            return
+        self.heard.keep_from(utterance.start)
+        if self._task is not None and self.heard.end - utterance.partial_at >= self._interval:
+            self._wake.set()
+
+    def start_utterance(self, utterance_id: str, start_ms: float) -> None:
+        self._stop_partials()
+        start = min(max(round(start_ms * SAMPLE_RATE / 1000), self.heard.start), self.heard.end)
+        self.utterance = Utterance(utterance_id, start, partial_at=start)
+        self._start_partials()
+
+    def end_utterance(self, utterance_id: str) -> None:
+        if self.utterance is not None and self.utterance.utterance_id == utterance_id:
+            self._stop_partials()
+            self.utterance = None
+
+    def listen(self, options: Listen) -> None:
+        self.options = options if options.enabled else None
+        if self.options is None:
+            self._stop_partials()
+
+    # -- turns (rule 4) -----------------------------------------------------------------
+
+    def claim(self, utterance_id: str | None) -> Utterance | None:
+        """The utterance a turn finishes, if it is the one under way and unclaimed."""
+        utterance = self.utterance
+        if utterance is None or utterance.utterance_id != utterance_id:
+            utterance, self._released = self._released, None
+        if utterance is None or utterance.utterance_id != utterance_id or utterance.claimed:
+            return None
+        utterance.claimed = True
+        # No partial result of it is agreed from now on: its final request (the turn's)
+        # freezes the live transcript, and `release` thaws it.
+        self._stop_partials()
+        return utterance
+
+    def release(self, utterance: Utterance) -> None:
+        """A turn that claimed `utterance` stopped before its transcript went out (a
+        prepared turn dropped, a transcription superseded): the next turn naming it
+        finishes it instead, and while it is still spoken it is live again."""
+        if not utterance.claimed:
+            return
+        utterance.claimed = False
+        if utterance.live is not None:
+            utterance.live.thaw()
+        if utterance is self.utterance:
+            self._start_partials()
+        else:
+            self._released = utterance
+
+    # -- the resident request's end (rule 1) --------------------------------------------
+
+    def stop(self) -> asyncio.Task[None] | None:
+        """The resident request was aborted: its live work ends now. Returns the task
+        to wait for, if one was running."""
+        self.resident_id = None
+        task = self._task
+        self._stop_partials()
+        self.utterance = None
+        return task
+
+    # -- partials (rule 3) --------------------------------------------------------------
+
+    def _start_partials(self) -> None:
+        utterance = self.utterance
+        if self.options is None or utterance is None or utterance.claimed or self._task:
+            return
+        self._wake.clear()
+        self._task = asyncio.create_task(
+            self._partials(utterance, self.options), name=f"live {utterance.utterance_id}"
+        )
+
+    def _stop_partials(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _partials(self, utterance: Utterance, options: Listen) -> None:
+        try:
+            await self._run_partials(utterance, options)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # live captions are a bonus: the turn still transcribes it all
+            logger.exception("live transcription of %s stopped", utterance.utterance_id)
+
+    async def _run_partials(self, utterance: Utterance, options: Listen) -> None:
+        if utterance.live is None:
+            utterance.live = await self._engine.call(
+                "asr", "new_live_transcript", options.prompt, options.logprobs
+            )
+        live = utterance.live
+        while True:
+            while self.heard.end - utterance.partial_at < self._interval:
+                await self._wake.wait()
+                self._wake.clear()
+            utterance.partial_at = self.heard.end
+            audio = self.heard.since(utterance.start)
+            result = await self._transcribe(live.request(audio, final=False))
+            delta = live.agree(result) if result is not None else None
+            if delta is not None:
+                self._send(utterance, delta, options)
+
+    async def _transcribe(self, request: Any) -> Any:
+        rid = f"live.{self.session_id}.{next(self._serial)}"
+        async for out in self._engine.stream("asr", rid, request):
+            if out.error is not None:
+                logger.warning("live transcription of %s failed: %s", self.session_id, out.error)
+                return None
+            if out.finished:
+                return out.payload
+        return None
+
+    def _send(self, utterance: Utterance, delta: LiveDelta, options: Listen) -> None:
+        text = delta.text if utterance.committed else delta.text.lstrip()
+        utterance.tokens += delta.tokens
+        utterance.committed += text  # the live transcript has committed it either way
+        if text and self.resident_id is not None:
+            logprobs = tuple(delta.tokens) if options.logprobs else ()
+            self._emit(self.resident_id, utterance.utterance_id, text, logprobs)

@@ -1,0 +1,246 @@
+"""The orchestrator's resident stage-0 request (rule 5 of `engine.orchestrator`), with
+fake stages in a real EngineCore: live transcript deltas while an utterance grows, a
+turn that finishes the live transcript (only the tail decoded), prepared turns that
+freeze and thaw it, and an abort that stops everything of it at once."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+
+from duplex.appends import Append, Heard, Listen, UtteranceEnded, UtteranceStarted
+from duplex.contracts import (
+    DuplexFence,
+    DuplexStageRequestContext,
+    DuplexStageSubmission,
+    duplex_resource_request_id,
+)
+from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput
+from duplex.turn import Stage
+from engine.config import parse_config
+from engine.listener import LOOKBACK_S, SAMPLE_RATE
+from tests.fake_engine import BLOCK, FakeAsrRequest, Harness, spoken, turn
+
+FRAME = 640  # 40 ms
+WORDS = tuple(range(1, 9))
+
+
+@pytest.fixture
+async def h() -> AsyncIterator[Harness]:
+    harness = Harness(parse_config({"stages": {"asr": {"live_interval_ms": 200}}}))
+    yield harness
+    harness.core.shutdown()
+
+
+class Resident:
+    """The session's resident request as the duplex session drives it."""
+
+    def __init__(self, h: Harness, session: str = "s1", epoch: int = 0) -> None:
+        self.h = h
+        fence = DuplexFence(session, epoch)
+        self.rid = duplex_resource_request_id(fence, "stage0")
+        self.context = DuplexStageRequestContext(
+            request_id=self.rid,
+            session_id=session,
+            fence=fence,
+            stage_id=0,
+            final_stage_id=0,
+            config_generation=0,
+            sampling_params=h.orch.sampling_defaults(),
+        )
+        h.orch.ensure_request(self.context)
+        self.submitted = False
+
+    async def append(self, value: Append) -> None:
+        submission = DuplexStageSubmission(
+            self.context, value.plan().prompt, already_submitted=self.submitted, resumable=True
+        )
+        self.submitted = True
+        result = await self.h.orch.submit(submission)
+        assert (result.request_id, result.stage_id) == (self.rid, 0)
+
+    async def say(self, audio: np.ndarray) -> None:
+        for start in range(0, len(audio), FRAME):
+            await self.append(Heard(audio[start : start + FRAME].astype("<f4").tobytes()))
+
+    def deltas(self) -> list[DuplexStageOutput]:
+        return [o for o in self.h.of(self.rid) if o.kind == "transcript_delta"]
+
+    def text(self) -> str:
+        return "".join(o.text for o in self.deltas())
+
+
+async def speak(h: Harness, resident: Resident, words: tuple[int, ...] = WORDS) -> None:
+    """Listen, start utterance item_1 and say `words`, until some of them are agreed."""
+    await resident.append(Listen(logprobs=True))
+    await resident.append(UtteranceStarted("item_1", 0.0))
+    for pair in range(0, len(words), 2):
+        await resident.say(spoken(*words[pair : pair + 2]))
+        await partial_done(h)
+    await h.until(lambda: len(resident.deltas()) >= 1)
+
+
+async def partial_done(h: Harness) -> None:
+    """Wait until a partial over everything heard so far has been answered."""
+    listener = h.orch.listener("s1")
+    assert listener is not None and listener.utterance is not None
+    utterance = listener.utterance
+    await h.until(lambda: utterance.partial_at == listener.heard.end and not h.asr.waiting)
+
+
+async def test_deltas_come_while_the_utterance_grows(h: Harness) -> None:
+    resident = Resident(h)
+    await speak(h, resident)
+    deltas = resident.deltas()
+    assert all(d.metadata["utterance_id"] == "item_1" for d in deltas)
+    assert all(d.session_id == "s1" and d.stage_id == 0 for d in deltas)
+    said = " ".join(f"w{n}" for n in WORDS)
+    assert said.startswith(resident.text()) and resident.text().startswith("w1")
+    assert all(d.metadata["logprobs"] for d in deltas)
+    partials = [r for _, r in h.asr.requests if isinstance(r, FakeAsrRequest)]
+    assert partials and all(r.partial for r in partials)
+    await resident.append(UtteranceEnded("item_1"))
+
+
+async def test_a_turn_naming_the_utterance_finishes_its_live_transcript(h: Harness) -> None:
+    resident = Resident(h)
+    await speak(h, resident)
+    live = h.asr.lives[0]
+    contexts = h.reserve(final=0)
+    request = turn(Stage.ASR, audio=spoken(*WORDS).tobytes(), utterance="item_1", logprobs=True)
+    await h.submit(contexts, request)
+    await resident.append(UtteranceEnded("item_1"))
+    await h.until(lambda: h.finished(contexts[0].request_id))
+    transcript = h.of(contexts[0].request_id)[0]
+    assert transcript.text == " ".join(f"w{n}" for n in WORDS)
+    assert transcript.text.startswith(resident.text())  # every delta is in it, first
+    assert transcript.metadata["live"] is True
+    assert [t for t, _ in transcript.metadata["logprobs"]] == [f" w{n}" for n in WORDS]
+    final = h.asr.requests[-1][1]
+    assert isinstance(final, FakeAsrRequest) and not final.partial
+    # Only the tail is decoded: the committed words are forced as its prefix.
+    assert final.prefix == tuple(live.committed) and len(final.prefix) >= 4
+    await h.idle()
+
+
+async def test_a_turn_stopped_unfinished_leaves_the_utterance_to_the_next(h: Harness) -> None:
+    resident = Resident(h)
+    await speak(h, resident)
+    said = spoken(*WORDS).tobytes()
+    h.asr.hold = True
+    job = h.reserve(final=0)
+    await h.submit(job, turn(Stage.ASR, audio=said, utterance="item_1"))
+    await resident.append(UtteranceEnded("item_1"))
+    await h.until(lambda: any(rid == job[0].request_id for rid, _ in h.asr.requests))
+    await h.orch.abort_requests([job[0].request_id])  # superseded before it transcribed
+    h.asr.hold = False
+    response = h.reserve(turn=1, final=0)
+    await h.submit(response, turn(Stage.ASR, audio=said, utterance="item_1"))
+    await h.until(lambda: h.finished(response[0].request_id))
+    transcript = h.of(response[0].request_id)[0]
+    assert transcript.metadata["live"] is True
+    assert transcript.text.startswith(resident.text())
+    assert h.of(job[0].request_id) == []
+    await h.idle()
+
+
+async def test_without_listening_a_turn_is_transcribed_whole(h: Harness) -> None:
+    resident = Resident(h)
+    await resident.append(UtteranceStarted("item_1", 0.0))
+    await resident.say(spoken(*WORDS))
+    contexts = h.reserve(final=0)
+    await h.submit(contexts, turn(Stage.ASR, audio=spoken(*WORDS).tobytes(), utterance="item_1"))
+    await h.until(lambda: h.finished(contexts[0].request_id))
+    assert h.of(contexts[0].request_id)[0].text == "question 1"  # the plain path
+    assert resident.deltas() == [] and h.asr.lives == []
+
+
+async def test_a_prompt_or_logprobs_transcribe_whole_through_their_own_transcript(
+    h: Harness,
+) -> None:
+    contexts = h.reserve(final=0)
+    request = turn(
+        Stage.ASR, audio=spoken(3, 4).tobytes(), transcription_prompt="Ada", logprobs=True
+    )
+    await h.submit(contexts, request)
+    await h.until(lambda: h.finished(contexts[0].request_id))
+    transcript = h.of(contexts[0].request_id)[0]
+    assert transcript.text == "w3 w4"
+    assert "live" not in transcript.metadata
+    assert transcript.metadata["logprobs"] == ((" w3", -0.25), (" w4", -0.25))
+    assert (h.asr.lives[0].prompt, h.asr.lives[0].logprobs) == ("Ada", True)
+
+
+async def test_a_prepared_turn_freezes_the_utterance_and_a_discard_thaws_it(h: Harness) -> None:
+    resident = Resident(h)
+    await speak(h, resident, WORDS[:4])
+    live = h.asr.lives[0]
+    request = turn(Stage.ASR, audio=spoken(*WORDS[:4]).tobytes(), utterance="item_1")
+    prepared = DuplexPreparedTurn("s1", 0, h.orch.sampling_defaults(), request.plan().prompt, 0, 0)
+    h.orch.prepare_turn(prepared)
+    await h.until(lambda: live.frozen)  # the prepared turn's final request froze it
+    assert live.events[-1] == "final"
+    h.orch.discard_prepared("s1")
+    assert live.events[-1] == "thaw" and not live.frozen
+    before = len(resident.deltas())
+    for pair in (WORDS[4:6], WORDS[6:]):
+        await resident.say(spoken(*pair))
+        await partial_done(h)
+    await h.until(lambda: len(resident.deltas()) > before)  # partials resumed
+    await resident.append(UtteranceEnded("item_1"))
+
+
+async def test_an_abort_of_the_resident_request_stops_its_live_work_at_once(h: Harness) -> None:
+    resident = Resident(h)
+    await speak(h, resident)
+    h.asr.hold = True
+    await resident.say(spoken(9, 10, 11))
+    await h.until(lambda: bool(h.asr.waiting))  # a partial is in flight
+    await h.orch.abort_requests([resident.rid])
+    count = len(h.outputs)
+    h.asr.hold = False
+    await h.until(lambda: sum(h.engine.pending().values()) == 0)
+    assert len(h.outputs) == count
+    listener = h.orch.listener("s1")
+    assert listener is not None and listener.utterance is None and listener.resident_id is None
+    # The next epoch's resident request hears on; the session's clock goes on.
+    heard = listener.heard.end
+    following = Resident(h, epoch=1)
+    await following.append(Heard(spoken(1)[:FRAME].tobytes()))
+    assert listener.heard.end == heard + FRAME
+    await h.orch.cleanup([resident.rid, following.rid])
+    assert h.orch.listener("s1") is None and h.orch.reserved_requests() == 0
+
+
+async def test_submissions_follow_the_seeds_resumable_semantics(h: Harness) -> None:
+    resident = Resident(h)
+    wrong = DuplexStageSubmission(
+        resident.context, Listen().plan().prompt, already_submitted=True, resumable=True
+    )
+    with pytest.raises(ValueError, match="already_submitted"):
+        await h.orch.submit(wrong)
+    await resident.append(Listen())
+    again = DuplexStageSubmission(
+        resident.context, Listen().plan().prompt, already_submitted=False, resumable=True
+    )
+    with pytest.raises(ValueError, match="already_submitted"):
+        await h.orch.submit(again)
+    with pytest.raises(ValueError, match="append"):
+        await h.orch.submit(
+            DuplexStageSubmission(resident.context, {"x": 1}, already_submitted=True)
+        )
+
+
+async def test_the_audio_kept_without_speech_is_bounded(h: Harness) -> None:
+    resident = Resident(h)
+    second = np.zeros(SAMPLE_RATE, np.float32).astype("<f4").tobytes()
+    for _ in range(int(LOOKBACK_S) * 3):
+        await resident.append(Heard(second))
+    listener = h.orch.listener("s1")
+    assert listener is not None
+    assert listener.heard.end == 3 * int(LOOKBACK_S) * SAMPLE_RATE
+    assert listener.heard.end - listener.heard.start <= (LOOKBACK_S + 1) * SAMPLE_RATE
+    assert len(listener.heard.since(0)) == listener.heard.end - listener.heard.start
+    assert BLOCK * 10 == SAMPLE_RATE

@@ -1,0 +1,203 @@
+"""Live transcription with the real models: the official `openai` SDK against
+`duplex-gateway` started through its CLI, eSpeak NG speech paced in real time.
+
+While the user speaks, `conversation.item.input_audio_transcription.delta` events come
+before `speech_stopped`; their concatenation is exactly `.completed`'s transcript; a
+voice turn is answered from that transcript; speech over a running answer cancels it
+and is transcribed live the same way, with no audio of the cancelled answer after its
+`response.done`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import re
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import soundfile as sf
+import soxr
+from openai import AsyncOpenAI
+
+from tests.helpers import running_gateway
+
+pytestmark = pytest.mark.models
+
+MODEL = "duplex-smollm2"
+RATE = 24000
+FRAME_MS = 40
+DELTA = "conversation.item.input_audio_transcription.delta"
+COMPLETED = "conversation.item.input_audio_transcription.completed"
+LONG_QUESTION = (
+    "Could you please tell me what the capital city of France is, and also how many "
+    "people live there today?"
+)
+
+
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[str]:
+    with running_gateway() as gw:
+        yield f"ws://127.0.0.1:{gw.port}/v1"
+    assert gw.proc.returncode == 0, "SIGTERM must shut down cleanly:\n" + "".join(gw.lines[-30:])
+
+
+def client(base: str) -> AsyncOpenAI:
+    return AsyncOpenAI(api_key="sk-local", websocket_base_url=base)
+
+
+def speech(text: str) -> bytes:
+    """PCM16 24 kHz of eSpeak NG saying `text`."""
+    with tempfile.NamedTemporaryFile(suffix=".wav") as wav:
+        subprocess.run(["espeak-ng", "-v", "en-us", "-w", wav.name, text], check=True)
+        audio, rate = sf.read(wav.name, dtype="float32")
+    pcm = soxr.resample(audio, rate, RATE)
+    return (np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+def silence(ms: int) -> bytes:
+    return bytes(RATE * 2 * ms // 1000)
+
+
+async def stream(conn: Any, pcm: bytes) -> None:
+    """Append `pcm` in 40 ms frames at a microphone's pace."""
+    step = RATE * 2 * FRAME_MS // 1000
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    for n, i in enumerate(range(0, len(pcm), step)):
+        await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i : i + step]).decode())
+        await asyncio.sleep(max(0.0, start + (n + 1) * FRAME_MS / 1000 - loop.time()))
+
+
+async def until(conn: Any, *kinds: str, timeout: float = 180) -> list[Any]:
+    events = []
+    async with asyncio.timeout(timeout):
+        while True:
+            event = await conn.recv()
+            events.append(event)
+            if event.type in kinds:
+                return events
+
+
+async def speak_and_read(conn: Any, pcm: bytes, *kinds: str) -> list[Any]:
+    """Stream `pcm` in real time while reading events up to the first of `kinds`."""
+    speaking = asyncio.create_task(stream(conn, pcm))
+    try:
+        return await until(conn, *kinds)
+    finally:
+        await speaking
+
+
+def words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z']+", text.lower()))
+
+
+def check_live_transcript(events: list[Any]) -> str:
+    """The deltas of the one transcribed item came before its speech stopped and add up
+    exactly to its completed transcript, which is returned."""
+    kinds = [e.type for e in events]
+    stopped = kinds.index("input_audio_buffer.speech_stopped")
+    completed = next(e for e in events if e.type == COMPLETED)
+    deltas = [e for e in events if e.type == DELTA and e.item_id == completed.item_id]
+    assert any(events.index(d) < stopped for d in deltas), "no delta before speech_stopped"
+    assert "".join(d.delta for d in deltas) == completed.transcript
+    return str(completed.transcript)
+
+
+async def test_deltas_come_while_speaking_and_add_up_to_the_completed_transcript(
+    gateway: str,
+) -> None:
+    async with client(gateway).realtime.connect(model=MODEL) as conn:
+        await conn.session.update(
+            session={
+                "type": "realtime",
+                "output_modalities": ["text"],
+                "audio": {
+                    "input": {
+                        "transcription": {"model": "whisper-1"},
+                        "turn_detection": {"type": "server_vad", "create_response": False},
+                    }
+                },
+            }
+        )
+        await until(conn, "session.updated")
+        events = await speak_and_read(
+            conn, silence(300) + speech(LONG_QUESTION) + silence(1200), COMPLETED
+        )
+        transcript = check_live_transcript(events)
+        assert {"capital", "france", "people"} <= words(transcript), transcript
+        assert "response.created" not in [e.type for e in events]
+
+
+async def test_a_voice_turn_is_answered_from_the_streamed_transcript(gateway: str) -> None:
+    async with client(gateway).realtime.connect(model=MODEL) as conn:
+        await conn.session.update(
+            session={
+                "type": "realtime",
+                "output_modalities": ["text"],
+                "audio": {
+                    "input": {
+                        "transcription": {"model": "whisper-1"},
+                        "turn_detection": {"type": "server_vad", "silence_duration_ms": 500},
+                    }
+                },
+            }
+        )
+        await until(conn, "session.updated")
+        events = await speak_and_read(
+            conn, silence(300) + speech(LONG_QUESTION) + silence(1500), "response.done"
+        )
+        transcript = check_live_transcript(events)
+        assert {"capital", "france"} <= words(transcript), transcript
+        # The reply came after the transcript was complete, from the item it completed.
+        kinds = [e.type for e in events]
+        assert kinds.index(COMPLETED) < kinds.index("response.output_text.delta")
+        answer = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert answer.strip() and events[-1].response.status in ("completed", "incomplete")
+        item = events[-1].response.output[0]
+        assert item.role == "assistant"
+
+
+async def test_speech_over_an_answer_cancels_it_and_is_transcribed_live(gateway: str) -> None:
+    async with client(gateway).realtime.connect(model=MODEL) as conn:
+        await conn.session.update(
+            session={
+                "type": "realtime",
+                "output_modalities": ["audio"],
+                "audio": {
+                    "input": {
+                        "transcription": {"model": "whisper-1"},
+                        "turn_detection": {
+                            "type": "server_vad",
+                            "create_response": False,
+                            "interrupt_response": True,
+                        },
+                    }
+                },
+            }
+        )
+        await until(conn, "session.updated")
+        await conn.conversation.item.create(
+            item={
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "Tell me a long story about a dragon."}],
+            }
+        )
+        await conn.response.create()
+        first = await until(conn, "response.output_audio.delta", "response.done")
+        assert first[-1].type == "response.output_audio.delta"
+        answer_id = first[-1].response_id
+        events = await speak_and_read(conn, speech(LONG_QUESTION) + silence(1200), COMPLETED)
+        kinds = [e.type for e in events]
+        done = next(e for e in events if e.type == "response.done")
+        assert done.response.id == answer_id and done.response.status == "cancelled"
+        assert kinds.index("input_audio_buffer.speech_started") < kinds.index("response.done")
+        after = events[events.index(done) :]
+        assert not [e for e in after if getattr(e, "response_id", None) == answer_id]
+        transcript = check_live_transcript(events)
+        assert {"capital", "france"} <= words(transcript), transcript

@@ -154,6 +154,8 @@ class AsrConfig(_Strict):
     model: ModelRef = ModelRef(name="whisper-tiny.en")
     max_batch: int = Field(4, ge=1)
     max_audio_s: float = Field(120.0, gt=0.0)
+    # Live (partial) transcripts of several sessions batched into one step.
+    max_partial_batch: int = Field(4, ge=1)
 
 
 class TtsConfig(_Strict):

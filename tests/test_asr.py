@@ -23,6 +23,7 @@ from engine.asr import (
     AsrStage,
     Transcriber,
     Transcription,
+    _Job,
     load_transcriber,
     repeated_tail,
     split_long_audio,
@@ -298,14 +299,11 @@ def test_token_cap_stops_a_looping_decode(naive: Transcriber) -> None:
     mel = whisper.log_mel_spectrogram(audio)
     features = naive.model.encoder(mx.array(mel[None, :200]))
     cap = naive._token_cap(len(audio) / RATE)
-    [(tokens, reason)] = naive._decode(
-        naive.model.decoder.cross_kv(features), [cap], stop_on_loop=[False]
-    )
-    assert (len(tokens), reason) == (cap, "token cap")
-    [(tokens, reason)] = naive._decode(
-        naive.model.decoder.cross_kv(features), [cap], stop_on_loop=[True]
-    )
-    assert reason == "repetition" and len(tokens) < cap
+    job = _Job(audio=audio, duration_s=len(audio) / RATE, context=list(naive.prompt))
+    [out] = naive._decode(naive.model.decoder.cross_kv(features), [job], stop_on_loop=[False])
+    assert (len(out.tokens), out.broken) == (cap, "token cap")
+    [out] = naive._decode(naive.model.decoder.cross_kv(features), [job], stop_on_loop=[True])
+    assert out.broken == "repetition" and len(out.tokens) < cap
 
 
 @pytest.mark.models

@@ -100,8 +100,10 @@ def compare(model_dir: Path, clips: list[tuple[str, np.ndarray]]) -> dict:
     ]
     return {
         "clips": len(clips),
-        "agree": sum(words(r["trimmed"]) == words(r["full"]) for r in rows),
-        "agree_without_min_window": sum(words(r["plain"]) == words(r["full"]) for r in rows),
+        "agree": sum(words(t) == words(f) for t, f in zip(trimmed, full, strict=True)),
+        "agree_without_min_window": sum(
+            words(p) == words(f) for p, f in zip(plain, full, strict=True)
+        ),
         "transcripts": rows,
     }
 

@@ -53,6 +53,7 @@ TOKENS_PER_SECOND_CAP = 8.0  # fast speech is ~5 tokens/s with punctuation
 MIN_TOKENS_PER_SECOND = 0.5  # fewer on a long utterance means decoding stopped early
 EARLY_STOP_MIN_SECONDS = 4.0
 MIN_WINDOW_S = 4.0  # the first window of a short clip: the decoder needs room after it
+PARTIAL_PAD_S = 0.5  # pad of a partial request's window (no minimum window)
 PREFIX_SLACK_TOKENS = 8  # a forced prefix may use up the duration's cap: still decode a few
 
 
@@ -257,12 +258,16 @@ class Transcriber:
         # window), + fallback pad, full.
         first, fallback = self.pads
 
-        def sized(pad: float, least: float) -> Callable[[_Job], int]:
-            return lambda job: _bucket(max(job.duration_s + pad, least))
+        def first_rung(job: _Job) -> int:
+            # A partial transcript is re-made many times while the utterance grows: its
+            # encoder pass, the bulk of its cost, gets the shortest window.
+            if job.partial:
+                return _bucket(job.duration_s + PARTIAL_PAD_S)
+            return _bucket(max(job.duration_s + first, self.min_window_s))
 
         return [
-            sized(first, self.min_window_s),
-            sized(fallback, 0.0),
+            first_rung,
+            lambda job: _bucket(job.duration_s + fallback),
             lambda job: whisper.N_FRAMES,
         ]
 

@@ -9,14 +9,15 @@ committed), or to the end when the two hypotheses are the same although the audi
 Committed text is only ever appended to. At the end of the turn a final request
 decodes only the tail after the committed tokens.
 
-Bounded cost: a partial never re-transcribes more than `window_s` of audio. When the
-current window grows past it, the next request transcribes the window up to a quiet point
-of its second half (a pause between words) on its own; that text is sealed: committed,
-given to Whisper as previous text from then on, and the window starts again at the quiet
-point. A segment that disagrees with the committed words is not sealed (agreement cannot
-retract); the next try waits for more audio. Past `hard_window_s` the seal is forced: the
-committed tokens are forced as its prefix, and it cuts after all of them (at the quietest
-point of the audio heard since the last commit), so the window stays under Whisper's 30 s.
+Bounded cost: a partial never re-transcribes much more than `window_s` of audio. When the
+current window grows past it, the next request (a seal) transcribes the window up to a
+quiet point (a pause between words) of its second half, away from the words still being
+spoken, with the committed tokens forced as usual. If it hears words after the committed
+ones (so the cut lies after them all), that text is committed and sealed: it becomes
+Whisper's previous text, and the window starts again at the quiet point; else the seal is
+tried again on more audio. Past `hard_window_s` the cut is made after the audio within
+which every committed word lies and the seal is kept whatever it hears, so that the window
+stays under Whisper's 30 s.
 
 How the live path uses it, one request in flight at a time, results in order:
 
@@ -43,10 +44,12 @@ from engine.asr import AsrRequest, Transcription
 __all__ = ["LiveDelta", "LiveTranscript"]
 
 SAMPLE_RATE = 16000
-WINDOW_S = 12.0  # the most audio a partial re-transcribes before part of it is sealed
-HARD_WINDOW_S = 24.0  # past this a seal is forced (Whisper's window is 30 s)
-SEAL_GUARD_S = 2.0  # a quiet point is looked for this far from each end of the window
-RETRY_SEAL_S = 2.0  # more audio before another try after a seal that disagreed
+WINDOW_S = 8.0  # the most audio a partial re-transcribes before part of it is sealed
+HARD_WINDOW_S = 20.0  # past this a seal cuts where it can (Whisper's window is 30 s)
+MAX_WINDOW_S = 28.0  # Whisper hears 30 s at most: room for the pad
+SEAL_GUARD_S = 0.5  # a seal cuts this far from the end of the audio (words being spoken)
+MIN_SEAL_SPAN_S = 0.3  # the least audio to look for a quiet point in
+RETRY_SEAL_S = 1.0  # more audio before another try after a seal that failed
 PROMPT_CHARS = 600  # previous text given to Whisper (it keeps at most 223 tokens anyway)
 QUIET_FRAME = SAMPLE_RATE // 50  # 20 ms
 
@@ -67,6 +70,7 @@ class _Asked:
     window_start: int
     length: int  # samples of the window transcribed
     seal_end: int | None = None  # samples into the window; None for a plain partial
+    hard: bool = False  # a seal past `hard_window_s`: cut where it could
 
 
 class LiveTranscript:
@@ -81,8 +85,8 @@ class LiveTranscript:
         window_s: float = WINDOW_S,
         hard_window_s: float = HARD_WINDOW_S,
     ) -> None:
-        if not 2 * SEAL_GUARD_S < window_s <= hard_window_s:
-            raise ValueError("need 2 * SEAL_GUARD_S < window_s <= hard_window_s")
+        if not 2.0 <= window_s <= hard_window_s <= MAX_WINDOW_S:
+            raise ValueError(f"need 2 <= window_s <= hard_window_s <= {MAX_WINDOW_S}")
         self._decode = decode
         self._prompt = prompt
         self._logprobs = logprobs
@@ -91,12 +95,13 @@ class LiveTranscript:
         self._sealed = ""  # text of the windows before the current one
         self._window_start = 0  # sample where the current window starts
         self._committed: list[int] = []  # committed tokens of the current window
-        self._scores: list[float] = []  # their log-probabilities, when asked
         self._hypothesis: list[int] | None = None  # the last guess after the committed
         self._text = ""  # everything committed: sealed and current window
         self._asked: _Asked | None = None
         self._next_seal = self._window  # window length at which to try sealing
-        self._agreed_end = 0  # window samples heard by the request that last committed
+        self._agreed_end = 0  # window samples within which every committed word lies
+        self._hypothesis_end = 0  # window samples heard by the last hypothesis
+        self._failed_cut = 0  # a seal cut here heard nothing new: look after it next time
         self._frozen = False
 
     # --- state ---
@@ -135,20 +140,20 @@ class LiveTranscript:
         if self._frozen:
             raise RuntimeError("a final request was made: thaw() before more partials")
         window = audio[self._window_start :]
-        if len(window) < self._next_seal:
-            self._asked = _Asked(self._window_start, len(window))
-            return self._ask(window, partial=True)
-        if len(window) < self._hard_window:
-            guard = int(SEAL_GUARD_S * SAMPLE_RATE)
-            end, prefix = _quiet_point(window, len(window) // 2, len(window) - guard), []
-        else:
-            # Every committed word was heard before `_agreed_end`: a cut after it keeps
-            # them all in the sealed part, decoded after them as the prefix.
-            end, prefix = _quiet_point(window, self._agreed_end, len(window)), self._committed
-        self._asked = _Asked(self._window_start, len(window), end)
-        return AsrRequest(
-            window[:end], tuple(prefix), self._context(), self._logprobs, partial=True
-        )
+        hard = len(window) >= self._hard_window
+        end = self._seal_point(window, hard) if len(window) >= self._next_seal else None
+        self._asked = _Asked(self._window_start, len(window), end, hard)
+        return self._ask(window if end is None else window[:end], partial=True)
+
+    def _seal_point(self, window: np.ndarray, hard: bool) -> int | None:
+        """Where to cut the window for a seal (samples), or None to wait for more audio."""
+        lo = max(len(window) // 2, self._failed_cut + int(MIN_SEAL_SPAN_S * SAMPLE_RATE))
+        hi = len(window) - int(SEAL_GUARD_S * SAMPLE_RATE)
+        if hard:  # after every committed word, as close to the end as need be
+            lo, hi = self._agreed_end, len(window)
+        if hi - lo < int(MIN_SEAL_SPAN_S * SAMPLE_RATE):
+            return None
+        return _quiet_point(window, lo, hi)
 
     def _ask(self, window: np.ndarray, *, partial: bool) -> AsrRequest:
         return AsrRequest(
@@ -166,12 +171,13 @@ class LiveTranscript:
         if self._frozen or asked is None or asked.window_start != self._window_start:
             return None
         if asked.seal_end is not None:
-            return self._seal(result, asked.seal_end)
+            return self._seal(result, asked.seal_end, asked.hard)
         tail = self._after_committed(result)
         if tail is None:
             return None
         tokens, scores = tail
         previous, self._hypothesis = self._hypothesis, tokens
+        previous_end, self._hypothesis_end = self._hypothesis_end, asked.length
         if previous is None:
             return None
         agreed = _common_prefix(tokens, previous)
@@ -181,7 +187,8 @@ class LiveTranscript:
         cut = self._word_cut(tokens, agreed, to_end=same)
         if cut == 0:
             return None
-        self._agreed_end = asked.length
+        # Both hypotheses hold the committed words: they lie in the shorter one's audio.
+        self._agreed_end = previous_end
         return self._commit(tokens[:cut], scores[:cut], keep=tokens[cut:])
 
     def finish(self, result: Transcription) -> LiveDelta:
@@ -222,50 +229,39 @@ class LiveTranscript:
         text = self._full_text(self._committed + tokens)
         delta = LiveDelta(text[len(self._text) :], self._token_pairs(tokens, scores))
         self._committed += tokens
-        self._scores += scores
         self._hypothesis = keep
         self._text = text
         return delta if delta.text else None
 
-    def _seal(self, result: Transcription, end: int) -> LiveDelta | None:
-        """After a request for the window up to a quiet point: seal that part."""
-        segment, committed = list(result.tokens), self._committed
-        if segment[: len(committed)] == committed:
-            # The segment holds every committed word and more: commit the rest of it.
-            text = self._full_text(segment)
-            if not (text.startswith(self._text) and _whole(text)):
-                self._seal_failed()
-                return None
-            added = segment[len(committed) :]
-            scores = list(result.logprobs[len(committed) :]) if self._logprobs else []
-            delta = LiveDelta(text[len(self._text) :], self._token_pairs(added, scores))
-            self._start_window(end, text, [], [])
-            self._text = text
-            return delta if delta.text else None
-        starts_word = len(segment) < len(committed) and self._decode(
-            [committed[len(segment)]]
-        ).startswith(" ")
-        if committed[: len(segment)] == segment and starts_word:
-            # The quiet point lies inside the committed words: the rest of them start
-            # the new window (its audio starts with them), forced as its prefix.
-            sealed = self._full_text(segment)
-            self._start_window(end, sealed, committed[len(segment) :], self._scores[len(segment) :])
+    def _seal(self, result: Transcription, end: int, hard: bool) -> LiveDelta | None:
+        """After a request for the window up to a quiet point: seal that part, if words
+        were heard after the committed ones (else the cut may lie before the last of them,
+        whose audio would then be heard again in the next window)."""
+        tail = self._after_committed(result)
+        if tail is None or not (tail[0] or hard):
+            self._seal_failed(end)
             return None
-        self._seal_failed()
-        return None
+        tokens, scores = tail
+        text = self._full_text(self._committed + tokens)
+        if not (text.startswith(self._text) and _whole(text)):
+            self._seal_failed(end)
+            return None
+        delta = LiveDelta(text[len(self._text) :], self._token_pairs(tokens, scores))
+        self._start_window(end, text)
+        self._text = text
+        return delta if delta.text else None
 
-    def _seal_failed(self) -> None:
+    def _seal_failed(self, end: int) -> None:
         self._next_seal += int(RETRY_SEAL_S * SAMPLE_RATE)
+        self._failed_cut = end
 
-    def _start_window(
-        self, end: int, sealed: str, committed: list[int], scores: list[float]
-    ) -> None:
+    def _start_window(self, end: int, sealed: str) -> None:
         self._window_start += end
         self._sealed = sealed
-        self._committed, self._scores = committed, scores
+        self._committed = []
         self._hypothesis = None
         self._next_seal = self._window
-        self._agreed_end = max(0, self._agreed_end - end)
+        self._agreed_end = self._hypothesis_end = self._failed_cut = 0
 
     # --- text ---
 

@@ -189,36 +189,55 @@ def test_a_long_utterance_re_decodes_a_bounded_window() -> None:
     assert len(prompt) > 100 and prompt in expected_text(words)
 
 
-def test_a_seal_that_disagrees_waits_and_is_forced_under_the_hard_limit() -> None:
-    words = [i % 3 for i in range(70)]  # ~31 s
-    audio = speech(words)
+def test_a_seal_commits_the_window_up_to_a_pause_after_the_committed_words() -> None:
+    audio, recognise = speech([i % 3 for i in range(30)]), FakeRecogniser()
+    live = LiveTranscript(decode, window_s=6.0)
+    end = 0
+    while not live.sealing:
+        end += RATE // 2
+        request = live.request(audio[:end], final=False)
+        result = recognise(request)
+        if not live.sealing:
+            live.agree(result)
+    committed = live.text
+    assert decode(request.prefix).strip() == committed  # the committed words come first
+    assert 3 * RATE <= len(request.audio) <= end - RATE // 2  # second half, not the end
+    assert request.audio[-1] == 0.0  # cut in a pause
+    delta = live.agree(result)
+    assert delta is not None and committed + delta.text == result.text
+    assert live.window_start_s == len(request.audio) / RATE
+    assert live.request(audio[: end + RATE // 2], final=False).prompt == result.text
 
-    live = LiveTranscript(decode, window_s=6.0, hard_window_s=10.0)
+
+def test_a_seal_that_hears_nothing_new_is_tried_again_later() -> None:
+    words = [i % 3 for i in range(40)]
+    live = LiveTranscript(decode, window_s=6.0)
 
     @dataclass
-    class Stubborn(FakeRecogniser):
+    class Deaf(FakeRecogniser):
+        # The first seals hear no word after the committed ones: their cut may lie
+        # before the last committed word, so they must not seal.
         refused: int = 0
 
-        # Hears the first word differently in every seal made without the committed
-        # words forced, as if the seal's context changed it.
         def __call__(self, request: AsrRequest) -> Transcription:
             out = super().__call__(request)
-            if live.sealing and not request.prefix and out.tokens:
-                out.tokens[0] = 10
+            if live.sealing and self.refused < 3:
                 self.refused += 1
+                prefix = list(request.prefix)
+                return Transcription(decode(prefix).strip(), prefix, 0, 1, out.duration_s)
             return out
 
-    recognise = Stubborn()
-    deltas = stream(live, audio, recognise)
-    assert "".join(d.text for d in deltas) == expected_text(words)  # no "go" sealed
-    assert recognise.refused >= 3  # tried, refused, tried again later
-    assert max(len(r.audio) for r in recognise.seen) <= (10.0 + 0.5) * RATE
-    assert live.window_start_s > 15.0
+    recognise = Deaf()
+    deltas = stream(live, speech(words), recognise)
+    assert recognise.refused == 3 and live.window_start_s > 0
+    assert "".join(d.text for d in deltas) == expected_text(words)
 
 
 def test_window_limits_are_checked() -> None:
     with pytest.raises(ValueError, match="window"):
-        LiveTranscript(decode, window_s=3.0)
+        LiveTranscript(decode, window_s=1.0)
+    with pytest.raises(ValueError, match="window"):
+        LiveTranscript(decode, window_s=12.0, hard_window_s=30.0)
     with pytest.raises(ValueError, match="window"):
         LiveTranscript(decode, window_s=12.0, hard_window_s=10.0)
 

@@ -13,7 +13,9 @@ Bounded cost: a partial never re-transcribes much more than `window_s` of audio.
 current window grows past it, the next request (a seal) transcribes the window up to a
 quiet point (a pause between words) of its second half, away from the words still being
 spoken, with the committed tokens forced as usual. If it hears words after the committed
-ones (so the cut lies after them all), that text is committed and sealed: it becomes
+ones, or the committed words were all first heard in audio shorter than the cut (either
+way the cut lies after them all), and it holds the words the last partial had heard
+before the cut, that text is committed and sealed: it becomes
 Whisper's previous text, and the window starts again at the quiet point; else the seal is
 tried again on more audio. Past `hard_window_s` the cut is made after the audio within
 which every committed word lies and the seal is kept whatever it hears, so that the window
@@ -96,11 +98,13 @@ class LiveTranscript:
         self._window_start = 0  # sample where the current window starts
         self._committed: list[int] = []  # committed tokens of the current window
         self._hypothesis: list[int] | None = None  # the last guess after the committed
+        # For each token of the guess: the window length (samples) of the first request
+        # whose guess held it, as far as the guesses agree. Its word was spoken before.
+        self._first_heard: list[int] = []
         self._text = ""  # everything committed: sealed and current window
         self._asked: _Asked | None = None
         self._next_seal = self._window  # window length at which to try sealing
         self._agreed_end = 0  # window samples within which every committed word lies
-        self._hypothesis_end = 0  # window samples heard by the last hypothesis
         self._failed_cut = 0  # a seal cut here heard nothing new: look after it next time
         self._frozen = False
 
@@ -177,18 +181,18 @@ class LiveTranscript:
             return None
         tokens, scores = tail
         previous, self._hypothesis = self._hypothesis, tokens
-        previous_end, self._hypothesis_end = self._hypothesis_end, asked.length
+        agreed = _common_prefix(tokens, previous or [])
+        heard = self._first_heard[:agreed] + [asked.length] * (len(tokens) - agreed)
+        self._first_heard = heard
         if previous is None:
             return None
-        agreed = _common_prefix(tokens, previous)
         # Two whole hypotheses alike, although the audio grew between them: the last
         # word is over too. Otherwise commit only up to where a new word starts.
         same = agreed == len(tokens) == len(previous)
         cut = self._word_cut(tokens, agreed, to_end=same)
         if cut == 0:
             return None
-        # Both hypotheses hold the committed words: they lie in the shorter one's audio.
-        self._agreed_end = previous_end
+        self._agreed_end = max(heard[:cut])
         return self._commit(tokens[:cut], scores[:cut], keep=tokens[cut:])
 
     def finish(self, result: Transcription) -> LiveDelta:
@@ -230,15 +234,22 @@ class LiveTranscript:
         delta = LiveDelta(text[len(self._text) :], self._token_pairs(tokens, scores))
         self._committed += tokens
         self._hypothesis = keep
+        self._first_heard = self._first_heard[len(tokens) :]
         self._text = text
         return delta if delta.text else None
 
     def _seal(self, result: Transcription, end: int, hard: bool) -> LiveDelta | None:
-        """After a request for the window up to a quiet point: seal that part, if words
-        were heard after the committed ones (else the cut may lie before the last of them,
-        whose audio would then be heard again in the next window)."""
+        """After a request for the window up to a quiet point: seal that part if the cut
+        lies after every committed word (known from when they were first heard, or from
+        words heard after them before the cut; else the last committed words would be
+        heard again in the next window), and the seal holds as many tokens after them as
+        the last guess had heard before the cut (else it stopped early: words would be
+        lost)."""
         tail = self._after_committed(result)
-        if tail is None or not (tail[0] or hard):
+        # Words of the last guess first heard before the cut: the seal must hold as many.
+        expected = sum(1 for heard in self._first_heard if heard <= end)
+        after_committed = self._agreed_end <= end or bool(tail and tail[0])
+        if tail is None or not (hard or after_committed and len(tail[0]) >= expected):
             self._seal_failed(end)
             return None
         tokens, scores = tail
@@ -259,9 +270,9 @@ class LiveTranscript:
         self._window_start += end
         self._sealed = sealed
         self._committed = []
-        self._hypothesis = None
+        self._hypothesis, self._first_heard = None, []
         self._next_seal = self._window
-        self._agreed_end = self._hypothesis_end = self._failed_cut = 0
+        self._agreed_end = self._failed_cut = 0
 
     # --- text ---
 

@@ -209,14 +209,14 @@ def test_a_seal_commits_the_window_up_to_a_pause_after_the_committed_words() -> 
     assert live.request(audio[: end + RATE // 2], final=False).prompt == result.text
 
 
-def test_a_seal_that_hears_nothing_new_is_tried_again_later() -> None:
+def test_a_seal_that_may_cut_before_the_last_committed_word_is_tried_again() -> None:
     words = [i % 3 for i in range(40)]
     live = LiveTranscript(decode, window_s=6.0)
 
     @dataclass
     class Deaf(FakeRecogniser):
-        # The first seals hear no word after the committed ones: their cut may lie
-        # before the last committed word, so they must not seal.
+        # The first seals hear no word after the committed ones: unless every committed
+        # word was first heard before the cut, it may lie after it, and they must not seal.
         refused: int = 0
 
         def __call__(self, request: AsrRequest) -> Transcription:
@@ -228,7 +228,7 @@ def test_a_seal_that_hears_nothing_new_is_tried_again_later() -> None:
             return out
 
     recognise = Deaf()
-    deltas = stream(live, speech(words), recognise)
+    deltas = stream(live, speech(words), recognise, every_s=0.25)
     assert recognise.refused == 3 and live.window_start_s > 0
     assert "".join(d.text for d in deltas) == expected_text(words)
 

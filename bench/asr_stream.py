@@ -17,6 +17,8 @@ each utterance is transcribed whole, as it was before live transcription.
 - `partial_ms_p50/p95`: from a partial request to its result (queueing included).
 - `first_delta_ms_p50`: from an utterance's first audio to its first committed words.
 - `final_ms_p50/p95`: from the end of an utterance's audio to its final transcript;
+  `final_step_ms_p50`: the stage step that decoded the tail (the rest of `final_ms` is
+  waiting for the step in progress, and for other finals);
   `whole_ms_p50`: transcribing the same utterance whole, on the idle engine.
 - `final_wer`, `whole_wer`: word error rates against the sentences spoken;
   `deltas_exact`: utterances whose deltas concatenate exactly to their final transcript.
@@ -104,6 +106,7 @@ class Utterance:
     exact: bool = False
     first_delta_ms: float | None = None
     final_ms: float = 0.0
+    final_step_ms: float = 0.0
     partial_ms: list[float] = field(default_factory=list)
 
 
@@ -116,10 +119,14 @@ class Streams:
         self.ids = count()
 
     async def transcribe(self, request: AsrRequest) -> Transcription:
+        return (await self.transcribe_timed(request))[0]
+
+    async def transcribe_timed(self, request: AsrRequest) -> tuple[Transcription, float]:
+        """The transcript, and the wall time of the stage step that made it (ms)."""
         async for out in self.engine.stream("asr", f"r{next(self.ids)}", request):
             if out.error is not None:
                 raise RuntimeError(out.error)
-            return out.payload
+            return out.payload, out.metrics["asr_ms"]
         raise RuntimeError("no output")
 
     async def stream(self, utterances: list[Utterance], start_delay_s: float) -> None:
@@ -145,7 +152,7 @@ class Streams:
                 in_flight.result()
                 in_flight = None
         stopped = time.perf_counter()
-        result = await self.transcribe(live.request(u.audio, final=True))
+        result, u.final_step_ms = await self.transcribe_timed(live.request(u.audio, final=True))
         last = live.finish(result)
         u.final_ms = (time.perf_counter() - stopped) * 1000
         if in_flight is not None:
@@ -229,6 +236,7 @@ async def run(args: argparse.Namespace) -> dict:
         "first_delta_ms_p50": pct(first, 50),
         "final_ms_p50": pct([u.final_ms for u in utterances], 50),
         "final_ms_p95": pct([u.final_ms for u in utterances], 95),
+        "final_step_ms_p50": pct([u.final_step_ms for u in utterances], 50),
         "whole_ms_p50": pct(whole_ms, 50),
         "final_wer": round(wer(refs, [u.final for u in utterances]), 3),
         "whole_wer": round(wer(refs, whole), 3),

@@ -10,15 +10,15 @@ Committed text is only ever appended to. At the end of the turn a final request
 decodes only the tail after the committed tokens.
 
 Bounded cost: a partial never re-transcribes much more than `window_s` of audio. When the
-current window grows past it, the next request (a seal) transcribes the window up to a
-quiet point (a pause between words) of its second half, away from the words still being
-spoken, with the committed tokens forced as usual. If it hears words after the committed
-ones, or the committed words were all first heard in audio shorter than the cut (either
-way the cut lies after them all), and it holds the words the last partial had heard
-before the cut, that text is committed and sealed: it becomes
-Whisper's previous text, and the window starts again at the quiet point; else the seal is
-tried again on more audio. Past `hard_window_s` the cut is made after the audio within
-which every committed word lies and the seal is kept whatever it hears, so that the window
+current window grows past it, the next request is a seal: the window up to a quiet point
+(a pause between words) in its second half, short of the words still being spoken, with
+the committed tokens forced as usual. The seal is kept when its cut lies after every
+committed word (each was first heard in audio shorter than the cut, or the seal heard
+words after them) and it holds as many words as the last partial had heard before the
+cut. Then all its text is committed and becomes Whisper's previous text (after the
+caller's prompt), and the window starts again at the quiet point; otherwise the seal is
+tried again on more audio. Past `hard_window_s` the cut goes after the audio in which
+every committed word lies and the seal is kept whatever it hears, so that the window
 stays under Whisper's 30 s.
 
 How the live path uses it, one request in flight at a time, results in order:

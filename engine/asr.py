@@ -298,11 +298,10 @@ class Transcriber:
         return len(tokens) < MIN_TOKENS_PER_SECOND * job.duration_s
 
     def _result(self, job: _Job) -> Transcription:
-        text = self.tokenizer.decode(job.tokens).strip() if job.tokens else ""
-        if not job.attempts:  # too short to hold a word: only the forced prefix
+        if not job.attempts:  # too short to hold a word: the forced prefix, not scored
             job.tokens = list(job.prefix)
-            text = self.decode(job.tokens).strip()
             job.scores = [0.0] * len(job.tokens) if job.logprobs else []
+        text = self.decode(job.tokens).strip()
         return Transcription(text, job.tokens, job.frames, job.attempts, job.duration_s, job.scores)
 
     # --- encoder ---

@@ -9,14 +9,22 @@ window (computed once at load), which is what the full window's tail looks like.
 Safeguards, since trimming changes what the decoder sees: a token cap from the duration,
 repeated n-gram detection, and a fall-back to a longer, then the full, window when a
 transcript looks broken. Audio over 30 s is split at quiet points and transcribed in parts.
+The first window is never shorter than `MIN_WINDOW_S`: on a clip of about a second, a
+window of utterance + 1 s misheard the last word where the full window did not.
+
+An `AsrRequest` can force the start of the transcript (`prefix`, run through the decoder
+in the same pass as the start tokens), give Whisper the previous text (`prompt`), ask for
+each token's log-probability, and mark itself `partial`: live, speculative work that the
+stage runs only when no final transcript waits, in one try (no wider-window fall-backs).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
@@ -25,7 +33,11 @@ from tokenizers import Tokenizer
 from engine.models import whisper
 from engine.stage import StageOutput
 
+if TYPE_CHECKING:
+    from engine.live_transcript import LiveTranscript
+
 __all__ = [
+    "AsrRequest",
     "AsrStage",
     "Transcriber",
     "Transcription",
@@ -40,6 +52,20 @@ WINDOW_BUCKET_FRAMES = 50  # round windows up so requests in a batch share encod
 TOKENS_PER_SECOND_CAP = 8.0  # fast speech is ~5 tokens/s with punctuation
 MIN_TOKENS_PER_SECOND = 0.5  # fewer on a long utterance means decoding stopped early
 EARLY_STOP_MIN_SECONDS = 4.0
+MIN_WINDOW_S = 4.0  # the first window of a short clip: the decoder needs room after it
+PARTIAL_PAD_S = 0.5  # pad of a partial request's window (no minimum window)
+PREFIX_SLACK_TOKENS = 8  # a forced prefix may use up the duration's cap: still decode a few
+
+
+@dataclass(frozen=True, eq=False)
+class AsrRequest:
+    """One transcription asked of the ASR stage (see the module docstring)."""
+
+    audio: np.ndarray  # float32 16 kHz mono, the utterance from its start
+    prefix: tuple[int, ...] = ()  # tokens forced as the transcript's start
+    prompt: str = ""  # previous text, given to Whisper after <|startofprev|>
+    logprobs: bool = False  # report each token's log-probability
+    partial: bool = False  # live work: after every final request, in one try
 
 
 @dataclass
@@ -49,16 +75,31 @@ class Transcription:
     window_frames: int  # mel frames the encoder saw in the accepted attempt
     attempts: int  # 1 = the first (shortest) window was accepted
     duration_s: float
+    # Each token's log-probability, aligned with `tokens`, when the request asked for
+    # them (forced prefix tokens included: the model's probability of them); else empty.
+    logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
 class _Job:
     audio: np.ndarray
     duration_s: float
+    context: list[int]  # the decoder's start: previous text, then the start tokens
+    prefix: list[int] = field(default_factory=list)
+    logprobs: bool = False
+    partial: bool = False
     attempts: int = 0
     tokens: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
     frames: int = 0
     broken: str | None = None
+
+
+@dataclass
+class _Decoded:
+    tokens: list[int]  # the forced prefix, then the decoded tokens
+    scores: list[float]  # their log-probabilities when asked, else empty
+    broken: str | None  # why decoding stopped short, or None
 
 
 def repeated_tail(tokens: list[int], max_period: int = 16) -> int:
@@ -77,12 +118,13 @@ def repeated_tail(tokens: list[int], max_period: int = 16) -> int:
     return 0
 
 
-def _collapse_loop(tokens: list[int]) -> list[int]:
-    # Keep one copy of a block the decoder kept repeating until the cap.
+def _collapse_loop(tokens: list[int], keep: int = 0) -> list[int]:
+    # Keep one copy of a block the decoder kept repeating until the cap; never cut into
+    # the first `keep` tokens (a forced prefix).
     p = repeated_tail(tokens)
-    while p:
+    while p and len(tokens) - 2 * p >= keep:
         block = tokens[-p:]
-        while tokens[-2 * p : -p] == block:
+        while tokens[-2 * p : -p] == block and len(tokens) - 2 * p >= keep:
             tokens = tokens[:-p]
         p = repeated_tail(tokens)
     return tokens
@@ -115,6 +157,7 @@ class Transcriber:
         pad_s: float = 1.0,
         fallback_pad_s: float = 5.0,
         silence_tail: bool = True,
+        min_window_s: float = MIN_WINDOW_S,
     ):
         if pad_s < 0 or fallback_pad_s < pad_s:
             raise ValueError("need 0 <= pad_s <= fallback_pad_s")
@@ -122,7 +165,10 @@ class Transcriber:
         self.tokenizer = tokenizer
         self.eot = config["eot_id"]
         self.prompt = [config["sot_id"], config["no_timestamps_id"]]
+        self.start_of_prev = tokenizer.token_to_id("<|startofprev|>")
         self.max_tokens = model.args.n_text_ctx // 2 - len(self.prompt)
+        # Whisper's own limit on previous text: the other half of the text context.
+        self.max_prompt_tokens = model.args.n_text_ctx // 2 - 1
         suppress = np.zeros(model.args.n_vocab, np.float32)
         suppress[config["suppress_ids"]] = -np.inf
         self.suppress = suppress
@@ -130,6 +176,7 @@ class Transcriber:
         self.suppress_first[config["suppress_ids_begin"]] = -np.inf
         self._embedding = model.decoder.token_embedding.weight
         self.pads = (pad_s, fallback_pad_s)
+        self.min_window_s = min_window_s
         self._silence_kv = self._encode_silence() if silence_tail else None
 
     # --- public API ---
@@ -142,57 +189,107 @@ class Transcriber:
 
     def transcribe_batch(self, audios: list[np.ndarray]) -> list[Transcription]:
         """Transcribe several utterances, sharing encoder and decoder passes."""
-        audios = [_check_audio(a) for a in audios]
-        parts = [split_long_audio(a) for a in audios]
-        flat = [p for ps in parts for p in ps]
+        return self.transcribe_requests([AsrRequest(audio) for audio in audios])
+
+    def transcribe_requests(self, requests: list[AsrRequest]) -> list[Transcription]:
+        """Transcribe several requests in shared passes. Audio over 30 s is split: the
+        prefix starts the first part, the prompt goes before every part."""
+        jobs_per_request = [self._jobs(r) for r in requests]
+        flat = [job for jobs in jobs_per_request for job in jobs]
         done = self._transcribe_parts(flat)
         results, i = [], 0
-        for audio, ps in zip(audios, parts, strict=True):
-            results.append(_merge(done[i : i + len(ps)], len(audio) / SAMPLE_RATE))
-            i += len(ps)
+        for jobs in jobs_per_request:
+            duration = sum(job.duration_s for job in jobs)
+            results.append(_merge(done[i : i + len(jobs)], duration))
+            i += len(jobs)
         return results
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """The text of `tokens`, as is: leading space and partial characters included."""
+        return self.tokenizer.decode(list(tokens))
+
+    def check(self, request: AsrRequest) -> AsrRequest:
+        """The request with checked audio; ValueError for what cannot be transcribed."""
+        if any(not 0 <= t < self.eot for t in request.prefix):
+            raise ValueError("ASR prefix tokens must be text tokens of the model")
+        if len(request.prefix) > self.max_tokens - PREFIX_SLACK_TOKENS:
+            raise ValueError(f"ASR prefix is longer than {self.max_tokens} tokens")
+        if not isinstance(request.prompt, str):
+            raise ValueError("ASR prompt must be a string")
+        return replace(request, audio=_check_audio(request.audio))
 
     # --- attempts ---
 
-    def _transcribe_parts(self, audios: list[np.ndarray]) -> list[Transcription]:
-        jobs = [self._job(a) for a in audios]
+    def _jobs(self, request: AsrRequest) -> list[_Job]:
+        request = self.check(request)
+        context = self._context(request.prompt)
+        parts = split_long_audio(request.audio)
+        return [
+            _Job(
+                audio=part,
+                duration_s=len(part) / SAMPLE_RATE,
+                context=context,
+                prefix=list(request.prefix) if i == 0 else [],
+                logprobs=request.logprobs,
+                partial=request.partial,
+            )
+            for i, part in enumerate(parts)
+        ]
+
+    def _context(self, prompt: str) -> list[int]:
+        if not prompt.strip():
+            return list(self.prompt)
+        ids = self.tokenizer.encode(" " + prompt.strip(), add_special_tokens=False).ids
+        return [self.start_of_prev, *ids[-self.max_prompt_tokens :], *self.prompt]
+
+    def _transcribe_parts(self, jobs: list[_Job]) -> list[Transcription]:
         pending = [j for j in jobs if j.duration_s >= MIN_SECONDS]
         for window in self._ladder():
             # A rung that would not widen a job's window cannot fix it: skip to the next.
             wider = [j for j in pending if window(j) > j.frames]
             if wider:
                 self._attempt(wider, window)
-            pending = [j for j in pending if j.broken is not None]
+            # A partial transcript is live guesswork: it gets one try, never a wider one.
+            pending = [j for j in pending if j.broken is not None and not j.partial]
         return [self._result(j) for j in jobs]
 
     def _ladder(self) -> list[Callable[[_Job], int]]:
-        # Window size in mel frames per attempt: utterance + pad, + fallback pad, full.
-        def sized(pad: float) -> Callable[[_Job], int]:
-            return lambda job: _bucket(job.duration_s + pad)
+        # Window size in mel frames per attempt: utterance + pad (at least the minimum
+        # window), + fallback pad, full.
+        first, fallback = self.pads
 
-        return [sized(self.pads[0]), sized(self.pads[1]), lambda job: whisper.N_FRAMES]
+        def first_rung(job: _Job) -> int:
+            # A partial transcript is re-made many times while the utterance grows: its
+            # encoder pass, the bulk of its cost, gets the shortest window.
+            if job.partial:
+                return _bucket(job.duration_s + PARTIAL_PAD_S)
+            return _bucket(max(job.duration_s + first, self.min_window_s))
 
-    def _job(self, audio: np.ndarray) -> _Job:
-        return _Job(audio=audio, duration_s=len(audio) / SAMPLE_RATE)
+        return [
+            first_rung,
+            lambda job: _bucket(job.duration_s + fallback),
+            lambda job: whisper.N_FRAMES,
+        ]
 
     def _attempt(self, jobs: list[_Job], window: Callable[[_Job], int]) -> None:
         frames = [window(j) for j in jobs]
         cross_kv = self._cross_kv(jobs, frames)
-        caps = [self._token_cap(j.duration_s) for j in jobs]
         # The full window is the last resort: there, loops are cut rather than retried.
-        finals = [n == whisper.N_FRAMES for n in frames]
-        outs = self._decode(cross_kv, caps, stop_on_loop=[not f for f in finals])
-        for job, n, final, (tokens, reason) in zip(jobs, frames, finals, outs, strict=True):
+        finals = [n == whisper.N_FRAMES or j.partial for j, n in zip(jobs, frames, strict=True)]
+        outs = self._decode(cross_kv, jobs, stop_on_loop=[not f for f in finals])
+        for job, n, final, out in zip(jobs, frames, finals, outs, strict=True):
             job.attempts += 1
             job.frames = n
+            tokens, reason = out.tokens, out.broken
             if final and reason is not None:
-                tokens, reason = _collapse_loop(tokens), None
+                tokens, reason = _collapse_loop(tokens, keep=len(job.prefix)), None
             if reason is None and self._stopped_early(job, tokens) and not final:
                 reason = "too few tokens"
-            job.tokens, job.broken = tokens, reason
+            job.tokens, job.scores, job.broken = tokens, out.scores[: len(tokens)], reason
 
-    def _token_cap(self, duration_s: float) -> int:
-        return min(self.max_tokens, int(10 + TOKENS_PER_SECOND_CAP * duration_s))
+    def _token_cap(self, duration_s: float, prefix: int = 0) -> int:
+        cap = max(int(10 + TOKENS_PER_SECOND_CAP * duration_s), prefix + PREFIX_SLACK_TOKENS)
+        return min(self.max_tokens, cap)
 
     @staticmethod
     def _stopped_early(job: _Job, tokens: list[int]) -> bool:
@@ -201,8 +298,11 @@ class Transcriber:
         return len(tokens) < MIN_TOKENS_PER_SECOND * job.duration_s
 
     def _result(self, job: _Job) -> Transcription:
-        text = self.tokenizer.decode(job.tokens).strip() if job.tokens else ""
-        return Transcription(text, job.tokens, job.frames, job.attempts, job.duration_s)
+        if not job.attempts:  # too short to hold a word: the forced prefix, not scored
+            job.tokens = list(job.prefix)
+            job.scores = [0.0] * len(job.tokens) if job.logprobs else []
+        text = self.decode(job.tokens).strip()
+        return Transcription(text, job.tokens, job.frames, job.attempts, job.duration_s, job.scores)
 
     # --- encoder ---
 
@@ -233,36 +333,46 @@ class Transcriber:
     # --- decoder ---
 
     def _decode(
-        self,
-        cross_kv: list[tuple[mx.array, mx.array]],
-        caps: list[int],
-        stop_on_loop: list[bool],
-    ) -> list[tuple[list[int], str | None]]:
-        """Batched greedy decoding; returns (tokens, broken reason or None) per row."""
-        B = len(caps)
-        outs: list[list[int]] = [[] for _ in range(B)]
-        reasons: list[str | None] = [None] * B
-        active = list(range(B))
+        self, cross_kv: list[tuple[mx.array, mx.array]], jobs: list[_Job], stop_on_loop: list[bool]
+    ) -> list[_Decoded]:
+        """Batched greedy decoding after each job's context and forced prefix."""
+        starts = [job.context + job.prefix for job in jobs]
+        longest = max(len(s) for s in starts)
+        pads_list = [longest - len(s) for s in starts]
+        # Rows of different lengths are left-padded: their last tokens line up.
+        x = mx.array([[0] * pad + s for pad, s in zip(pads_list, starts, strict=True)])
+        pads = mx.array(pads_list) if any(pads_list) else None
+        caps = [self._token_cap(job.duration_s, len(job.prefix)) for job in jobs]
+        outs = [_Decoded(list(job.prefix), [], None) for job in jobs]
         cache = self.model.decoder.make_cache()
-        x = mx.array([self.prompt] * B)
-        suppress = self.suppress_first
+        hidden = self.model.decoder.hidden(x, cross_kv, cache, pads)
+        for row, job in enumerate(jobs):
+            if job.logprobs and job.prefix:
+                outs[row].scores = self._prefix_scores(hidden[row], job.prefix)
+        last = hidden[:, -1]
+        suppress = np.stack([self.suppress if j.prefix else self.suppress_first for j in jobs])
+        active = list(range(len(jobs)))
         while active:
             # One row per step: `engine.gemv_forward` streams the weights once for it.
-            logits = np.array(
-                self.model.decoder.hidden(x, cross_kv, cache)[:, -1] @ self._embedding.T
-            )
-            logits += suppress
-            suppress = self.suppress
+            logits = np.array(last @ self._embedding.T) + suppress
             next_tokens = logits.argmax(axis=-1).tolist()
+            scores = (
+                _chosen_logprobs(logits, next_tokens)
+                if any(jobs[i].logprobs for i in active)
+                else None
+            )
             keep = []
             for row, (i, t) in enumerate(zip(active, next_tokens, strict=True)):
                 if t == self.eot:
                     continue
-                outs[i].append(t)
-                if stop_on_loop[i] and repeated_tail(outs[i]):
-                    reasons[i] = "repetition"
-                elif len(outs[i]) >= caps[i]:
-                    reasons[i] = "token cap"
+                out = outs[i]
+                out.tokens.append(t)
+                if scores is not None and jobs[i].logprobs:
+                    out.scores.append(scores[row])
+                if stop_on_loop[i] and repeated_tail(out.tokens):
+                    out.broken = "repetition"
+                elif len(out.tokens) >= caps[i]:
+                    out.broken = "token cap"
                 else:
                     keep.append(row)
             if not keep:
@@ -271,9 +381,28 @@ class Transcriber:
                 sel = mx.array(keep, dtype=mx.int32)
                 cross_kv = [(k[sel], v[sel]) for k, v in cross_kv]
                 cache = [[k[sel], v[sel]] for k, v in cache]
+                pads = pads[sel] if pads is not None else None
             active = [active[r] for r in keep]
-            x = mx.array([[outs[i][-1]] for i in active])
-        return list(zip(outs, reasons, strict=True))
+            suppress = self.suppress
+            x = mx.array([[outs[i].tokens[-1]] for i in active])
+            last = self.model.decoder.hidden(x, cross_kv, cache, pads)[:, -1]
+        return outs
+
+    def _prefix_scores(self, hidden: mx.array, prefix: list[int]) -> list[float]:
+        """Log-probabilities of the forced tokens, from the states that predicted them."""
+        n = len(prefix)
+        logits = np.array(hidden[-n - 1 : -1] @ self._embedding.T)
+        logits[0] += self.suppress_first
+        logits[1:] += self.suppress
+        return _chosen_logprobs(logits, prefix)
+
+
+def _chosen_logprobs(logits: np.ndarray, chosen: list[int]) -> list[float]:
+    """log-softmax of each row at its chosen token."""
+    top = logits.max(axis=-1, keepdims=True)
+    norm = np.log(np.exp(logits - top).sum(axis=-1)) + top[:, 0]
+    picked = logits[np.arange(len(chosen)), chosen]
+    return (picked - norm).astype(float).tolist()
 
 
 def _bucket(seconds: float) -> int:
@@ -298,47 +427,78 @@ def _merge(parts: list[Transcription], duration_s: float) -> Transcription:
         return parts[0]
     text = " ".join(p.text for p in parts if p.text)
     tokens = [t for p in parts for t in p.tokens]
+    scores = [s for p in parts for s in p.logprobs]
     frames = max(p.window_frames for p in parts)
-    return Transcription(text, tokens, frames, max(p.attempts for p in parts), duration_s)
+    attempts = max(p.attempts for p in parts)
+    return Transcription(text, tokens, frames, attempts, duration_s, scores)
 
 
 class AsrStage:
     """The engine's ASR stage: one request = one utterance, one finished transcript.
 
-    `add(request_id, audio)` takes float32 mono 16 kHz samples; each `step` transcribes up
-    to `max_batch` waiting requests in shared encoder/decoder passes, oldest first.
+    `add(request_id, inputs)` takes float32 mono 16 kHz samples (the payload is then the
+    transcript text) or an `AsrRequest` (the payload is then a `Transcription`). Each
+    `step` transcribes one batch in shared encoder/decoder passes, oldest first: up to
+    `max_batch` final requests while any waits, else up to `max_partial_batch` partial
+    ones, so that live guesses never delay a finished turn by more than one step.
     """
 
     name = "asr"
 
-    def __init__(self, transcriber: Transcriber, *, max_batch: int = 4):
-        if max_batch < 1:
-            raise ValueError("max_batch must be at least 1")
+    def __init__(self, transcriber: Transcriber, *, max_batch: int = 4, max_partial_batch: int = 4):
+        if max_batch < 1 or max_partial_batch < 1:
+            raise ValueError("max_batch and max_partial_batch must be at least 1")
         self.transcriber = transcriber
         self.max_batch = max_batch
-        self._waiting: dict[str, np.ndarray] = {}
+        self.max_partial_batch = max_partial_batch
+        self._finals: dict[str, AsrRequest] = {}
+        self._partials: dict[str, AsrRequest] = {}
+        self._plain: set[str] = set()  # requests given as bare audio: their payload is text
 
-    def add(self, request_id: str, inputs: np.ndarray) -> None:
-        if request_id in self._waiting:
+    def add(self, request_id: str, inputs: np.ndarray | AsrRequest) -> None:
+        if request_id in self._finals or request_id in self._partials:
             raise ValueError(f"ASR request {request_id!r} is already waiting")
-        if not isinstance(inputs, np.ndarray):
-            raise ValueError(f"ASR input must be a numpy array, got {type(inputs).__name__}")
-        self._waiting[request_id] = _check_audio(inputs)
+        if isinstance(inputs, np.ndarray):
+            request = self.transcriber.check(AsrRequest(inputs))
+            self._plain.add(request_id)
+        elif isinstance(inputs, AsrRequest):
+            request = self.transcriber.check(inputs)
+        else:
+            raise ValueError(
+                f"ASR input must be a numpy array or an AsrRequest, got {type(inputs).__name__}"
+            )
+        (self._partials if request.partial else self._finals)[request_id] = request
 
     def abort(self, request_id: str) -> None:
-        self._waiting.pop(request_id, None)
+        self._finals.pop(request_id, None)
+        self._partials.pop(request_id, None)
+        self._plain.discard(request_id)
 
     def has_work(self) -> bool:
-        return bool(self._waiting)
+        return bool(self._finals or self._partials)
+
+    def new_live_transcript(self, prompt: str = "", logprobs: bool = False) -> LiveTranscript:
+        """The policy for one utterance transcribed while it is spoken (runs anywhere:
+        it only needs this stage's tokenizer)."""
+        from engine.live_transcript import LiveTranscript  # it builds this module's requests
+
+        return LiveTranscript(self.transcriber.decode, prompt=prompt, logprobs=logprobs)
 
     def step(self) -> list[StageOutput]:
-        ids = list(self._waiting)[: self.max_batch]
-        audios = [self._waiting.pop(i) for i in ids]
+        queue, size = (
+            (self._finals, self.max_batch)
+            if self._finals
+            else (self._partials, self.max_partial_batch)
+        )
+        ids = list(queue)[:size]
         if not ids:
             return []
+        requests = [queue.pop(i) for i in ids]
+        plain = {i for i in ids if i in self._plain}
+        self._plain -= plain
         start = time.perf_counter()
         try:
-            results = self.transcriber.transcribe_batch(audios)
+            results = self.transcriber.transcribe_requests(requests)
         except Exception as exc:  # a failed batch fails its requests, not the engine
             error = f"{type(exc).__name__}: {exc}"
             return [StageOutput(i, "", finished=True, error=error) for i in ids]
@@ -346,7 +506,7 @@ class AsrStage:
         return [
             StageOutput(
                 i,
-                r.text,
+                r.text if i in plain else r,
                 finished=True,
                 metrics={"asr_ms": asr_ms, "audio_s": r.duration_s, "attempts": r.attempts},
             )

@@ -33,7 +33,7 @@ WARMUP_MAX_STEPS = 64
 # takes its next one (LLM first would cost one more LLM step before every clause). A
 # TTS thread of its own measured slower on the CPU backend: it competes with the LLM
 # for the same cores, so the first chunk takes longer.
-MAIN_LANE_ORDER = ("tts", "asr", "llm")
+MAIN_LANE_ORDER = ("tts", "llm")
 
 
 @dataclass
@@ -69,6 +69,9 @@ async def build_engine(config: EngineConfig, *, progress: bool = True) -> Engine
     # The engine thread steps the others in MAIN_LANE_ORDER.
     heavy = {name: stages[name] for name in MAIN_LANE_ORDER if name in stages}
     lanes = {"main": heavy, "vad": {"vad": stages["vad"]}}
+    # ASR has a lane of its own: live partial transcripts and interruption-word checks
+    # never wait behind a TTS or LLM step (final transcripts go before partials inside it).
+    lanes["asr"] = {"asr": stages["asr"]}
     if "turn" in stages:
         # Turn-end scoring takes tens of ms: on its own thread it delays neither VAD nor TTS.
         lanes["turn"] = {"turn": stages["turn"]}
@@ -132,7 +135,9 @@ def _asr_stage(config: EngineConfig, progress: bool) -> Stage:
 
     asr = config.stages.asr
     path = prepare_model("asr", asr.model, progress=progress)
-    return AsrStage(load_transcriber(path), max_batch=asr.max_batch)
+    return AsrStage(
+        load_transcriber(path), max_batch=asr.max_batch, max_partial_batch=asr.max_partial_batch
+    )
 
 
 def _llm_stage(config: EngineConfig, progress: bool) -> Stage:

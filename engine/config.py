@@ -156,6 +156,8 @@ class AsrConfig(_Strict):
     max_batch: int = Field(4, ge=1)
     max_audio_s: float = Field(120.0, gt=0.0)
     live_interval_ms: int = Field(400, ge=40)
+    # Live (partial) transcripts of several sessions batched into one step.
+    max_partial_batch: int = Field(4, ge=1)
 
 
 class TtsConfig(_Strict):

@@ -23,6 +23,7 @@ from engine.asr import (
     AsrStage,
     Transcriber,
     Transcription,
+    _Job,
     load_transcriber,
     repeated_tail,
     split_long_audio,
@@ -90,7 +91,9 @@ def full_window(model_dir: Path) -> Transcriber:
 def naive(model_dir: Path) -> Transcriber:
     # Plain trimming with a short pad, the setting whose greedy decoding loops; a broken
     # transcript falls back straight to the full window.
-    return load_transcriber(model_dir, pad_s=0.5, fallback_pad_s=0.5, silence_tail=False)
+    return load_transcriber(
+        model_dir, pad_s=0.5, fallback_pad_s=0.5, silence_tail=False, min_window_s=0.0
+    )
 
 
 @pytest.fixture(scope="session")
@@ -296,14 +299,11 @@ def test_token_cap_stops_a_looping_decode(naive: Transcriber) -> None:
     mel = whisper.log_mel_spectrogram(audio)
     features = naive.model.encoder(mx.array(mel[None, :200]))
     cap = naive._token_cap(len(audio) / RATE)
-    [(tokens, reason)] = naive._decode(
-        naive.model.decoder.cross_kv(features), [cap], stop_on_loop=[False]
-    )
-    assert (len(tokens), reason) == (cap, "token cap")
-    [(tokens, reason)] = naive._decode(
-        naive.model.decoder.cross_kv(features), [cap], stop_on_loop=[True]
-    )
-    assert reason == "repetition" and len(tokens) < cap
+    job = _Job(audio=audio, duration_s=len(audio) / RATE, context=list(naive.prompt))
+    [out] = naive._decode(naive.model.decoder.cross_kv(features), [job], stop_on_loop=[False])
+    assert (len(out.tokens), out.broken) == (cap, "token cap")
+    [out] = naive._decode(naive.model.decoder.cross_kv(features), [job], stop_on_loop=[True])
+    assert out.broken == "repetition" and len(out.tokens) < cap
 
 
 @pytest.mark.models
@@ -380,7 +380,7 @@ def test_stage_rejects_bad_requests(transcriber: Transcriber) -> None:
     stage.add("a", np.zeros(1600, np.float32))
     with pytest.raises(ValueError, match="already"):
         stage.add("a", np.zeros(1600, np.float32))
-    with pytest.raises(ValueError, match="numpy"):
+    with pytest.raises(ValueError, match="numpy array or an AsrRequest"):
         stage.add("b", [0.0] * 1600)
     with pytest.raises(ValueError, match="mono"):
         stage.add("c", np.zeros((1600, 2), np.float32))

@@ -158,7 +158,9 @@ class _Block(nn.Module):
         self.mlp2 = nn.Linear(4 * n_state, n_state)
         self.mlp_ln = nn.LayerNorm(n_state)
 
-    def self_attention(self, x: mx.array, cache: list | None, mask: str | None) -> mx.array:
+    def self_attention(
+        self, x: mx.array, cache: list | None, mask: str | mx.array | None
+    ) -> mx.array:
         h = self.attn_ln(x)
         k, v = self.attn.project_kv(h)
         if cache is not None:
@@ -193,7 +195,7 @@ class DecoderBlock(_Block):
         x: mx.array,
         cross_kv: tuple[mx.array, mx.array],
         cache: list | None = None,
-        mask: str | None = None,
+        mask: str | mx.array | None = None,
     ) -> mx.array:
         x = self.self_attention(x, cache, mask)
         x = x + self.cross_attn(self.cross_attn_ln(x), cross_kv)
@@ -237,13 +239,27 @@ class TextDecoder(nn.Module):
         return [[None, None] for _ in self.blocks]
 
     def hidden(
-        self, tokens: mx.array, cross_kv: list[tuple[mx.array, mx.array]], cache: list[list]
+        self,
+        tokens: mx.array,
+        cross_kv: list[tuple[mx.array, mx.array]],
+        cache: list[list],
+        pads: mx.array | None = None,
     ) -> mx.array:
-        """Final hidden states (B, L, n_state): the logits are these times the embedding."""
+        """Final hidden states (B, L, n_state): the logits are these times the embedding.
+
+        `pads` (B,) says how many left-padding tokens each row's sequence starts with, so
+        rows with prompts of different lengths share one pass: a row's tokens keep the
+        positions they would have alone, and no token attends to its row's padding.
+        """
         offset = cache[0][0].shape[2] if cache[0][0] is not None else 0
         L = tokens.shape[1]
-        x = self.token_embedding(tokens) + self.positional_embedding[offset : offset + L]
-        mask = "causal" if L > 1 else None
+        x = self.token_embedding(tokens)
+        if pads is None:
+            x = x + self.positional_embedding[offset : offset + L]
+            mask: str | mx.array | None = "causal" if L > 1 else None
+        else:
+            x = x + self.positional_embedding[_row_positions(offset, L, pads)]
+            mask = _padded_causal_mask(offset, L, pads)
         for block, kv, c in zip(self.blocks, cross_kv, cache, strict=True):
             x = block(x, kv, c, mask)
         return self.ln(x)
@@ -252,6 +268,24 @@ class TextDecoder(nn.Module):
         self, tokens: mx.array, cross_kv: list[tuple[mx.array, mx.array]], cache: list[list]
     ) -> mx.array:
         return self.token_embedding.as_linear(self.hidden(tokens, cross_kv, cache))
+
+
+def _row_positions(offset: int, length: int, pads: mx.array) -> mx.array:
+    # A padding slot takes position 0: its state is never attended to by a real token.
+    return mx.maximum(mx.arange(offset, offset + length)[None] - pads[:, None], 0)
+
+
+def _padded_causal_mask(offset: int, length: int, pads: mx.array) -> mx.array:
+    """Additive (B, 1, L, S) mask: causal, and blind to each row's left padding.
+
+    Each slot also sees itself, so that padding slots (which see nothing else) stay finite:
+    a NaN there would leak through the zero weights of the real tokens' attention.
+    """
+    queries = mx.arange(offset, offset + length)[None, :, None]
+    keys = mx.arange(offset + length)[None, None, :]
+    seen = (keys <= queries) & (keys >= pads[:, None, None])
+    seen = seen | (keys == queries)
+    return mx.where(seen, 0.0, -1e9).astype(mx.float32)[:, None]
 
 
 class Model(nn.Module):

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from engine.live_transcript import LiveTranscript
 
 __all__ = [
+    "NOT_SCORED",
     "AsrRequest",
     "AsrStage",
     "Transcriber",
@@ -55,6 +56,7 @@ EARLY_STOP_MIN_SECONDS = 4.0
 MIN_WINDOW_S = 4.0  # the first window of a short clip: the decoder needs room after it
 PARTIAL_PAD_S = 0.5  # pad of a partial request's window (no minimum window)
 PREFIX_SLACK_TOKENS = 8  # a forced prefix may use up the duration's cap: still decode a few
+NOT_SCORED = float("nan")  # the log-probability reported for a forced token
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,7 +78,7 @@ class Transcription:
     attempts: int  # 1 = the first (shortest) window was accepted
     duration_s: float
     # Each token's log-probability, aligned with `tokens`, when the request asked for
-    # them (forced prefix tokens included: the model's probability of them); else empty.
+    # them (NOT_SCORED for the forced prefix's tokens); else empty.
     logprobs: list[float] = field(default_factory=list)
 
 
@@ -298,9 +300,9 @@ class Transcriber:
         return len(tokens) < MIN_TOKENS_PER_SECOND * job.duration_s
 
     def _result(self, job: _Job) -> Transcription:
-        if not job.attempts:  # too short to hold a word: the forced prefix, not scored
+        if not job.attempts:  # too short to hold a word: the forced prefix
             job.tokens = list(job.prefix)
-            job.scores = [0.0] * len(job.tokens) if job.logprobs else []
+            job.scores = [NOT_SCORED] * len(job.tokens) if job.logprobs else []
         text = self.decode(job.tokens).strip()
         return Transcription(text, job.tokens, job.frames, job.attempts, job.duration_s, job.scores)
 
@@ -343,13 +345,14 @@ class Transcriber:
         x = mx.array([[0] * pad + s for pad, s in zip(pads_list, starts, strict=True)])
         pads = mx.array(pads_list) if any(pads_list) else None
         caps = [self._token_cap(job.duration_s, len(job.prefix)) for job in jobs]
-        outs = [_Decoded(list(job.prefix), [], None) for job in jobs]
+        # Forced tokens were not chosen: scoring them would cost a vocabulary-wide
+        # product per token, for numbers a live transcript already has.
+        outs = [
+            _Decoded(list(job.prefix), [NOT_SCORED] * len(job.prefix) if job.logprobs else [], None)
+            for job in jobs
+        ]
         cache = self.model.decoder.make_cache()
-        hidden = self.model.decoder.hidden(x, cross_kv, cache, pads)
-        for row, job in enumerate(jobs):
-            if job.logprobs and job.prefix:
-                outs[row].scores = self._prefix_scores(hidden[row], job.prefix)
-        last = hidden[:, -1]
+        last = self.model.decoder.hidden(x, cross_kv, cache, pads)[:, -1]
         suppress = np.stack([self.suppress if j.prefix else self.suppress_first for j in jobs])
         active = list(range(len(jobs)))
         while active:
@@ -387,14 +390,6 @@ class Transcriber:
             x = mx.array([[outs[i].tokens[-1]] for i in active])
             last = self.model.decoder.hidden(x, cross_kv, cache, pads)[:, -1]
         return outs
-
-    def _prefix_scores(self, hidden: mx.array, prefix: list[int]) -> list[float]:
-        """Log-probabilities of the forced tokens, from the states that predicted them."""
-        n = len(prefix)
-        logits = np.array(hidden[-n - 1 : -1] @ self._embedding.T)
-        logits[0] += self.suppress_first
-        logits[1:] += self.suppress
-        return _chosen_logprobs(logits, prefix)
 
 
 def _chosen_logprobs(logits: np.ndarray, chosen: list[int]) -> list[float]:

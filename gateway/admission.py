@@ -128,7 +128,7 @@ class Admission:
             return
         sent = runway.send(self._clock(), seconds)
         if sent.runway_s is not None:
-            self._metrics.playback_runway.observe(sent.runway_s)
+            self._metrics.playback_runway.observe(max(0.0, sent.runway_s))
         if sent.stall_s > 0:
             self._metrics.playback_stalls.inc()
             self._metrics.playback_stalled_seconds.inc(sent.stall_s)
@@ -212,6 +212,7 @@ class AdmittedSession:
 
     def take_events(self) -> list[SessionEvent]:
         events, self._events = self._events, []
+        self._wake.clear()
         for event in self._inner.take_events():
             if isinstance(event, ResponseOutput | ResponseDone):
                 self._account(event)

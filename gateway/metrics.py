@@ -15,9 +15,10 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 
 # One 20 ms audio frame late is already audible, so the fine buckets sit below that.
 _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LOOP_LAG_INTERVAL_S = 0.1
-# Audio a client has left to play when the next piece arrives: below 0 it ran dry (a
-# stall); the fine buckets sit around the admission floor (0.5 s) and a jitter buffer.
-_RUNWAY_BUCKETS = (-1.0, -0.2, 0.0, 0.1, 0.2, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0)
+# Audio a client has left to play when the next piece arrives; 0 when it ran dry (the
+# stall counters say for how long). The fine buckets sit around the admission floor
+# (0.5 s) and a client's jitter buffer (~0.2 s).
+_RUNWAY_BUCKETS = (0.0, 0.1, 0.2, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0)
 
 CountSource = Callable[[], Mapping[str, int]]
 
@@ -105,8 +106,8 @@ class GatewayMetrics:
         self.playback_runway = Histogram(
             "duplex_gateway_playback_runway_seconds",
             "Audio a speaking response's client still had to play (audio sent minus the "
-            "wall time since the first delta) when the next piece of audio went out; "
-            "negative: it had run dry",
+            "wall time since the first delta) when the next piece of audio went out; 0: "
+            "it had run dry (a stall)",
             buckets=_RUNWAY_BUCKETS,
             registry=r,
         )

@@ -398,3 +398,30 @@ async def test_a_queued_response_starts_when_the_running_one_finishes() -> None:
             assert not [e for e in events if e["type"] == "error"]
     finally:
         await server.shutdown()
+
+
+async def test_a_cancelled_or_disconnected_waiter_leaves_the_queue() -> None:
+    backend = HeldBackend()
+    capacity = {"max_speaking": 1, "max_queued": 2, "max_wait_s": 60}
+    server = GatewayServer(GatewayConfig(port=0, capacity=capacity), backend)
+    await server.start()
+    url = f"ws://127.0.0.1:{server.port}/v1/realtime?model=gpt-realtime"
+    try:
+        async with connect(url) as speaker, connect(url) as waiter:
+            await events_until(speaker, "session.created")
+            await events_until(waiter, "session.created")
+            await ask(speaker)
+            await events_until(speaker, "response.output_audio.delta")
+            await ask(waiter)
+            await events_until(waiter, "response.created")
+            await waiter.send(json.dumps({"type": "response.cancel"}))
+            done = (await events_until(waiter, "response.done"))[-1]["response"]
+            assert done["status"] == "cancelled" and server.admission.queued == 0
+
+            await waiter.send(json.dumps({"type": "response.create"}))
+            await events_until(waiter, "response.created")
+            await wait_until(lambda: server.admission.queued == 1, 10, "the response to wait")
+        await wait_until(lambda: server.admission.queued == 0, 10, "the waiter to leave")
+        await wait_until(lambda: server.admission.speaking == 0, 10, "the speaker to leave")
+    finally:
+        await server.shutdown()

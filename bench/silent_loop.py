@@ -107,6 +107,7 @@ async def measure(sessions: int, seconds: float) -> dict[str, object]:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.gather(*(m.speech.close() for m in mics))
     await asyncio.to_thread(core.shutdown, 5.0)
     return {
         "sessions": sessions,

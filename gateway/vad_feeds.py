@@ -57,6 +57,7 @@ class VadFeeds:
             result = await self._engine.call("vad", "feed_many", pieces)
         except Exception as exc:  # the engine stopped: every waiting feed gets it
             errors.set_exception(exc)
+            errors.exception()  # retrieved here: the feeds may all have been cancelled
             return
         assert isinstance(result, list)
         errors.set_result(result)

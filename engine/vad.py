@@ -11,6 +11,7 @@ re-exported here so callers of the VAD find everything in one place.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -213,6 +214,20 @@ class VadStage:
                 f"({self.max_pending_samples * 1000 // self.vad.sample_rate} ms)"
             )
         buffer.append(samples)
+
+    def feed_many(self, pieces: Sequence[tuple[str, np.ndarray]]) -> list[Exception | None]:
+        """`feed` for pieces of many streams in one engine call (the gateway sends every
+        session's audio of one event-loop tick together): per piece, in order, None or
+        the KeyError or ValueError `feed` would have raised for it."""
+        errors: list[Exception | None] = []
+        for request_id, samples in pieces:
+            try:
+                self.feed(request_id, samples)
+            except (KeyError, ValueError) as exc:
+                errors.append(exc)
+            else:
+                errors.append(None)
+        return errors
 
     def abort(self, request_id: str) -> None:
         self._states.pop(request_id, None)

@@ -1,7 +1,8 @@
 """`duplex-gateway`: prepare the models, start the engine, serve the realtime gateway.
 
     duplex-gateway [--host H] [--port P] [--config configs/default.yaml] [--api-key KEY]
-                   [--allowed-origin ORIGIN ...] [--max-sessions N] [--instance NAME]
+                   [--allowed-origin ORIGIN ...] [--max-sessions N] [--max-speaking N]
+                   [--instance NAME]
                    [--llm NAME_OR_PATH | --llm-url URL [--llm-model NAME]]
                    [--log-level LEVEL]
     duplex-gateway models {list,prepare} ...
@@ -65,6 +66,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-sessions", type=int, help="concurrent realtime sessions")
     parser.add_argument(
+        "--max-speaking",
+        type=int,
+        help="spoken responses running at once before new ones wait or are refused with "
+        "server_busy (default from config: capacity.max_speaking)",
+    )
+    parser.add_argument(
         "--instance", help="this process's name in /healthz (default: HOSTNAME:PORT)"
     )
     llm = parser.add_mutually_exclusive_group()
@@ -103,6 +110,12 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "instance": args.instance,
     }
     return {k: v for k, v in given.items() if v is not None}
+
+
+def _capacity_override(config: GatewayConfig, args: argparse.Namespace) -> dict[str, Any]:
+    if args.max_speaking is None:
+        return {}
+    return {"capacity": {**config.capacity.model_dump(), "max_speaking": args.max_speaking}}
 
 
 def llm_override(profile: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -174,7 +187,9 @@ async def _serve(args: argparse.Namespace) -> int:
 
     profile, config = load_profile(args.config)
     profile = llm_override(profile, args)
-    config = GatewayConfig.model_validate({**config.model_dump(), **_overrides(args)})
+    config = GatewayConfig.model_validate(
+        {**config.model_dump(), **_overrides(args), **_capacity_override(config, args)}
+    )
     backend, voice = await _start_engine(profile, config, str(args.config))
     config = GatewayConfig.model_validate(
         {

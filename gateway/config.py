@@ -12,7 +12,13 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["OPENAI_REALTIME_MODELS", "GatewayConfig", "SessionLimits", "load_profile"]
+__all__ = [
+    "OPENAI_REALTIME_MODELS",
+    "CapacitySettings",
+    "GatewayConfig",
+    "SessionLimits",
+    "load_profile",
+]
 
 # The names OpenAI's realtime models go by, so that an app written for the service runs
 # unchanged. A trailing "*" matches every name with that prefix: the dated snapshots
@@ -60,6 +66,36 @@ class SessionLimits(BaseModel):
     max_pending_handshakes_per_address: int = Field(default=32, ge=1)
     # A connection whose request and handshake take longer than this is closed.
     handshake_timeout_s: float = Field(default=10.0, gt=0)
+
+
+class CapacitySettings(BaseModel):
+    """Admission control (docs/protocol.md, "Capacity"): how many spoken responses may
+    run at once before a new one waits or is refused with `server_busy`.
+
+    Saturated means `max_speaking` spoken responses are running, or one of them that
+    has begun to speak has less than `runway_floor_s` of audio left at its client (it
+    is about to stall). On the 2-core reference machine bench/load.py measured 2
+    responses speaking at once without a stall, 3 stalling 1.2 s and 5 stalling 15 s;
+    4 bounds a burst of starts (none of which has a runway yet) below the worst of
+    those, and the runway floor refuses earlier whenever the engine falls behind.
+    Measure your machine with bench/load.py and raise `max_speaking` to its knee.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Spoken responses running at once, server-wide (text-only responses and
+    # transcriptions are not counted: they never make a listener wait for audio).
+    max_speaking: int = Field(default=4, ge=1)
+    # Saturated while a speaking response's client has less audio than this left to
+    # play (sent minus the wall time since its first delta); None: count only. Half a
+    # second is under one clause of speech, so a healthy pipeline stays above it.
+    runway_floor_s: float | None = Field(default=0.5, ge=0)
+    # New spoken responses that wait, server-wide, while saturated; the next one is
+    # refused at once. 0: refuse instead of queueing.
+    max_queued: int = Field(default=8, ge=0)
+    # A waiting response is refused after this long: an answer that starts later than
+    # a few seconds after the user stopped is no longer a conversation.
+    max_wait_s: float = Field(default=3.0, gt=0)
 
 
 class TurnSettings(BaseModel):
@@ -121,6 +157,7 @@ class GatewayConfig(BaseModel):
     # Whether the engine has the turn-end model behind semantic_vad (the CLI sets it).
     semantic_vad: bool = False
     turns: TurnSettings = TurnSettings()
+    capacity: CapacitySettings = CapacitySettings()
     web_root: Path | None = None
     limits: SessionLimits = SessionLimits()
 

@@ -15,6 +15,10 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 
 # One 20 ms audio frame late is already audible, so the fine buckets sit below that.
 _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LOOP_LAG_INTERVAL_S = 0.1
+# Audio a client has left to play when the next piece arrives; 0 when it ran dry (the
+# stall counters say for how long). The fine buckets sit around the admission floor
+# (0.5 s) and a client's jitter buffer (~0.2 s).
+_RUNWAY_BUCKETS = (0.0, 0.1, 0.2, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0)
 
 CountSource = Callable[[], Mapping[str, int]]
 
@@ -98,6 +102,52 @@ class GatewayMetrics:
             buckets=_LAG_BUCKETS,
             registry=r,
         )
+
+        self.playback_runway = Histogram(
+            "duplex_gateway_playback_runway_seconds",
+            "Audio a speaking response's client still had to play (audio sent minus the "
+            "wall time since the first delta) when the next piece of audio went out; 0: "
+            "it had run dry (a stall)",
+            buckets=_RUNWAY_BUCKETS,
+            registry=r,
+        )
+        self.playback_stalls = Counter(
+            "duplex_gateway_playback_stalls",
+            "Times a speaking response's client ran out of audio before the next piece",
+            registry=r,
+        )
+        self.playback_stalled_seconds = Counter(
+            "duplex_gateway_playback_stalled_seconds",
+            "Silence clients heard in the middle of responses, waiting for audio",
+            registry=r,
+        )
+        self.admissions = Counter(
+            "duplex_gateway_admissions_total",
+            "Spoken responses by admission outcome: started at once, queued, refused "
+            "(queue full) or expired (waited capacity.max_wait_s)",
+            ["outcome"],
+            registry=r,
+        )
+
+    def watch_capacity(
+        self,
+        speaking: Callable[[], int],
+        queued: Callable[[], int],
+        saturated: Callable[[], bool],
+    ) -> None:
+        """Export admission's state as gauges read at each scrape."""
+        r = self.registry
+        Gauge(
+            "duplex_gateway_speaking_responses", "Spoken responses running", registry=r
+        ).set_function(speaking)
+        Gauge(
+            "duplex_gateway_queued_responses", "Spoken responses waiting to start", registry=r
+        ).set_function(queued)
+        Gauge(
+            "duplex_gateway_saturated",
+            "1 while new spoken responses wait or are refused (docs/protocol.md, Capacity)",
+            registry=r,
+        ).set_function(lambda: float(saturated()))
 
     def watch_engine(self, pending: CountSource) -> None:
         """Export `pending()` (requests per stage) as a gauge read at each scrape."""

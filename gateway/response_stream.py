@@ -42,6 +42,9 @@ from gateway.usage import realtime_usage
 
 __all__ = ["Response", "ResponseStream"]
 
+# Error codes of turns refused for the server's sake, not for what they asked.
+_SERVER_SIDE = {"server_busy": "server_error"}
+
 
 @dataclass
 class Response:
@@ -226,9 +229,10 @@ class ResponseStream:
         else:
             message = done.error or "the engine failed"
             error = {"type": "server_error", "code": "engine_error", "message": message}
-            if done.error_code is not None:  # refused for what it asked: the client's to fix
-                kind, code = "invalid_request_error", done.error_code
-                error = {"type": kind, "code": code, "message": message}
+            if done.error_code is not None:
+                # Refused for what it asked (the client's to fix), or for capacity.
+                kind = _SERVER_SIDE.get(done.error_code, "invalid_request_error")
+                error = {"type": kind, "code": done.error_code, "message": message}
             self._out.emit("error", error={**error, "param": None, "event_id": None})
             self._finish(response, "failed", {"type": "failed", "error": error})
 

@@ -30,6 +30,7 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
+from gateway.admission import Admission, AdmittedBackend
 from gateway.backend import Backend
 from gateway.config import GatewayConfig
 from gateway.connection import RealtimeConnection
@@ -128,6 +129,13 @@ class GatewayServer:
         self.metrics.watch_engine(backend.pending)
         self.metrics.watch_prepared(backend.prepared_turns)
         self.metrics.watch_llm_tokens(backend.llm_tokens)
+        self.admission = Admission(config.capacity, self.metrics)
+        self.metrics.watch_capacity(
+            lambda: self.admission.speaking,
+            lambda: self.admission.queued,
+            self.admission.saturated,
+        )
+        self._admitted = AdmittedBackend(backend, self.admission)
         self.web_root = (config.web_root or DEFAULT_WEB_ROOT).resolve()
         self.connections: set[RealtimeConnection] = set()
         self.pending = PendingHandshakes(config.limits)
@@ -306,6 +314,12 @@ class GatewayServer:
             "max_sessions": self.config.max_sessions,
             "model": self.config.model_name,
             "models": list(self.config.served_models),
+            # Load balancers: a saturated instance serves its sessions but new spoken
+            # responses wait or are refused (docs/deploy.md, "Health checks").
+            "saturated": self.admission.saturated(),
+            "speaking": self.admission.speaking,
+            "queued": self.admission.queued,
+            "capacity": self.config.capacity.model_dump(),
         }
 
     def _static(self, rel: str) -> Response:
@@ -335,7 +349,7 @@ class GatewayServer:
         model = (query.get("model") or [self.config.model_name])[0]
         conn = RealtimeConnection(
             websocket,
-            self.backend,
+            self._admitted,
             self.config,
             self.metrics,
             model=model,

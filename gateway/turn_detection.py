@@ -51,6 +51,7 @@ from gateway.backend import SpeechEvent
 from gateway.config import TurnSettings
 from gateway.session_config import TurnDetection
 from gateway.turn_words import is_backchannel, sounds_unfinished
+from gateway.vad_feeds import vad_feeds
 
 __all__ = [
     "FEED_PIECE_SAMPLES",
@@ -257,7 +258,7 @@ class EngineSpeechSource:
         if progress.closed:
             return False
         try:
-            await self._engine.call("vad", "feed", stream_id, piece)
+            await vad_feeds(self._engine).feed(stream_id, piece)  # one engine call a tick
         except (KeyError, ValueError) as exc:
             # The stream closed under us (KeyError); a refusal (ValueError) is a bug in
             # the bound above, and is logged as one.

@@ -242,9 +242,20 @@ async def test_http_routes_and_static_files_without_traversal() -> None:
     server = await start_server()
     try:
         status, body = await asyncio.to_thread(http_get, server, "/healthz")
-        assert status == 200 and json.loads(body)["status"] == "ok"
+        health = json.loads(body)
+        assert status == 200 and health["status"] == "ok"
+        assert health["sessions"] == 0 and health["max_sessions"] == 16
+        assert (health["saturated"], health["speaking"], health["queued"]) == (False, 0, 0)
+        assert health["capacity"] == {
+            "max_speaking": 4,
+            "runway_floor_s": 0.5,
+            "max_queued": 8,
+            "max_wait_s": 3.0,
+        }
         status, body = await asyncio.to_thread(http_get, server, "/metrics")
         assert status == 200 and b"duplex_gateway_open_sessions" in body
+        for name in (b"duplex_gateway_playback_runway_seconds", b"duplex_gateway_saturated"):
+            assert name in body
         status, body = await asyncio.to_thread(http_get, server, "/web/")
         assert status == 200 and b"<html" in body.lower()
         for bad in (

@@ -225,8 +225,10 @@ class ScriptedEngine:
         yield StageOutput(request_id, payload, finished=True)
 
     async def call(self, stage: str, method: str, *args: object) -> object:
-        self.fed += len(args[1])  # type: ignore[arg-type]
-        return None
+        assert method == "feed_many"
+        pieces: list[tuple[str, np.ndarray]] = args[0]  # type: ignore[assignment]
+        self.fed += sum(len(samples) for _, samples in pieces)
+        return [None] * len(pieces)
 
     def abort(self, stage: str, request_id: str) -> None:
         pass

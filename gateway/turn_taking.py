@@ -51,7 +51,7 @@ from gateway.response_stream import ResponseStream
 from gateway.responses import ResponseOptions
 from gateway.session_config import SessionSettings
 from gateway.transcription import TranscriptionJobs
-from gateway.turns import response_turn
+from gateway.turns import response_turn, transcription_turn
 
 __all__ = ["MIN_COMMIT_MS", "TurnTaking", "VAD_KEEP_MS"]
 
@@ -265,21 +265,27 @@ class TurnTaking:
         item_id = self._speech_item_id
         if detection is None or item_id is None or self._config.prepare_after_silence_ms is None:
             return
-        if not detection.create_response or self._responses.active_id is not None:
-            return  # the stop would not create a response
+        answers = detection.create_response and self._responses.active_id is None
+        live = self.settings.live_transcription()
+        if not answers and live is None:
+            return  # the stop would neither create a response nor transcribe
         clip = self.input.peek(self._speech_start_ms, audio_end_ms)
         self._feed_vad()  # peeking may have flushed the resampler
         if clip.duration_ms < MIN_COMMIT_MS:
             return
         # The item the stop will commit: the same span, so the same stored samples.
-        context = [*self._conversation.items(), Item.user_audio(item_id, clip)]
-        options = ResponseOptions.from_session(self.settings)
-        turn = response_turn(
-            options,
-            context,
-            self.settings,
-            max_context_messages=self._config.limits.max_context_messages,
-        )
+        item = Item.user_audio(item_id, clip)
+        if answers:
+            turn = response_turn(
+                ResponseOptions.from_session(self.settings),
+                [*self._conversation.items(), item],
+                self.settings,
+                max_context_messages=self._config.limits.max_context_messages,
+            )
+        else:
+            # The stop starts a transcription job: its final transcript is worked out in
+            # the silence, and the job takes it over.
+            turn = transcription_turn(item, live)
         self._discard_prepared()
         self._prepared = True
         self._out.act(PrepareResponse(turn))
@@ -315,6 +321,9 @@ class TurnTaking:
             self._prepared = False
             self._respond(ResponseOptions.from_session(self.settings))
         else:
+            if item.pending_audio is not None:
+                # The job takes over an equal prepared turn; a different one replaces it.
+                self._prepared = False
             self._jobs.start(item, self.settings.live_transcription())
             self._discard_prepared()
         # After the turn that names it, which finishes its live transcript.

@@ -13,7 +13,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from duplex.turn import Stage
-from gateway.actions import ConfigureVad, StartResponse
+from gateway.actions import ConfigureVad, DiscardPrepared, PrepareResponse, StartResponse
 from gateway.audio import PCM16
 from gateway.backend import ResponseDone, ResponseOutput
 from gateway.config import GatewayConfig
@@ -369,6 +369,23 @@ def test_speech_is_committed_and_transcribed_never_answered() -> None:
         "conversation.item.input_audio_transcription.delta",
         "conversation.item.input_audio_transcription.completed",
     ]
+
+
+def test_a_pause_prepares_the_transcription_the_stop_starts() -> None:
+    session = transcription()
+    session.events_to_send()
+    for _ in range(10):
+        send(session, type="input_audio_buffer.append", audio=tone_b64(100))
+    session.actions()
+    session.speech_started(200)
+    session.speech_paused(900)
+    (prepare,) = [a for a in session.actions() if isinstance(a, PrepareResponse)]
+    assert prepare.turn.final is Stage.ASR and prepare.turn.utterance is not None
+    session.speech_stopped(900)
+    actions = session.actions()
+    (job,) = [a for a in actions if isinstance(a, StartResponse)]
+    assert not any(isinstance(a, DiscardPrepared) for a in actions)
+    assert job.turn == prepare.turn  # equal turns: the job takes the prepared work over
 
 
 @pytest.mark.parametrize("beta", [False, True])

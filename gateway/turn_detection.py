@@ -169,6 +169,9 @@ class EngineSpeechSource:
         self._watch_words = False  # the speech under way is a candidate interruption
         # (silence start, silence length at which the turn is next scored)
         self._next_score: tuple[int, int] | None = None
+        # (silence start, the transcript of the speech before it): the words do not
+        # change while the silence lasts, so every scoring in it shares one transcript.
+        self._silence_words: tuple[int, asyncio.Task[Any]] | None = None
 
     def configure(
         self, settings: TurnDetection | None, start_ms: float, pause_after_ms: int | None = None
@@ -194,6 +197,11 @@ class EngineSpeechSource:
         outputs = self._engine.stream("vad", stream_id, None)
         reading = self._read(outputs, detector, start_ms, self._progress)
         self._reader = asyncio.create_task(reading, name="vad-read")
+
+    @property
+    def scoring(self) -> bool:
+        """Whether a turn-end scoring or a words check is still waiting for its answer."""
+        return bool(self._scoring)
 
     def watch_words(self) -> None:
         self._watch_words = True
@@ -228,6 +236,7 @@ class EngineSpeechSource:
         for task in self._scoring:
             task.cancel()
         self._scoring.clear()
+        self._forget_words()
         self._progress.close()
         if self._reader is not None:
             self._reader.cancel()
@@ -322,6 +331,7 @@ class EngineSpeechSource:
         silent_since = detector.silent_since_ms
         if silent_since is None:
             self._next_score = None
+            self._forget_words()
             return
         silence = detector.position_ms - silent_since
         if self._watch_words:
@@ -403,14 +413,13 @@ class EngineSpeechSource:
     ) -> None:
         asked = time.monotonic()
         score = self._result("turn", request_id, clip)
-        words = self._result("asr", request_id, clip) if self._turns.semantic_words else None
+        words = self._words_before(silence_ms, clip)
         try:
             probability = await score
-            transcript = await words if words is not None else ""
-        finally:  # a stream closed meanwhile cancels this task: stop both requests too
+            # Shielded: later scorings in the same silence read the same transcript.
+            transcript = await asyncio.shield(words) if words is not None else ""
+        finally:  # a stream closed meanwhile cancels this task: stop the scoring too
             score.cancel()
-            if words is not None:
-                words.cancel()
         logger.debug(
             "turn end at %d ms: complete %.3f, words %r, after %.0f ms",
             silence_ms,
@@ -418,15 +427,38 @@ class EngineSpeechSource:
             transcript,
             (time.monotonic() - asked) * 1000,
         )
+        if transcript is None or sounds_unfinished(transcript):
+            self._stop_scoring(silence_ms)
+            return  # the words will not change in this silence: it lasts to the cap
         if probability is None or probability < self._turns.semantic_complete_threshold:
             return  # incomplete: the detector ends the turn at the eagerness's longest wait
-        if transcript is None or sounds_unfinished(transcript):
-            return
         if detector.silent_since_ms != silence_ms:
             return  # the speaker went on (or the turn already ended)
         stop: SpeechStopped | None = detector.end_silence()
         if stop is not None:
             self._events.put_nowait(SpeechEvent("stopped", start_ms + stop.audio_end_ms))
+
+    def _words_before(self, silence_ms: int, clip: np.ndarray) -> asyncio.Task[Any] | None:
+        """The transcript of the speech before the silence at `silence_ms`, asked for
+        once per silence (None when the words are not checked)."""
+        if not self._turns.semantic_words:
+            return None
+        if self._silence_words is None or self._silence_words[0] != silence_ms:
+            self._forget_words()
+            request_id = f"{self._session_id}.turnwords{next(self._serial)}"
+            self._silence_words = (silence_ms, self._result("asr", request_id, clip))
+        return self._silence_words[1]
+
+    def _forget_words(self) -> None:
+        if self._silence_words is not None:
+            self._silence_words[1].cancel()
+            self._silence_words = None
+
+    def _stop_scoring(self, silence_ms: int) -> None:
+        """No more scorings in the silence at `silence_ms`: it lasts to the eagerness's
+        longest wait (or until speech comes back)."""
+        if self._next_score is not None and self._next_score[0] == silence_ms:
+            self._next_score = (silence_ms, 10**9)
 
     def _result(self, stage: str, request_id: str, clip: np.ndarray) -> asyncio.Task[Any]:
         """The one output of a request on `stage`, as a task (None if it failed)."""

@@ -396,3 +396,35 @@ async def test_speech_over_an_answer_ends_after_a_short_silence_in_semantic_mode
     kinds = [e.kind for e in await decisions(source, 2)]
     assert kinds == ["paused", "stopped"]
     await source.close()
+
+
+async def test_scorings_in_one_silence_share_one_transcript() -> None:
+    engine = ScriptedEngine(score=[0.2, 0.2, 0.8], transcript="How far away is the moon?")
+    source = semantic_source(engine)
+    engine.push(*[0.9] * 20, *[0.0] * 6)  # scored at 160 ms of silence: incomplete
+    assert [e.kind for e in await decisions(source, 2)] == ["started", "paused"]
+    await wait_until(lambda: len(engine.requests) == 2, 5, "the first scoring")
+    engine.push(*[0.0] * 13)  # 576 ms: scored again, complete
+    (event,) = await decisions(source, 1)
+    assert (event.kind, event.ms) == ("stopped", 640)
+    assert [stage for stage, _ in engine.requests] == ["turn", "asr", "turn"]
+    await source.close()
+
+
+async def test_unfinished_words_stop_the_scoring_until_speech_comes_back() -> None:
+    engine = ScriptedEngine(score=0.9, transcript="Can you add eggs and")
+    source = semantic_source(engine)
+    engine.push(*[0.9] * 20, *[0.0] * 6)
+    assert [e.kind for e in await decisions(source, 2)] == ["started", "paused"]
+    await wait_until(lambda: not source.scoring, 5, "the first scoring")
+    engine.push(*[0.0] * 30)  # a second of silence more: the words have not changed
+    engine.push(*[0.9] * 5)
+    (event,) = await decisions(source, 1)
+    assert event.kind == "resumed"
+    assert [stage for stage, _ in engine.requests] == ["turn", "asr"]
+    # The next silence is scored (and transcribed) afresh.
+    engine.push(*[0.0] * 6)
+    (event,) = await decisions(source, 1)
+    assert event.kind == "paused"
+    await wait_until(lambda: len(engine.requests) == 4, 5, "the next scoring")
+    await source.close()

@@ -172,6 +172,9 @@ class EngineSpeechSource:
         # (silence start, the transcript of the speech before it): the words do not
         # change while the silence lasts, so every scoring in it shares one transcript.
         self._silence_words: tuple[int, asyncio.Task[Any]] | None = None
+        # The latest scoring: a silence is scored again only once it has answered, so
+        # that scorings do not queue up (and take the CPU) while the engine is busy.
+        self._turn_score: asyncio.Task[None] | None = None
 
     def configure(
         self, settings: TurnDetection | None, start_ms: float, pause_after_ms: int | None = None
@@ -325,13 +328,16 @@ class EngineSpeechSource:
         self, detector: SpeechDetector, speech_start_ms: int, start_ms: float
     ) -> None:
         """semantic_vad: have the turn scored at `semantic_score_after_ms` into a silence
-        and every `semantic_rescore_ms` after. Speech over a running answer (words
-        watched) is no turn to score: it ends after server_vad's default silence, so a
-        backchannel does not hold the detector for the eagerness's long wait."""
+        and every `semantic_rescore_ms` after (or once the previous scoring answered, if
+        that is later). Speech over a running answer (words watched) is no turn to
+        score: it ends after server_vad's default silence, so a backchannel does not
+        hold the detector for the eagerness's long wait."""
         silent_since = detector.silent_since_ms
         if silent_since is None:
             self._next_score = None
             self._forget_words()
+            if self._turn_score is not None:
+                self._turn_score.cancel()  # the speaker went on: its answer is moot
             return
         silence = detector.position_ms - silent_since
         if self._watch_words:
@@ -344,6 +350,8 @@ class EngineSpeechSource:
             self._next_score = (silent_since, self._turns.semantic_score_after_ms)
         if silence < self._next_score[1]:
             return
+        if self._turn_score is not None and not self._turn_score.done():
+            return  # one scoring at a time: the next once this one has answered
         rescore = self._turns.semantic_rescore_ms
         self._next_score = (silent_since, self._next_score[1] + rescore if rescore else 10**9)
         clip = self._audio.clip(speech_start_ms, detector.position_ms)
@@ -402,6 +410,7 @@ class EngineSpeechSource:
         )
         self._scoring.add(task)
         task.add_done_callback(self._scoring.discard)
+        self._turn_score = task
 
     async def _end_if_complete(
         self,

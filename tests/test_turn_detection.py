@@ -428,3 +428,35 @@ async def test_unfinished_words_stop_the_scoring_until_speech_comes_back() -> No
     assert event.kind == "paused"
     await wait_until(lambda: len(engine.requests) == 4, 5, "the next scoring")
     await source.close()
+
+
+class HeldScores(ScriptedEngine):
+    """Turn scores that answer only once the test lets them."""
+
+    def __init__(self, score: float, transcript: str) -> None:
+        super().__init__(score, transcript)
+        self.answer = asyncio.Event()
+
+    async def stream(
+        self, stage: str, request_id: str, inputs: object
+    ) -> AsyncIterator[StageOutput]:
+        if stage == "turn":
+            await self.answer.wait()
+        async for output in super().stream(stage, request_id, inputs):
+            yield output
+
+
+async def test_a_silence_is_scored_again_only_once_the_last_scoring_answered() -> None:
+    engine = HeldScores(score=0.2, transcript="How far away is the moon?")
+    source = semantic_source(engine)
+    engine.push(*[0.9] * 20, *[0.0] * 6)  # 192 ms of silence: scored
+    assert [e.kind for e in await decisions(source, 2)] == ["started", "paused"]
+    engine.push(*[0.0] * 30)  # past two more scoring times, the first still unanswered
+    await wait_until(engine.vad.empty, 5, "the silence heard")
+    engine.answer.set()
+    await wait_until(lambda: not source.scoring, 5, "the first answer")
+    assert sorted(stage for stage, _ in engine.requests) == ["asr", "turn"]
+    engine.push(0.0)  # the next chunk heard: scored again at once
+    await wait_until(lambda: len(engine.requests) == 3, 5, "the second scoring")
+    assert engine.requests[-1][0] == "turn"
+    await source.close()

@@ -10,6 +10,11 @@ words do not stop on one that cannot end an English sentence ("for", "the", "and
 The model hears prosody, the words catch what prosody misses (synthetic voices fool
 the model both ways). Speech coming back first makes the decision moot.
 
+The model scores a silence again every `semantic_rescore_ms`, each time only once the
+previous score is in, so that scores never queue up behind a busy engine; the words
+are transcribed once per silence (they cannot change while it lasts), and words that
+stop mid-sentence end the scoring of that silence.
+
 With `min_interruption_ms`, each speech also reports once that it is `confirmed` (heard
 that long); the gateway interrupts the assistant only then.
 

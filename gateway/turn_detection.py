@@ -180,6 +180,7 @@ class EngineSpeechSource:
         # The latest scoring: a silence is scored again only once it has answered, so
         # that scorings do not queue up (and take the CPU) while the engine is busy.
         self._turn_score: asyncio.Task[None] | None = None
+        self._words_check: asyncio.Task[None] | None = None  # the latest interruption check
 
     def configure(
         self, settings: TurnDetection | None, start_ms: float, pause_after_ms: int | None = None
@@ -372,10 +373,16 @@ class EngineSpeechSource:
         if every is None or due_ms is None:
             return due_ms
         if not detector.speaking:
+            if self._words_check is not None:
+                self._words_check.cancel()  # about a speech that is over
             return every
         if not self._watch_words:
             return due_ms
         if detector.voiced_ms < due_ms or (limit and detector.voiced_ms >= limit):
+            return due_ms
+        if self._words_check is not None and not self._words_check.done():
+            # One check at a time: on a busy engine, checks queued behind each other
+            # would each answer later; the next one hears more speech instead.
             return due_ms
         clip = self._audio.clip(speech_start_ms, detector.position_ms)
         request_id = f"{self._session_id}.words{next(self._serial)}"
@@ -385,7 +392,8 @@ class EngineSpeechSource:
         )
         self._scoring.add(task)
         task.add_done_callback(self._scoring.discard)
-        return due_ms + every
+        self._words_check = task
+        return max(due_ms + every, detector.voiced_ms)
 
     async def _confirm_if_meant(
         self, request_id: str, clip: np.ndarray, detector: SpeechDetector, speech: int

@@ -326,11 +326,47 @@ async def test_backchannel_words_do_not_confirm() -> None:
     await decisions(source, 1)
     source.watch_words()
     engine.push(*[0.9] * 9)  # the words are checked after this much speech ...
+    await wait_until(lambda: bool(engine.requests) and not source.scoring, 5, "the check")
     engine.push(*[0.0] * 16)  # ... and said nothing: the speech stops unconfirmed
     (event,) = await decisions(source, 1)
     assert event.kind == "stopped"
-    await wait_until(lambda: bool(engine.requests), 5, "the words check")
     assert [stage for stage, _ in engine.requests] == ["asr"]
+    await source.close()
+
+
+class HeldWords(ScriptedEngine):
+    """Transcripts that answer only once the test lets them."""
+
+    def __init__(self, transcript: str) -> None:
+        super().__init__(0.1, transcript)
+        self.answer = asyncio.Event()
+
+    async def stream(
+        self, stage: str, request_id: str, inputs: object
+    ) -> AsyncIterator[StageOutput]:
+        if stage == "asr":
+            await self.answer.wait()
+        async for output in super().stream(stage, request_id, inputs):
+            yield output
+
+
+async def test_speech_over_an_answer_is_checked_once_at_a_time() -> None:
+    engine = HeldWords(transcript="Mm-hmm.")
+    turns = TurnSettings(min_interruption_ms=2000, interruption_words_after_ms=256)
+    source = EngineSpeechSource(engine, "s", turns)
+    source.configure(TurnDetection(), start_ms=0)
+    source.feed(np.zeros(32000, np.float32))
+    engine.push(0.9)
+    await decisions(source, 1)
+    source.watch_words()
+    engine.push(*[0.9] * 24)  # 800 ms heard: past three check times, the first unanswered
+    await wait_until(engine.vad.empty, 5, "the speech heard")
+    engine.answer.set()
+    await wait_until(lambda: not source.scoring, 5, "the first check")
+    assert len(engine.requests) == 1
+    engine.push(0.9)  # the next chunk heard: checked again at once, with all of it
+    await wait_until(lambda: len(engine.requests) == 2, 5, "the second check")
+    assert engine.requests[1] == ("asr", 832 * 16)
     await source.close()
 
 

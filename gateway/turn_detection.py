@@ -438,14 +438,16 @@ class EngineSpeechSource:
         words = self._words_before(silence_ms, clip)
         try:
             probability = await score
+            scored = time.monotonic()
             # Shielded: later scorings in the same silence read the same transcript.
             transcript = await asyncio.shield(words) if words is not None else ""
         finally:  # a stream closed meanwhile cancels this task: stop the scoring too
             score.cancel()
         logger.debug(
-            "turn end at %d ms: complete %.3f, words %r, after %.0f ms",
+            "turn end at %d ms: complete %.3f after %.0f ms, words %r after %.0f ms",
             silence_ms,
             probability or 0.0,
+            (scored - asked) * 1000,
             transcript,
             (time.monotonic() - asked) * 1000,
         )

@@ -270,8 +270,8 @@ class QuantConv1d(nn.Module):
 class Lookup(nn.Module):
     """An elementwise function of a quantised tensor, read from a table over its 256
     levels (per channel where a float bias follows the levels). The table is computed
-    once with the same operations, so a lookup gives the very values computing would,
-    without running erf over every element."""
+    once at load, in float32 step by step as onnxruntime computes the function, so a
+    lookup gives the values it would, without running erf over every element."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -1,6 +1,10 @@
 """Smart Turn v3.2: milliseconds per turn-end score on MLX (this engine's port) and on
 onnxruntime with pipecat's own ONNX file, in the same run, batch 1 and batch 8.
 
+`mlx_float32_products_ms_batch1` times the model's matrix products and convolutions
+alone, on MLX in float32 (as the port computes its exact integer sums): the floor of
+the port's time, to hold against onnxruntime's int8 kernels.
+
     .venv/bin/python bench/smart_turn.py [--repeats 10] [--json]
 """
 
@@ -32,6 +36,29 @@ def timed_ms(run: Callable[[], object], repeats: int) -> float:
     return round(float(np.median(times)), 1)
 
 
+def float32_products() -> Callable[[], object]:
+    """The encoder's products at batch 1, with random operands of the model's shapes."""
+    import mlx.core as mx
+
+    frames, d, heads = smart_turn.N_FRAMES // 2, smart_turn.D_MODEL, smart_turn.N_HEADS
+    r = mx.random.normal
+    mel, wide = r((1, smart_turn.N_FRAMES, smart_turn.N_MELS)), r((1, smart_turn.N_FRAMES, d))
+    conv1, conv2 = r((d, 3, smart_turn.N_MELS)), r((d, 3, d))
+    x, proj, fc1, fc2 = r((1, frames, d)), r((d, d)), r((d, 4 * d)), r((4 * d, d))
+    q, weights = r((1, heads, frames, d // heads)), r((1, heads, frames, frames))
+    operands = [mel, wide, conv1, conv2, x, proj, fc1, fc2, q, weights]
+    mx.eval(operands)
+
+    def run() -> None:
+        out = [mx.conv1d(mel, conv1, padding=1), mx.conv1d(wide, conv2, stride=2, padding=1)]
+        for _ in range(smart_turn.N_LAYERS):
+            out += [x @ proj for _ in range(4)]  # q, k, v and output projections
+            out += [q @ q.transpose(0, 1, 3, 2), weights @ q, (x @ fc1) @ fc2]
+        mx.eval(out)
+
+    return run
+
+
 def main() -> int:
     import onnxruntime as ort
 
@@ -51,6 +78,7 @@ def main() -> int:
         "features_ms_per_clip": timed_ms(lambda: smart_turn.features(clips[0]), args.repeats),
         "mlx_ms_batch1": timed_ms(lambda: model.complete_probability(clips[:1]), args.repeats),
         "mlx_ms_batch8": timed_ms(lambda: model.complete_probability(clips), args.repeats),
+        "mlx_float32_products_ms_batch1": timed_ms(float32_products(), args.repeats),
         "onnxruntime_ms_batch1": timed_ms(
             lambda: session.run(None, {"input_features": mels[:1]}), args.repeats
         ),

@@ -19,6 +19,10 @@ client streams 40 ms frames in real time, silence between clips, as a microphone
   sample of speech sent to `speech_started`; stale_audio_deltas counts audio of a
   cancelled answer arriving after its `response.done` (must be 0).
 
+Hesitations and sentences share one session; each sound over an answer gets a session
+of its own, so that every answer starts from a short conversation and is still being
+spoken when the sound is played.
+
 Debian's sound theme: `apt-get download sound-theme-freedesktop && dpkg-deb -x ...`
 and pass `--sounds <dir>/usr/share/sounds/freedesktop/stereo` if it is not installed.
 """
@@ -27,13 +31,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -234,14 +239,18 @@ class Session:
         await self.settle(self.ws)
         return any(e["audio_end_ms"] < start + gap_end - 100 for e in stops)
 
-    async def answer_wait(self, pcm: bytes) -> float:
+    async def answer_wait(self, pcm: bytes) -> tuple[float, float]:
+        """(ms from the end of the last word to the first audio delta, ms of that spent
+        before `speech_stopped` arrived: deciding that the turn is over)."""
         mark = self.mark()
         _, last, _ = loud_ms(pcm)
         start = self.mic.play(pcm)
         spoken_end = await self.mic.sent(start + last)
         _, at, _ = await self.events.next(mark, of("response.output_audio.delta"), 120)
+        stopped = [t for t, e in self.events.log[mark:] if e["type"].endswith("speech_stopped")]
         await self.settle(self.ws)
-        return (at - spoken_end) * 1000
+        decided = stopped[-1] if stopped else float("nan")
+        return (at - spoken_end) * 1000, (decided - spoken_end) * 1000
 
     async def over_answer(self, ws: ClientConnection, pcm: bytes) -> tuple[bool, float, int]:
         """Play `pcm` once an answer is being spoken: (interrupted, ms from first sound
@@ -279,12 +288,19 @@ async def ask(ws: ClientConnection) -> None:
     await ws.send(json.dumps({"type": "response.create"}))
 
 
+def _whole(ms: float) -> int | None:
+    """Milliseconds for the trace; None where nothing was measured (NaN)."""
+    return round(ms) if ms == ms else None
+
+
 def percentile(values: list[float], q: float) -> float:
     finite = [v for v in values if v == v]
     return round(float(np.percentile(finite, q)), 1) if finite else float("nan")
 
 
-async def run_mode(url: str, mode: str, clips: dict[str, list[bytes]]) -> dict[str, Any]:
+@contextlib.asynccontextmanager
+async def open_session(url: str, mode: str) -> AsyncIterator[Session]:
+    """A new realtime session in `mode`, its microphone streaming silence."""
     async with connect(f"{url}/realtime?model=duplex-smollm2", max_size=None) as ws:
         mic, events = Microphone(ws), Events(ws)
         tasks = [asyncio.create_task(events.run()), asyncio.create_task(mic.run())]
@@ -294,22 +310,43 @@ async def run_mode(url: str, mode: str, clips: dict[str, list[bytes]]) -> dict[s
         await events.next(0, of("session.updated"))
         session = Session(ws, mic, events)
         session.mark()
+        try:
+            yield session
+        finally:
+            for task in tasks:
+                task.cancel()
+
+
+async def over_fresh_answer(url: str, mode: str, pcm: bytes) -> tuple[bool, float, int]:
+    """`Session.over_answer` in a session of its own: a conversation grown over many
+    trials would leave the answer little room (its output tokens), and an answer that
+    is over before the sound is played tests nothing."""
+    async with open_session(url, mode) as session:
+        return await session.over_answer(session.ws, pcm)
+
+
+async def run_mode(url: str, mode: str, clips: dict[str, list[bytes]]) -> dict[str, Any]:
+    async with open_session(url, mode) as session:
         premature = [await session.hesitation(pcm) for pcm in clips["hesitations"]]
-        waits = [await session.answer_wait(pcm) for pcm in clips["sentences"]]
-        nonspeech = [(await session.over_answer(ws, pcm))[0] for pcm in clips["nonspeech"]]
-        backchannel = [(await session.over_answer(ws, pcm))[0] for pcm in clips["backchannels"]]
-        interrupts = [await session.over_answer(ws, pcm) for pcm in clips["interruptions"]]
-        trace = {"premature": premature, "waits_ms": [round(w) for w in waits]}
-        trace |= {"nonspeech": nonspeech, "backchannel": backchannel}
-        trace["interrupts"] = [(hit, round(ms), stale) for hit, ms, stale in interrupts]
-        print(mode, json.dumps(trace), file=sys.stderr)
-        for task in tasks:
-            task.cancel()
+        timings = [await session.answer_wait(pcm) for pcm in clips["sentences"]]
+    waits = [wait for wait, _ in timings]
+    deciding = [decide for _, decide in timings]
+    nonspeech = [(await over_fresh_answer(url, mode, pcm))[0] for pcm in clips["nonspeech"]]
+    backchannel = [(await over_fresh_answer(url, mode, pcm))[0] for pcm in clips["backchannels"]]
+    interrupts = [await over_fresh_answer(url, mode, pcm) for pcm in clips["interruptions"]]
+    trace = {"premature": premature, "waits_ms": [round(w) for w in waits]}
+    trace["deciding_ms"] = [_whole(d) for d in deciding]
+    trace |= {"nonspeech": nonspeech, "backchannel": backchannel}
+    trace["interrupts"] = [(hit, _whole(ms), stale) for hit, ms, stale in interrupts]
+    print(mode, json.dumps(trace), file=sys.stderr)
     return {
         "premature_end_rate": round(float(np.mean(premature)), 3),
         # An answer whose audio began before the sentence ended (the turn was cut inside
         # it) has no wait to measure; it is counted instead.
         "end_of_speech_to_first_audio_ms_p50": percentile([w for w in waits if w > 0], 50),
+        # Of that wait, the part before `speech_stopped` (the turn's end decided); the
+        # rest is the answer's first audio.
+        "end_of_speech_to_speech_stopped_ms_p50": percentile(deciding, 50),
         "sentences_answered_before_their_end": sum(w <= 0 for w in waits),
         "false_interruption_rate_nonspeech": round(float(np.mean(nonspeech)), 3),
         "false_interruption_rate_backchannel": round(float(np.mean(backchannel)), 3),

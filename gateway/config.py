@@ -113,15 +113,17 @@ class TurnSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     semantic_score_after_ms: int = Field(default=160, ge=32, le=2000)
-    # ... and scores it again every this much longer silence (None: once).
+    # ... and scores it again every this much longer silence, each time once the last
+    # score is in (None: once).
     semantic_rescore_ms: int | None = Field(default=400, ge=100, le=8000)
     semantic_complete_threshold: float = Field(default=0.5, gt=0.0, lt=1.0)
     # Also transcribe the speech at the silence: a turn ending on "for", "the", "and"...
     # is not over, whatever the model heard.
     semantic_words: bool = True
     # Speech over a running response is transcribed once it has been heard this long
-    # (and every as long again until `min_interruption_ms`): words other than
-    # backchannels ("yeah", "mm hmm", "okay") confirm the interruption early. None: off.
+    # (and every as long again until `min_interruption_ms`, each time once the last
+    # transcript is in): words other than backchannels ("yeah", "mm hmm", "okay")
+    # confirm the interruption early. None: off.
     interruption_words_after_ms: int | None = Field(default=None, ge=32, le=5000)
     min_interruption_ms: int = Field(default=0, ge=0, le=5000)
 

@@ -10,6 +10,11 @@ words do not stop on one that cannot end an English sentence ("for", "the", "and
 The model hears prosody, the words catch what prosody misses (synthetic voices fool
 the model both ways). Speech coming back first makes the decision moot.
 
+The model scores a silence again every `semantic_rescore_ms`, each time only once the
+previous score is in, so that scores never queue up behind a busy engine; the words
+are transcribed once per silence (they cannot change while it lasts), and words that
+stop mid-sentence end the scoring of that silence.
+
 With `min_interruption_ms`, each speech also reports once that it is `confirmed` (heard
 that long); the gateway interrupts the assistant only then.
 
@@ -170,6 +175,13 @@ class EngineSpeechSource:
         self._watch_words = False  # the speech under way is a candidate interruption
         # (silence start, silence length at which the turn is next scored)
         self._next_score: tuple[int, int] | None = None
+        # (silence start, the transcript of the speech before it): the words do not
+        # change while the silence lasts, so every scoring in it shares one transcript.
+        self._silence_words: tuple[int, asyncio.Task[Any]] | None = None
+        # The latest scoring: a silence is scored again only once it has answered, so
+        # that scorings do not queue up (and take the CPU) while the engine is busy.
+        self._turn_score: asyncio.Task[None] | None = None
+        self._words_check: asyncio.Task[None] | None = None  # the latest interruption check
 
     def configure(
         self, settings: TurnDetection | None, start_ms: float, pause_after_ms: int | None = None
@@ -195,6 +207,11 @@ class EngineSpeechSource:
         outputs = self._engine.stream("vad", stream_id, None)
         reading = self._read(outputs, detector, start_ms, self._progress)
         self._reader = asyncio.create_task(reading, name="vad-read")
+
+    @property
+    def scoring(self) -> bool:
+        """Whether a turn-end scoring or a words check is still waiting for its answer."""
+        return bool(self._scoring)
 
     def watch_words(self) -> None:
         self._watch_words = True
@@ -229,6 +246,7 @@ class EngineSpeechSource:
         for task in self._scoring:
             task.cancel()
         self._scoring.clear()
+        self._forget_words()
         self._progress.close()
         if self._reader is not None:
             self._reader.cancel()
@@ -317,12 +335,16 @@ class EngineSpeechSource:
         self, detector: SpeechDetector, speech_start_ms: int, start_ms: float
     ) -> None:
         """semantic_vad: have the turn scored at `semantic_score_after_ms` into a silence
-        and every `semantic_rescore_ms` after. Speech over a running answer (words
-        watched) is no turn to score: it ends after server_vad's default silence, so a
-        backchannel does not hold the detector for the eagerness's long wait."""
+        and every `semantic_rescore_ms` after (or once the previous scoring answered, if
+        that is later). Speech over a running answer (words watched) is no turn to
+        score: it ends after server_vad's default silence, so a backchannel does not
+        hold the detector for the eagerness's long wait."""
         silent_since = detector.silent_since_ms
         if silent_since is None:
             self._next_score = None
+            self._forget_words()
+            if self._turn_score is not None:
+                self._turn_score.cancel()  # the speaker went on: its answer is moot
             return
         silence = detector.position_ms - silent_since
         if self._watch_words:
@@ -335,6 +357,8 @@ class EngineSpeechSource:
             self._next_score = (silent_since, self._turns.semantic_score_after_ms)
         if silence < self._next_score[1]:
             return
+        if self._turn_score is not None and not self._turn_score.done():
+            return  # one scoring at a time: the next once this one has answered
         rescore = self._turns.semantic_rescore_ms
         self._next_score = (silent_since, self._next_score[1] + rescore if rescore else 10**9)
         clip = self._audio.clip(speech_start_ms, detector.position_ms)
@@ -350,10 +374,16 @@ class EngineSpeechSource:
         if every is None or due_ms is None:
             return due_ms
         if not detector.speaking:
+            if self._words_check is not None:
+                self._words_check.cancel()  # about a speech that is over
             return every
         if not self._watch_words:
             return due_ms
         if detector.voiced_ms < due_ms or (limit and detector.voiced_ms >= limit):
+            return due_ms
+        if self._words_check is not None and not self._words_check.done():
+            # One check at a time: on a busy engine, checks queued behind each other
+            # would each answer later; the next one hears more speech instead.
             return due_ms
         clip = self._audio.clip(speech_start_ms, detector.position_ms)
         request_id = f"{self._session_id}.words{next(self._serial)}"
@@ -363,7 +393,8 @@ class EngineSpeechSource:
         )
         self._scoring.add(task)
         task.add_done_callback(self._scoring.discard)
-        return due_ms + every
+        self._words_check = task
+        return max(due_ms + every, detector.voiced_ms)
 
     async def _confirm_if_meant(
         self, request_id: str, clip: np.ndarray, detector: SpeechDetector, speech: int
@@ -393,6 +424,7 @@ class EngineSpeechSource:
         )
         self._scoring.add(task)
         task.add_done_callback(self._scoring.discard)
+        self._turn_score = task
 
     async def _end_if_complete(
         self,
@@ -404,30 +436,54 @@ class EngineSpeechSource:
     ) -> None:
         asked = time.monotonic()
         score = self._result("turn", request_id, clip)
-        words = self._result("asr", request_id, clip) if self._turns.semantic_words else None
+        words = self._words_before(silence_ms, clip)
         try:
             probability = await score
-            transcript = await words if words is not None else ""
-        finally:  # a stream closed meanwhile cancels this task: stop both requests too
+            scored = time.monotonic()
+            # Shielded: later scorings in the same silence read the same transcript.
+            transcript = await asyncio.shield(words) if words is not None else ""
+        finally:  # a stream closed meanwhile cancels this task: stop the scoring too
             score.cancel()
-            if words is not None:
-                words.cancel()
         logger.debug(
-            "turn end at %d ms: complete %.3f, words %r, after %.0f ms",
+            "turn end at %d ms: complete %.3f after %.0f ms, words %r after %.0f ms",
             silence_ms,
             probability or 0.0,
+            (scored - asked) * 1000,
             transcript,
             (time.monotonic() - asked) * 1000,
         )
+        if transcript is None or sounds_unfinished(transcript):
+            self._stop_scoring(silence_ms)
+            return  # the words will not change in this silence: it lasts to the cap
         if probability is None or probability < self._turns.semantic_complete_threshold:
             return  # incomplete: the detector ends the turn at the eagerness's longest wait
-        if transcript is None or sounds_unfinished(transcript):
-            return
         if detector.silent_since_ms != silence_ms:
             return  # the speaker went on (or the turn already ended)
         stop: SpeechStopped | None = detector.end_silence()
         if stop is not None:
             self._events.put_nowait(SpeechEvent("stopped", start_ms + stop.audio_end_ms))
+
+    def _words_before(self, silence_ms: int, clip: np.ndarray) -> asyncio.Task[Any] | None:
+        """The transcript of the speech before the silence at `silence_ms`, asked for
+        once per silence (None when the words are not checked)."""
+        if not self._turns.semantic_words:
+            return None
+        if self._silence_words is None or self._silence_words[0] != silence_ms:
+            self._forget_words()
+            request_id = f"{self._session_id}.turnwords{next(self._serial)}"
+            self._silence_words = (silence_ms, self._result("asr", request_id, clip))
+        return self._silence_words[1]
+
+    def _forget_words(self) -> None:
+        if self._silence_words is not None:
+            self._silence_words[1].cancel()
+            self._silence_words = None
+
+    def _stop_scoring(self, silence_ms: int) -> None:
+        """No more scorings in the silence at `silence_ms`: it lasts to the eagerness's
+        longest wait (or until speech comes back)."""
+        if self._next_score is not None and self._next_score[0] == silence_ms:
+            self._next_score = (silence_ms, 10**9)
 
     def _result(self, stage: str, request_id: str, clip: np.ndarray) -> asyncio.Task[Any]:
         """The one output of a request on `stage`, as a task (None if it failed)."""

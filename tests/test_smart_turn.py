@@ -10,9 +10,12 @@ import importlib.util
 from pathlib import Path
 from types import ModuleType
 
+import mlx.core as mx
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
+from onnx import TensorProto, helper
 
 from engine import registry
 from engine.models import smart_turn
@@ -137,3 +140,61 @@ def test_every_quantised_activation_has_its_quantiser(package_dir: Path) -> None
         if isinstance(module, smart_turn.FakeQuant)
     }
     assert len(scales) == 78 and scales == quantisers
+
+
+def _run_one_node(
+    node: onnx.NodeProto, inputs: dict[str, np.ndarray], **graph: object
+) -> np.ndarray:
+    """Run a graph of one node on onnxruntime (every optimisation on, as pipecat runs it);
+    the node's output has the type of its first input."""
+    values = [
+        helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+        for name, a in inputs.items()
+    ]
+    # Both ops tested give their input's type and shape.
+    output = helper.make_tensor_value_info(
+        node.output[0], values[0].type.tensor_type.elem_type, None
+    )
+    model = helper.make_model(
+        helper.make_graph([node], "one", values, [output], **graph),  # type: ignore[arg-type]
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+    )
+    session = ort.InferenceSession(model.SerializeToString())
+    result: np.ndarray = session.run(None, inputs)[0]
+    return result
+
+
+def test_erf_is_onnxruntimes_bit_for_bit() -> None:
+    # The GELU tables are built with this erf, so their codes are the fused graph's.
+    rng = np.random.default_rng(0)
+    x = np.concatenate([np.linspace(-5, 5, 100_001), rng.normal(0, 2, 50_000)]).astype(np.float32)
+    theirs = _run_one_node(helper.make_node("Erf", ["x"], ["y"]), {"x": x})
+    np.testing.assert_array_equal(smart_turn.mlas_erf(x), theirs)
+
+
+def test_quantised_softmax_is_onnxruntimes_bit_for_bit() -> None:
+    in_scale, out_scale = 0.0473, 1 / 255
+    rng = np.random.default_rng(1)
+    spread = rng.integers(0, 256, (1, 6, 400, 400))
+    peaked = np.clip(rng.normal(100, 20, (1, 6, 400, 400)), 0, 255)
+    levels = np.concatenate([spread, peaked]).astype(np.uint8)
+    constants = [
+        helper.make_tensor("xs", TensorProto.FLOAT, [], [in_scale]),
+        helper.make_tensor("xz", TensorProto.UINT8, [], [128]),
+        helper.make_tensor("ys", TensorProto.FLOAT, [], [out_scale]),
+        helper.make_tensor("yz", TensorProto.UINT8, [], [0]),
+    ]
+    node = helper.make_node(
+        "QLinearSoftmax",
+        ["x", "xs", "xz", "ys", "yz"],
+        ["y"],
+        domain="com.microsoft",
+        axis=-1,
+        opset=13,
+    )
+    theirs = _run_one_node(node, {"x": levels}, initializer=constants)
+    softmax = smart_turn.QuantSoftmax()
+    softmax.scale = mx.array([out_scale], dtype=mx.float32)
+    softmax.build(float(np.float32(in_scale)), 400)
+    ours = np.array(softmax.codes_of_levels(mx.array(levels.astype(np.float32))))
+    np.testing.assert_array_equal(ours, theirs.astype(np.float32))

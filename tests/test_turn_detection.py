@@ -328,11 +328,47 @@ async def test_backchannel_words_do_not_confirm() -> None:
     await decisions(source, 1)
     source.watch_words()
     engine.push(*[0.9] * 9)  # the words are checked after this much speech ...
+    await wait_until(lambda: bool(engine.requests) and not source.scoring, 5, "the check")
     engine.push(*[0.0] * 16)  # ... and said nothing: the speech stops unconfirmed
     (event,) = await decisions(source, 1)
     assert event.kind == "stopped"
-    await wait_until(lambda: bool(engine.requests), 5, "the words check")
     assert [stage for stage, _ in engine.requests] == ["asr"]
+    await source.close()
+
+
+class HeldWords(ScriptedEngine):
+    """Transcripts that answer only once the test lets them."""
+
+    def __init__(self, transcript: str) -> None:
+        super().__init__(0.1, transcript)
+        self.answer = asyncio.Event()
+
+    async def stream(
+        self, stage: str, request_id: str, inputs: object
+    ) -> AsyncIterator[StageOutput]:
+        if stage == "asr":
+            await self.answer.wait()
+        async for output in super().stream(stage, request_id, inputs):
+            yield output
+
+
+async def test_speech_over_an_answer_is_checked_once_at_a_time() -> None:
+    engine = HeldWords(transcript="Mm-hmm.")
+    turns = TurnSettings(min_interruption_ms=2000, interruption_words_after_ms=256)
+    source = EngineSpeechSource(engine, "s", turns)
+    source.configure(TurnDetection(), start_ms=0)
+    source.feed(np.zeros(32000, np.float32))
+    engine.push(0.9)
+    await decisions(source, 1)
+    source.watch_words()
+    engine.push(*[0.9] * 24)  # 800 ms heard: past three check times, the first unanswered
+    await wait_until(engine.vad.empty, 5, "the speech heard")
+    engine.answer.set()
+    await wait_until(lambda: not source.scoring, 5, "the first check")
+    assert len(engine.requests) == 1
+    engine.push(0.9)  # the next chunk heard: checked again at once, with all of it
+    await wait_until(lambda: len(engine.requests) == 2, 5, "the second check")
+    assert engine.requests[1] == ("asr", 832 * 16)
     await source.close()
 
 
@@ -397,4 +433,68 @@ async def test_speech_over_an_answer_ends_after_a_short_silence_in_semantic_mode
     engine.push(*[0.0] * 17)  # 544 ms: not the eagerness's 4 s
     kinds = [e.kind for e in await decisions(source, 2)]
     assert kinds == ["paused", "stopped"]
+    await source.close()
+
+
+async def test_scorings_in_one_silence_share_one_transcript() -> None:
+    engine = ScriptedEngine(score=[0.2, 0.2, 0.8], transcript="How far away is the moon?")
+    source = semantic_source(engine)
+    engine.push(*[0.9] * 20, *[0.0] * 6)  # scored at 160 ms of silence: incomplete
+    assert [e.kind for e in await decisions(source, 2)] == ["started", "paused"]
+    await wait_until(lambda: len(engine.requests) == 2, 5, "the first scoring")
+    engine.push(*[0.0] * 13)  # 576 ms: scored again, complete
+    (event,) = await decisions(source, 1)
+    assert (event.kind, event.ms) == ("stopped", 640)
+    assert [stage for stage, _ in engine.requests] == ["turn", "asr", "turn"]
+    await source.close()
+
+
+async def test_unfinished_words_stop_the_scoring_until_speech_comes_back() -> None:
+    engine = ScriptedEngine(score=0.9, transcript="Can you add eggs and")
+    source = semantic_source(engine)
+    engine.push(*[0.9] * 20, *[0.0] * 6)
+    assert [e.kind for e in await decisions(source, 2)] == ["started", "paused"]
+    await wait_until(lambda: not source.scoring, 5, "the first scoring")
+    engine.push(*[0.0] * 30)  # a second of silence more: the words have not changed
+    engine.push(*[0.9] * 5)
+    (event,) = await decisions(source, 1)
+    assert event.kind == "resumed"
+    assert [stage for stage, _ in engine.requests] == ["turn", "asr"]
+    # The next silence is scored (and transcribed) afresh.
+    engine.push(*[0.0] * 6)
+    (event,) = await decisions(source, 1)
+    assert event.kind == "paused"
+    await wait_until(lambda: len(engine.requests) == 4, 5, "the next scoring")
+    await source.close()
+
+
+class HeldScores(ScriptedEngine):
+    """Turn scores that answer only once the test lets them."""
+
+    def __init__(self, score: float, transcript: str) -> None:
+        super().__init__(score, transcript)
+        self.answer = asyncio.Event()
+
+    async def stream(
+        self, stage: str, request_id: str, inputs: object
+    ) -> AsyncIterator[StageOutput]:
+        if stage == "turn":
+            await self.answer.wait()
+        async for output in super().stream(stage, request_id, inputs):
+            yield output
+
+
+async def test_a_silence_is_scored_again_only_once_the_last_scoring_answered() -> None:
+    engine = HeldScores(score=0.2, transcript="How far away is the moon?")
+    source = semantic_source(engine)
+    engine.push(*[0.9] * 20, *[0.0] * 6)  # 192 ms of silence: scored
+    assert [e.kind for e in await decisions(source, 2)] == ["started", "paused"]
+    engine.push(*[0.0] * 30)  # past two more scoring times, the first still unanswered
+    await wait_until(engine.vad.empty, 5, "the silence heard")
+    engine.answer.set()
+    await wait_until(lambda: not source.scoring, 5, "the first answer")
+    assert sorted(stage for stage, _ in engine.requests) == ["asr", "turn"]
+    engine.push(0.0)  # the next chunk heard: scored again at once
+    await wait_until(lambda: len(engine.requests) == 3, 5, "the second scoring")
+    assert engine.requests[-1][0] == "turn"
     await source.close()

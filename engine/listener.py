@@ -10,7 +10,8 @@ Rules of this module:
    starts are reported late: VAD's window, a confirmed interruption's minimum length);
    an utterance keeps its own audio, up to the ASR limit, past which its live work ends.
 3. While listening, one task per utterance runs a partial transcription whenever
-   `interval_ms` more audio has arrived and none of its partials is running; each
+   `interval_ms` more audio has arrived (half that in the utterance's first
+   `EARLY_S`, so its first words show sooner) and none of its partials is running; each
    partial's newly agreed words (LocalAgreement, inside `LiveTranscript`) go out as one
    `transcript_delta`, so deltas are only ever appended. The first delta's leading
    blank is dropped, as a transcript's is.
@@ -43,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 SAMPLE_RATE = 16_000
 LOOKBACK_S = 10.0
+# The start of an utterance is transcribed twice as often: two partials must agree
+# before a word shows, and the first words are the ones a caption waits for.
+EARLY_S = 1.5
 
 Emit = Callable[[str, str, str, tuple[tuple[str, float], ...]], None]
 
@@ -164,7 +168,7 @@ class Listener:
             self.heard.keep_from(self.heard.end - self._max_samples)
             return
         self.heard.keep_from(utterance.start)
-        if self._task is not None and self.heard.end - utterance.partial_at >= self._interval:
+        if self._task is not None and self._due(utterance):
             self._wake.set()
 
     def start_utterance(self, utterance_id: str, start_ms: float) -> None:
@@ -254,7 +258,7 @@ class Listener:
             )
         live = utterance.live
         while True:
-            while self.heard.end - utterance.partial_at < self._interval:
+            while not self._due(utterance):
                 await self._wake.wait()
                 self._wake.clear()
             utterance.partial_at = self.heard.end
@@ -263,6 +267,12 @@ class Listener:
             delta = live.agree(result) if result is not None else None
             if delta is not None:
                 self._send(utterance, delta, options)
+
+    def _due(self, utterance: Utterance) -> bool:
+        """Whether enough new audio of `utterance` arrived for its next partial."""
+        early = self.heard.end - utterance.start < EARLY_S * SAMPLE_RATE
+        interval = self._interval // 2 if early else self._interval
+        return self.heard.end - utterance.partial_at >= interval
 
     async def _transcribe(self, request: Any) -> Any:
         rid = f"live.{self.session_id}.{next(self._serial)}"

@@ -6,7 +6,8 @@ utterance's audio with the committed tokens forced as the transcript's start; th
 which the last two hypotheses agree are committed, up to a token that starts a new word
 (so a word still being spoken, or a character split across byte-level tokens, is never
 committed), or to the end when the two hypotheses are the same although the audio grew.
-Committed text is only ever appended to. At the end of the turn a final request
+A guess over less than `min_agree_s` of an utterance's first audio counts for
+nothing. Committed text is only ever appended to. At the end of the turn a final request
 decodes only the tail after the committed tokens.
 
 Bounded cost: a partial never re-transcribes much more than `window_s` of audio. When the
@@ -54,6 +55,10 @@ MIN_SEAL_SPAN_S = 0.3  # the least audio to look for a quiet point in
 RETRY_SEAL_S = 1.0  # more audio before another try after a seal that failed
 PROMPT_CHARS = 600  # previous text given to Whisper (it keeps at most 223 tokens anyway)
 QUIET_FRAME = SAMPLE_RATE // 50  # 20 ms
+# Whisper guesses wildly on the first fraction of a second of speech, and two such
+# guesses can agree ("For me" for "The meeting"): an utterance's guesses count only
+# from this much audio on.
+MIN_AGREE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,7 @@ class LiveTranscript:
         logprobs: bool = False,
         window_s: float = WINDOW_S,
         hard_window_s: float = HARD_WINDOW_S,
+        min_agree_s: float = MIN_AGREE_S,
     ) -> None:
         if not 2.0 <= window_s <= hard_window_s <= MAX_WINDOW_S:
             raise ValueError(f"need 2 <= window_s <= hard_window_s <= {MAX_WINDOW_S}")
@@ -94,6 +100,7 @@ class LiveTranscript:
         self._logprobs = logprobs
         self._window = int(window_s * SAMPLE_RATE)
         self._hard_window = int(hard_window_s * SAMPLE_RATE)
+        self._min_agree = int(min_agree_s * SAMPLE_RATE)
         self._sealed = ""  # text of the windows before the current one
         self._window_start = 0  # sample where the current window starts
         self._committed: list[int] = []  # committed tokens of the current window
@@ -176,6 +183,8 @@ class LiveTranscript:
             return None
         if asked.seal_end is not None:
             return self._seal(result, asked.seal_end, asked.hard)
+        if asked.length < self._min_agree and not self._sealed:
+            return None
         tail = self._after_committed(result)
         if tail is None:
             return None

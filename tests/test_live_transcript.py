@@ -114,12 +114,24 @@ def test_the_final_request_decodes_only_the_tail() -> None:
 
 def test_a_word_cut_off_by_the_end_of_the_audio_is_not_committed() -> None:
     audio = speech([0, 1, 2])
-    live, recognise = LiveTranscript(decode), FakeRecogniser()
+    live, recognise = LiveTranscript(decode, min_agree_s=0.5), FakeRecogniser()
     # Both hypotheses end with a word still being spoken: only whole words commit.
     assert live.agree(recognise(live.request(audio[: int(0.55 * RATE)], final=False))) is None
     delta = live.agree(recognise(live.request(audio[: int(1.05 * RATE)], final=False)))
     assert delta == LiveDelta("one")
     assert live.text == "one"
+
+
+def test_guesses_over_the_first_fraction_of_a_second_count_for_nothing() -> None:
+    audio = speech([0, 1, 2, 3])
+    live, recognise = LiveTranscript(decode, min_agree_s=1.0), FakeRecogniser()
+    for seconds in (0.4, 0.6, 0.8, 0.95):  # these guesses agree, but are too short
+        guess = recognise(live.request(audio[: int(seconds * RATE)], final=False))
+        assert live.agree(guess) is None
+    assert live.text == ""
+    live.agree(recognise(live.request(audio[: int(1.05 * RATE)], final=False)))
+    delta = live.agree(recognise(live.request(audio[: int(1.5 * RATE)], final=False)))
+    assert delta is not None and live.text == delta.text != ""
 
 
 def test_logprobs_come_with_each_committed_token() -> None:

@@ -64,6 +64,9 @@ class LiveDelta(Protocol):
 class LiveTranscript(Protocol):
     """One utterance's incremental transcription (the ASR stage makes them)."""
 
+    @property
+    def counts_from_s(self) -> float: ...
+
     def request(self, audio: np.ndarray, *, final: bool) -> Any: ...
 
     def agree(self, result: Any) -> LiveDelta | None: ...
@@ -270,8 +273,10 @@ class Listener:
 
     def _due(self, utterance: Utterance) -> bool:
         """Whether enough new audio of `utterance` arrived for its next partial."""
-        early = self.heard.end - utterance.start < EARLY_S * SAMPLE_RATE
-        interval = self._interval // 2 if early else self._interval
+        spoken = self.heard.end - utterance.start
+        if utterance.live is not None and spoken < utterance.live.counts_from_s * SAMPLE_RATE:
+            return False  # its guess would count for nothing
+        interval = self._interval // 2 if spoken < EARLY_S * SAMPLE_RATE else self._interval
         return self.heard.end - utterance.partial_at >= interval
 
     async def _transcribe(self, request: Any) -> Any:

@@ -123,6 +123,11 @@ class LiveTranscript:
         return self._text
 
     @property
+    def counts_from_s(self) -> float:
+        """The utterance's length from which a partial's guess counts (see `agree`)."""
+        return 0.0 if self._sealed else self._min_agree / SAMPLE_RATE
+
+    @property
     def frozen(self) -> bool:
         return self._frozen
 

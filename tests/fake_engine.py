@@ -97,6 +97,7 @@ class FakeLiveTranscript:
         self.previous: tuple[str, ...] | None = None
         self.frozen = False
         self.events: list[str] = []
+        self.counts_from_s = 0.0  # every guess counts
 
     def request(self, audio: np.ndarray, *, final: bool) -> FakeAsrRequest:
         if final:
@@ -146,9 +147,11 @@ class FakeAsr:
         self.fail = False
         self.lives: list[FakeLiveTranscript] = []
         self.requests: list[tuple[str, Any]] = []  # every request added, in order
+        self.counts_from_s = 0.0  # the live transcripts' first audio that counts
 
     def new_live_transcript(self, prompt: str, logprobs: bool) -> FakeLiveTranscript:
         live = FakeLiveTranscript(prompt, logprobs)
+        live.counts_from_s = self.counts_from_s
         self.lives.append(live)
         return live
 

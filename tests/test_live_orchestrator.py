@@ -104,6 +104,25 @@ async def test_deltas_come_while_the_utterance_grows(h: Harness) -> None:
     await resident.append(UtteranceEnded("item_1"))
 
 
+async def test_no_partial_runs_on_less_audio_than_counts(h: Harness) -> None:
+    h.asr.counts_from_s = 0.5  # five spoken words
+    resident = Resident(h)
+    await resident.append(Listen())
+    await resident.append(UtteranceStarted("item_1", 0.0))
+    await resident.say(spoken(1, 2))
+    await h.until(lambda: bool(h.asr.lives))  # its partials are waiting for audio
+    for word in WORDS[2:]:
+        await resident.say(spoken(word))
+        await h.until(lambda: not h.asr.waiting)  # any partial due has been answered
+
+    def partials() -> list[FakeAsrRequest]:
+        return [r for _, r in h.asr.requests if isinstance(r, FakeAsrRequest) and r.partial]
+
+    await h.until(lambda: bool(partials()))
+    assert all(len(r.audio) >= 5 * BLOCK for r in partials())
+    await resident.append(UtteranceEnded("item_1"))
+
+
 async def test_a_turn_naming_the_utterance_finishes_its_live_transcript(h: Harness) -> None:
     resident = Resident(h)
     await speak(h, resident)

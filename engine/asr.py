@@ -54,7 +54,7 @@ TOKENS_PER_SECOND_CAP = 8.0  # fast speech is ~5 tokens/s with punctuation
 MIN_TOKENS_PER_SECOND = 0.5  # fewer on a long utterance means decoding stopped early
 EARLY_STOP_MIN_SECONDS = 4.0
 MIN_WINDOW_S = 4.0  # the first window of a short clip: the decoder needs room after it
-PARTIAL_PAD_S = 0.5  # pad of a partial request's window (no minimum window)
+PARTIAL_PAD_S = 0.5  # pad of a partial request's window
 PREFIX_SLACK_TOKENS = 8  # a forced prefix may use up the duration's cap: still decode a few
 NOT_SCORED = float("nan")  # the log-probability reported for a forced token
 
@@ -262,10 +262,11 @@ class Transcriber:
 
         def first_rung(job: _Job) -> int:
             # A partial transcript is re-made many times while the utterance grows: its
-            # encoder pass, the bulk of its cost, gets the shortest window.
-            if job.partial:
-                return _bucket(job.duration_s + PARTIAL_PAD_S)
-            return _bucket(max(job.duration_s + first, self.min_window_s))
+            # encoder pass, the bulk of its cost, gets a shorter pad. Not a shorter
+            # minimum: its words are committed, and a short window mishears the first
+            # ones ("for me then" for "The meeting").
+            pad = PARTIAL_PAD_S if job.partial else first
+            return _bucket(max(job.duration_s + pad, self.min_window_s))
 
         return [
             first_rung,

@@ -4,7 +4,9 @@ Rule: only the engine thread touches a stage. Other threads (and the event loop)
 aborts, adds and calls on queues guarded by one condition; the thread drains them in
 that order (aborts first, so a barge-in never waits behind new work), then steps every
 busy stage once, then hands that step's outputs out. It sleeps on the condition when no
-stage has work, so an idle engine burns no CPU.
+stage has work, so an idle engine burns no CPU; a stage whose work is paused until a
+moment (the LLM waiting for speech to catch up) says when with an optional
+`wake_in() -> float | None`, and the sleep ends then.
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ class EngineCore:
         while True:
             with self._cond:
                 while self._running and not self._aborts and not self._ops and not self._busy():
-                    self._cond.wait()
+                    self._cond.wait(self._wake_in())
                 if not self._running:
                     return
                 aborts, self._aborts = self._aborts, []
@@ -143,6 +145,20 @@ class EngineCore:
 
     def _busy(self) -> bool:
         return any(self._stage_has_work(name) for name in self._stages)
+
+    def _wake_in(self) -> float | None:
+        """Seconds until the soonest paused stage is due; None: wait for new work."""
+        due = []
+        for name, stage in self._stages.items():
+            wake_in = getattr(stage, "wake_in", None)
+            try:
+                when = wake_in() if wake_in is not None else None
+            except Exception:
+                logger.exception("stage %s: wake_in failed", name)
+                when = 0.1
+            if when is not None:
+                due.append(when)
+        return min(due, default=None)
 
     def _stage_has_work(self, name: str) -> bool:
         try:
@@ -295,6 +311,11 @@ class AsyncEngine:
     async def call(self, stage: str, method: str, *args: Any) -> Any:
         self._bind_loop()
         return await asyncio.wrap_future(self._core.call(stage, method, *args))
+
+    def notify(self, stage: str, method: str, *args: Any) -> None:
+        """Call a stage method on the engine thread without waiting for it; its result
+        and any error are dropped (for hints such as the LLM's `set_runway`)."""
+        self._core.call(stage, method, *args)
 
     def abort(self, stage: str, request_id: str) -> None:
         self._streams.close((stage, request_id))

@@ -4,9 +4,9 @@ Rule: only the engine thread touches a stage. Other threads (and the event loop)
 aborts, adds and calls on queues guarded by one condition; the thread drains them in
 that order (aborts first, so a barge-in never waits behind new work), then steps every
 busy stage once, then hands that step's outputs out. It sleeps on the condition when no
-stage has work, so an idle engine burns no CPU; a stage whose work is paused until a
-moment (the LLM waiting for speech to catch up) says when with an optional
-`wake_in() -> float | None`, and the sleep ends then.
+stage has work, so an idle engine burns no CPU. A stage whose work can wait says so with
+an optional `deferrable() -> bool` (the LLM when every row is ahead of its speech): it is
+stepped only in iterations where no other stage has work, i.e. in slack.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class EngineCore:
         while True:
             with self._cond:
                 while self._running and not self._aborts and not self._ops and not self._busy():
-                    self._cond.wait(self._wake_in())
+                    self._cond.wait()
                 if not self._running:
                     return
                 aborts, self._aborts = self._aborts, []
@@ -146,19 +146,13 @@ class EngineCore:
     def _busy(self) -> bool:
         return any(self._stage_has_work(name) for name in self._stages)
 
-    def _wake_in(self) -> float | None:
-        """Seconds until the soonest paused stage is due; None: wait for new work."""
-        due = []
-        for name, stage in self._stages.items():
-            wake_in = getattr(stage, "wake_in", None)
-            try:
-                when = wake_in() if wake_in is not None else None
-            except Exception:
-                logger.exception("stage %s: wake_in failed", name)
-                when = 0.1
-            if when is not None:
-                due.append(when)
-        return min(due, default=None)
+    def _deferrable(self, name: str) -> bool:
+        deferrable = getattr(self._stages[name], "deferrable", None)
+        try:
+            return bool(deferrable()) if deferrable is not None else False
+        except Exception:
+            logger.exception("stage %s: deferrable failed", name)
+            return False
 
     def _stage_has_work(self, name: str) -> bool:
         try:
@@ -211,9 +205,10 @@ class EngineCore:
             op.future.set_result(result)
 
     def _step_stages(self) -> None:
-        for name, stage in self._stages.items():
-            if not self._stage_has_work(name):
-                continue
+        busy = [name for name in self._stages if self._stage_has_work(name)]
+        urgent = [name for name in busy if not self._deferrable(name)]
+        for name in urgent or busy:
+            stage = self._stages[name]
             try:
                 outputs = stage.step()
             except Exception as exc:

@@ -21,9 +21,10 @@ Rules of this file:
    `CallMask` logits processor (`engine.grammar`) keeps the call valid; it is one more
    per-row processor, so constrained and free rows share the batch.
 6. Speech pacing (`set_runway`): the orchestrator tells the stage how many seconds of
-   speech each request already has queued for its listener. When every running row has
-   more than AHEAD_S queued, the decode waits (the engine's time goes to the stages that
-   are behind); `has_work` is then false and `wake_in` says when the first row is due.
+   speech each request already has queued for its listener. While every running row has
+   more than AHEAD_S queued and no prompt waits, the stage's work is `deferrable`: the
+   engine thread steps it only when no other stage of its lane has work, so text no one
+   can speak yet never delays audio someone is about to need.
 4. Abort, finish and preemption free the KV at once and drop the row's pending token
    unread, so nothing drawn past a finish or an abort is ever emitted; a preempted row
    also gets its random key back, so its resumed draw repeats the dropped one. A
@@ -61,7 +62,7 @@ SHARED_PREFIX_KEY = "\x00shared-prefix"
 SLICE_HALVING_DEPTH = 512
 # A row whose listener has more than this much speech queued (seconds) is not decoded
 # further while no row is short of it (rule 6): text it could not speak yet.
-AHEAD_S = 4.0
+AHEAD_S = 6.0
 # Prefill ageing: each second a prompt has waited counts as this many fewer tokens left to
 # prefill, so a long prompt is eventually first even under a steady stream of short ones.
 PREFILL_AGEING_TOKENS_PER_S = 64
@@ -238,12 +239,12 @@ class LlmStage:
         del self._seqs[request_id]
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._prefilling or (self._running and self._decode_due()))
+        return bool(self._seqs)
 
     def step(self) -> list[StageOutput]:
         self._admit()
         outputs = self._prefill(self.max_tokens_per_step - len(self._running))
-        if not self._running or not self._decode_due():
+        if not self._running:
             return outputs
         self._make_room()
         if not self._running:
@@ -257,12 +258,11 @@ class LlmStage:
         if seq is not None:
             seq.speech_until = self._clock() + seconds
 
-    def wake_in(self) -> float | None:
-        """Seconds until a paused decode is due (rule 6); None when none is paused."""
-        if not self._running or self._decode_due():
-            return None
-        now = self._clock()
-        return max(0.0, min(self._ahead_by(seq, now) for seq in self._running))
+    def deferrable(self) -> bool:
+        """Rule 6: only rows with speech enough queued, and no prompt waiting."""
+        if self._waiting or self._prefilling or not self._running:
+            return False
+        return not self._decode_due()
 
     def _decode_due(self) -> bool:
         """Whether some running row is short of speech (rows without a runway always are)."""

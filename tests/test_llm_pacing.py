@@ -11,13 +11,14 @@ import threading
 import engine  # noqa: F401 - first, so MLX picks up the optimised BLAS
 
 # isort: split
+import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 
 from engine.core import EngineCore
 from engine.llm import AHEAD_S, PREFILL_AGEING_TOKENS_PER_S, LlmInput, LlmStage
 from engine.stage import StageOutput
-from tests.test_llm_stage import ByteTokenizer, greedy, prompt, tiny_model
+from tests.test_llm_stage import EOS, ByteTokenizer, greedy, prompt, tiny_model
 
 
 class Clock:
@@ -53,39 +54,26 @@ def start(stage: LlmStage, *ids: str, max_tokens: int = 40) -> None:
     assert stage.stats()["running"] == len(ids)
 
 
-def test_decode_waits_while_every_row_has_speech_queued(model: llama.Model) -> None:
+def test_decode_can_wait_while_every_row_has_speech_queued(model: llama.Model) -> None:
     stage, clock = paced_stage(model)
     start(stage, "a", "b")
     stage.set_runway("a", AHEAD_S + 5)
+    assert not stage.deferrable()  # b has told nothing: it may be short
     stage.set_runway("b", AHEAD_S + 2)
-    assert not stage.has_work()
-    assert stage.step() == []
-    assert stage.wake_in() == pytest.approx(2.0)
+    assert stage.deferrable()
     clock.now += 2.5  # b's speech has run down to under AHEAD_S
-    assert stage.has_work() and stage.wake_in() is None
+    assert not stage.deferrable()
+    # Stepped anyway (in slack), it decodes every row.
     assert tokens(stage.step()) == {"a": 1, "b": 1}
 
 
-def test_a_row_short_of_speech_keeps_the_batch_decoding(model: llama.Model) -> None:
-    stage, _ = paced_stage(model)
-    start(stage, "long", "short")
-    stage.set_runway("long", AHEAD_S + 30)
-    stage.set_runway("short", 0.5)
-    for _ in range(3):
-        assert tokens(stage.step()).get("short") == 1
-
-
-def test_a_new_turn_is_prefilled_while_the_others_wait(model: llama.Model) -> None:
+def test_a_waiting_prompt_is_never_deferred(model: llama.Model) -> None:
     stage, _ = paced_stage(model, prefill_slice_tokens=8)
     start(stage, "a")
     stage.set_runway("a", AHEAD_S + 10)
+    assert stage.deferrable()
     stage.add("new", LlmInput(prompt_token_ids=prompt(30, 9), sampling_params=greedy(4)))
-    assert stage.has_work()
-    slices = 0
-    while not (outputs := stage.step()):
-        slices += 1  # a slice of the new prompt only: a waits
-    assert slices >= 2
-    assert [o.request_id for o in outputs] == ["new", "a"]  # the new row is due: all decode
+    assert not stage.deferrable()
 
 
 def test_runway_for_a_finished_request_is_ignored(model: llama.Model) -> None:
@@ -110,17 +98,65 @@ def test_a_long_prompt_ages_past_a_stream_of_short_ones(model: llama.Model) -> N
     assert stage.request("long").num_computed_tokens > done_before  # type: ignore[union-attr]
 
 
-def test_the_engine_thread_wakes_a_paused_decode_by_itself(model: llama.Model) -> None:
-    stage = LlmStage(model, ByteTokenizer())
-    core = EngineCore({"llm": stage})
-    finished = threading.Event()
-    core.set_output_callback(lambda _, outs: any(o.finished for o in outs) and finished.set())
+class Busy:
+    """A stage that is given `steps` steps of work by `arm`, and logs what ran."""
+
+    name = "busy"
+
+    def __init__(self, log: list[str]) -> None:
+        self.left, self.log = 0, log
+
+    def arm(self, steps: int) -> None:
+        self.left = steps
+        self.log.append("arm")
+
+    def add(self, request_id: str, inputs: object) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def has_work(self) -> bool:
+        return self.left > 0
+
+    def step(self) -> list[StageOutput]:
+        self.left -= 1
+        self.log.append("busy")
+        return []
+
+
+class Logged(LlmStage):
+    log: list[str]
+
+    def step(self) -> list[StageOutput]:
+        self.log.append("llm")
+        return super().step()
+
+
+def never_eos(tokens: mx.array, logits: mx.array) -> mx.array:
+    return logits + mx.where(mx.arange(logits.shape[-1]) == EOS, -1e9, 0.0)
+
+
+def test_deferrable_work_runs_only_when_the_lane_has_slack(model: llama.Model) -> None:
+    log: list[str] = []
+    llm = Logged(model, ByteTokenizer())
+    llm.log = log
+    core = EngineCore({"busy": Busy(log), "llm": llm})
+    first, finished = threading.Event(), threading.Event()
+
+    def on_outputs(stage: str, outputs: list[StageOutput]) -> None:
+        first.set()
+        if any(o.finished for o in outputs):
+            finished.set()
+
+    core.set_output_callback(on_outputs)
     core.start()
     try:
-        params = greedy(30)
+        params = greedy(400, logits_processors=[never_eos])
         core.add("llm", "a", LlmInput(prompt_token_ids=prompt(6), sampling_params=params))
-        # Paused for about a quarter second, then due again: no further call wakes it.
-        core.call("llm", "set_runway", "a", AHEAD_S + 0.25).result(timeout=60)
-        assert finished.wait(timeout=60)
+        assert first.wait(timeout=60)
+        core.call("llm", "set_runway", "a", AHEAD_S + 600).result(timeout=60)
+        core.call("busy", "arm", 5).result(timeout=60)
+        assert finished.wait(timeout=120)  # the deferred decode ran once the lane was idle
     finally:
         core.shutdown()
+    armed = log[log.index("arm") + 1 :]
+    assert armed[:5] == ["busy"] * 5 and armed[5:] and set(armed[5:]) == {"llm"}

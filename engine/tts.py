@@ -22,7 +22,9 @@ request not yet heard is already late (its deadline is when it arrived). Each st
 the requests with the soonest deadlines, renders them with chunks no wider than the most
 urgent one's, and stops adding requests when the padded batch would exceed
 STEP_WINDOW_FRAMES, so that the most urgent chunk never waits behind a big batch. A
-request with more than AHEAD_S of audio in hand is not rendered while another has less.
+request with more than AHEAD_S of audio in hand is not rendered while another has less,
+and while every request has that much the stage's work is `deferrable`: the engine
+thread then steps it only when no other stage has work (`engine.core`).
 """
 
 from __future__ import annotations
@@ -406,6 +408,13 @@ class TtsStage:
 
     def has_work(self) -> bool:
         return any(s.busy() for s in self._streams.values())
+
+    def deferrable(self) -> bool:
+        """Every request with text left has more than AHEAD_S of audio in hand, and none
+        waits only for its finished output: rendering now would be work ahead of need."""
+        now = self._clock()
+        busy = [s for s in self._streams.values() if s.busy()]
+        return bool(busy) and all(s.speakable() and s.deadline() - now > AHEAD_S for s in busy)
 
     def step(self) -> list[StageOutput]:
         # Requests with their final text all spoken only need their finished output.

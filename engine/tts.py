@@ -77,12 +77,13 @@ FIRST_CHUNK_FRAMES = 32
 # A remainder shorter than this joins the chunk before it: rendering it apart would
 # cost more in window context than it saves.
 MIN_REST_FRAMES = 16
-# The widest chunk (about 2 s of speech): wider chunks cost little less per second of
-# audio on the CPU, but hold every other request's chunk for their whole step.
-MAX_CHUNK_FRAMES = 172
+# The widest chunk (about 3 s of speech). Each chunk also computes 2 x 44 frames of
+# context, so narrower chunks cost more per second of audio; wider ones hold every other
+# request's chunk for their whole step.
+MAX_CHUNK_FRAMES = 256
 # The most latent frames one step renders, counted as the padded batch computes them
-# (rows x (widest chunk + context)): five first chunks, or two of the widest.
-STEP_WINDOW_FRAMES = 640
+# (rows x (widest chunk + context)): six first chunks, or two of the widest.
+STEP_WINDOW_FRAMES = 720
 # A request with this much audio in hand (seconds) waits while another has less.
 AHEAD_S = 3.0
 

@@ -2,7 +2,7 @@
 (one 20 ms `input_audio_buffer.append` per 20 ms), most silent and some speaking.
 
     python bench/load.py [--json] [--levels 10,50,100] [--max-speaking 16] [--plot-dir DIR]
-                         [--config PROFILE.yaml]
+                         [--config PROFILE.yaml] [--through]
 
 The gateway runs as `duplex-gateway` in a child process with the real embedded models (of
 `--config`, if given) and server VAD on (the session default), so every silent stream
@@ -42,6 +42,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -312,9 +313,11 @@ async def measure_level(
 
 
 async def find_knee(
-    url: str, utterances: list[list[str]], max_speaking: int
+    url: str, utterances: list[list[str]], max_speaking: int, through: bool = False
 ) -> tuple[list[dict], list[Turn]]:
-    """The knee steps, and every turn they ran (their replies measure speech's needs)."""
+    """The knee steps, and every turn they ran (their replies measure speech's needs).
+    With `through`, every step up to `max_speaking` runs even after one fails (for the
+    stall curve on a busy machine)."""
     steps, seen = [], []
     for speaking in (s for s in KNEE_STEPS if s <= max_speaking):
         clients = await open_clients(url, max(KNEE_POOL, speaking))
@@ -326,7 +329,7 @@ async def find_knee(
         await drained(url)
         seen += turns
         steps.append({"speaking": speaking, **summarize_turns(turns)})
-        if not steps[-1]["speaking_realtime"]:
+        if not steps[-1]["speaking_realtime"] and not through:
             break
         await asyncio.sleep(1.0)
     return steps, seen
@@ -342,7 +345,9 @@ async def idle_baseline(url: str, pid: int) -> dict[str, float]:
     }
 
 
-async def run(levels: list[int], max_speaking: int, config: Path | None) -> dict[str, Any]:
+async def run(
+    levels: list[int], max_speaking: int, config: Path | None, through: bool = False
+) -> dict[str, Any]:
     utterances = [utterance_frames(p) for p in RECORDINGS]
     costs = await asyncio.to_thread(stage_costs, config)
     extra = ["--max-sessions", str(max(levels + [KNEE_POOL, max_speaking]) + 8)]
@@ -351,8 +356,8 @@ async def run(levels: list[int], max_speaking: int, config: Path | None) -> dict
         url, pid = gateway.realtime_url, gateway.pid
         idle = await idle_baseline(url, pid)
         results = [await measure_level(url, pid, n, utterances, idle) for n in levels]
-        knee, turns = await find_knee(url, utterances, max_speaking)
-    passing = [s for s in knee if s["speaking_realtime"]]
+        knee, turns = await find_knee(url, utterances, max_speaking, through)
+    passing = list(itertools.takewhile(lambda s: s["speaking_realtime"], knee))
     at_knee = passing[-1] if passing else None
     single = knee[0]["first_audio_ms_p50"] if knee else None
     limit = capacity(costs, turns)
@@ -571,6 +576,9 @@ def main() -> None:
     )
     parser.add_argument("--max-speaking", type=int, default=16, help="last knee step to try")
     parser.add_argument("--plot-dir", type=Path, help="write PNG plots here")
+    parser.add_argument(
+        "--through", action="store_true", help="run every knee step, even after one fails"
+    )
     parser.add_argument("--config", type=Path, help="gateway profile YAML")
     parser.add_argument("--probe", help=argparse.SUPPRESS)
     parser.add_argument("--probe-out", type=Path, help=argparse.SUPPRESS)
@@ -583,7 +591,7 @@ def main() -> None:
     levels = [int(x) for x in args.levels.split(",") if x]  # "": the knee only
     if min(levels, default=1) < 1 or args.max_speaking < 1:
         parser.error("--levels and --max-speaking must be positive")
-    result = asyncio.run(run(levels, args.max_speaking, args.config))
+    result = asyncio.run(run(levels, args.max_speaking, args.config, args.through))
     if args.plot_dir is not None:
         result["plots"] = [os.path.relpath(p, ROOT) for p in plot(result, args.plot_dir)]
     if args.json:

@@ -19,8 +19,9 @@ that no single chunk holds a step for long.
 Scheduling is earliest deadline first. A request's deadline is the moment its listener
 runs out of audio: the wall time of its first chunk plus the audio emitted since. A
 request not yet heard is already late (its deadline is when it arrived). Each step takes
-the requests with the soonest deadlines, renders them with chunks no wider than the most
-urgent one's, and stops adding requests when the padded batch would exceed
+the requests with the soonest deadlines whose next chunk is no wider than the most urgent
+one's (a wider one would hold it up; cutting it narrower would cost more context per
+second of audio), and stops adding requests when the padded batch would exceed
 STEP_WINDOW_FRAMES, so that the most urgent chunk never waits behind a big batch. A
 request with more than AHEAD_S of audio in hand is not rendered while another has less,
 and while every request has that much the stage's work is `deferrable`: the engine
@@ -443,6 +444,8 @@ class TtsStage:
                 break
             if short and s.deadline() - now > AHEAD_S:
                 break  # far enough ahead: it waits while others run short
+            if s.chunk_frames() > width:
+                continue  # its wider chunk would hold the urgent one up: next step
             rows = len(picked) + 1
             if picked and rows * (width + 2 * self._context) > STEP_WINDOW_FRAMES:
                 break

@@ -19,9 +19,9 @@ that no single chunk holds a step for long.
 Scheduling is earliest deadline first. A request's deadline is the moment its listener
 runs out of audio: the wall time of its first chunk plus the audio emitted since. A
 request not yet heard is already late (its deadline is when it arrived). Each step takes
-the requests with the soonest deadlines whose next chunk is no wider than the most urgent
-one's (a wider one would hold it up; cutting it narrower would cost more context per
-second of audio), and stops adding requests when the padded batch would exceed
+the requests with the soonest deadlines whose next chunk is at most twice as wide as the
+most urgent one's (a wider one would hold it up; cutting it narrower would cost more
+context per second of audio), and stops adding requests when the padded batch would exceed
 STEP_WINDOW_FRAMES, so that the most urgent chunk never waits behind a big batch. A
 request with more than AHEAD_S of audio in hand is not rendered while another has less,
 and while every request has that much the stage's work is `deferrable`: the engine
@@ -428,7 +428,8 @@ class TtsStage:
         return outputs
 
     def _pick(self) -> tuple[list[tuple[str, _Stream]], int]:
-        """This step's requests, earliest deadline first, and the chunk width they share."""
+        """This step's requests, earliest deadline first, and the widest chunk they may
+        render: twice the most urgent one's, so it is never held up much longer."""
         now = self._clock()
         ready = sorted(
             ((rid, s) for rid, s in self._streams.items() if s.speakable()),
@@ -436,21 +437,23 @@ class TtsStage:
         )
         if not ready:
             return [], 0
-        width = ready[0][1].chunk_frames()  # the most urgent request's chunk
+        limit = 2 * ready[0][1].chunk_frames()
         short = ready[0][1].deadline() - now <= AHEAD_S
         picked: list[tuple[str, _Stream]] = []
+        widest = 0
         for rid, s in ready:
             if len(picked) == self.max_batch:
                 break
             if short and s.deadline() - now > AHEAD_S:
                 break  # far enough ahead: it waits while others run short
-            if s.chunk_frames() > width:
-                continue  # its wider chunk would hold the urgent one up: next step
-            rows = len(picked) + 1
-            if picked and rows * (width + 2 * self._context) > STEP_WINDOW_FRAMES:
+            width = s.chunk_frames()
+            if width > limit:
+                continue  # its wide chunk would hold the urgent one up: a later step
+            rows, widest = len(picked) + 1, max(widest, width)
+            if picked and rows * (widest + 2 * self._context) > STEP_WINDOW_FRAMES:
                 break
             picked.append((rid, s))
-        return picked, width
+        return picked, limit
 
     def _speak(self, speak: list[tuple[str, _Stream]], width: int) -> list[StageOutput]:
         start = time.perf_counter()

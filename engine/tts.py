@@ -23,9 +23,7 @@ the requests with the soonest deadlines whose next chunk is at most twice as wid
 most urgent one's (a wider one would hold it up; cutting it narrower would cost more
 context per second of audio), and stops adding requests when the padded batch would exceed
 STEP_WINDOW_FRAMES, so that the most urgent chunk never waits behind a big batch. A
-request with more than AHEAD_S of audio in hand is not rendered while another has less,
-and while every request has that much the stage's work is `deferrable`: the engine
-thread then steps it only when no other stage has work (`engine.core`).
+request with more than AHEAD_S of audio in hand is not rendered while another has less.
 """
 
 from __future__ import annotations
@@ -86,7 +84,7 @@ MAX_CHUNK_FRAMES = 256
 # (rows x (widest chunk + context)): six first chunks, or two of the widest.
 STEP_WINDOW_FRAMES = 720
 # A request with this much audio in hand (seconds) waits while another has less.
-AHEAD_S = 3.0
+AHEAD_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -410,13 +408,6 @@ class TtsStage:
 
     def has_work(self) -> bool:
         return any(s.busy() for s in self._streams.values())
-
-    def deferrable(self) -> bool:
-        """Every request with text left has more than AHEAD_S of audio in hand, and none
-        waits only for its finished output: rendering now would be work ahead of need."""
-        now = self._clock()
-        busy = [s for s in self._streams.values() if s.busy()]
-        return bool(busy) and all(s.speakable() and s.deadline() - now > AHEAD_S for s in busy)
 
     def step(self) -> list[StageOutput]:
         # Requests with their final text all spoken only need their finished output.

@@ -164,19 +164,3 @@ def test_every_request_finishes_with_all_its_audio() -> None:
         clock.now += 0.05
     assert sorted(finished) == sorted(texts)
     assert frames == {rid: FRAMES_PER_CHAR * len(t) for rid, t in texts.items()}
-
-
-def test_rendering_is_deferrable_only_while_everyone_is_far_ahead() -> None:
-    tts, _, clock = stage()
-    tts.add("a", TtsRequest())
-    tts.feed("a", "x" * 2000)
-    assert not tts.deferrable()  # not heard yet
-    while (tts.runway("a") or 0.0) <= AHEAD_S:
-        tts.step()
-    assert tts.deferrable()
-    tts.add("b", TtsRequest())
-    tts.feed("b", "x" * 100)
-    assert not tts.deferrable()
-    tts.abort("b")
-    clock.now += (tts.runway("a") or 0.0) - AHEAD_S + 0.1  # playback caught up
-    assert not tts.deferrable()

@@ -61,8 +61,10 @@ SHARED_PREFIX_KEY = "\x00shared-prefix"
 # The KV depth at which a long prompt's prefill slice is half its full size (`_slice_at`).
 SLICE_HALVING_DEPTH = 512
 # A row whose listener has more than this much speech queued (seconds) is not decoded
-# further while no row is short of it (rule 6): text it could not speak yet.
-AHEAD_S = 6.0
+# further while no row is short of it (rule 6): text it could not speak yet. Generous:
+# once due, a row's next clause takes tens of decode steps, each behind a TTS step, so a
+# small margin (6 s was measured) lets a lone speaker's audio run dry on a loaded CPU.
+AHEAD_S = 20.0
 # Prefill ageing: each second a prompt has waited counts as this many fewer tokens left to
 # prefill, so a long prompt is eventually first even under a steady stream of short ones.
 PREFILL_AGEING_TOKENS_PER_S = 64

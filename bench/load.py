@@ -2,7 +2,7 @@
 (one 20 ms `input_audio_buffer.append` per 20 ms), most silent and some speaking.
 
     python bench/load.py [--json] [--levels 10,50,100] [--max-speaking 16] [--plot-dir DIR]
-                         [--config PROFILE.yaml]
+                         [--config PROFILE.yaml] [--through]
 
 The gateway runs as `duplex-gateway` in a child process with the real embedded models (of
 `--config`, if given) and server VAD on (the session default), so every silent stream
@@ -17,11 +17,23 @@ Per level (N sessions, N/10 of them speaking one utterance at once):
 - `rss_mb_per_session`: gateway RSS growth from just before the N sessions open to all of
   them streaming (before any turn, so model activations are not counted), divided by N.
 
-Knee: the speaking count is stepped up (1, 2, 3, 4, 6, 8, ...) over a pool of 10 sessions
-until a step fails. A speaking session is served in real time when its reply finishes
-(completed, or cut at max tokens) and its audio, played from the first delta with a
-`JITTER_MS` buffer, never runs dry.
-`active_sessions_realtime` is the largest step where every speaker was.
+Knee: the speaking count is stepped up (1, 2, 3, 4, 6, 8, ...) among `KNEE_POOL` (20) open
+sessions until a step fails. A speaking session is served in real time when its reply
+finishes (completed, or cut at max tokens) and its audio, played from the first delta
+with a `JITTER_MS` buffer, never runs dry.
+`active_sessions_realtime` is the largest step where every speaker was;
+`first_audio_ms_p50_at_knee` is that step's median first-audio latency, beside
+`first_audio_ms_p50_single` (the step with one speaker).
+
+The limit: before the gateway starts, the same stages are loaded in this process and
+timed (`stage_costs`): the TTS stage's real-time factor speaking one reply and
+`LIMIT_BATCH` replies at once, the LLM stage's tokens per second answering one turn and
+`LIMIT_BATCH` turns at once, one utterance through ASR, and VAD per second of one stream.
+A speaking session needs, per second of speech, one second of audio, the tokens of that
+second (output tokens per second of reply audio, measured on this run's replies) and its
+share of one utterance's ASR (one utterance per reply). The stages share one engine
+thread, so `limit_sessions` = (1 - VAD's share for the pool) / (those costs at
+`LIMIT_BATCH`), and `knee_fraction` = active_sessions_realtime / limit_sessions.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -60,8 +73,16 @@ FRAME_BYTES = RATE * 2 * FRAME_MS // 1000
 JITTER_MS = 200
 PROBE_INTERVAL_S = 0.05
 TURN_TIMEOUT_S = 120.0
-KNEE_POOL = 10
+KNEE_POOL = 20
 KNEE_STEPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+# Stage costs for the limit are measured at this many requests at once (the target knee).
+LIMIT_BATCH = 6
+# A reply of natural length, as the default system prompt asks for (two short sentences).
+REPLY_TEXT = (
+    "The weather should stay mild and sunny for most of the afternoon. "
+    "If you head out later, a light jacket will keep you comfortable."
+)
+COST_QUESTION = "What should I wear for a walk this afternoon?"
 
 SILENT_FRAME = append_event(bytes(FRAME_BYTES))
 
@@ -86,6 +107,7 @@ class Turn:
     deltas: list[tuple[float, float]] = field(default_factory=list)  # (arrival, audio ms)
     status: str | None = None
     done_at: float | None = None
+    output_tokens: int = 0
 
     def stall_ms(self) -> float | None:
         """How far delivery fell behind playback that began at the first delta."""
@@ -108,6 +130,9 @@ class Turn:
 
     def first_audio_ms(self) -> float | None:
         return (self.deltas[0][0] - self.spoke_at) * 1000 if self.deltas else None
+
+    def audio_s(self) -> float:
+        return sum(ms for _, ms in self.deltas) / 1000
 
 
 class Client:
@@ -148,6 +173,8 @@ class Client:
             elif kind == "response.done":
                 turn.status = event["response"]["status"]
                 turn.done_at = time.monotonic()
+                usage = event["response"].get("usage") or {}
+                turn.output_tokens = int(usage.get("output_tokens", 0))
                 self.done.set()
 
     async def close(self) -> None:
@@ -285,8 +312,13 @@ async def measure_level(
     }
 
 
-async def find_knee(url: str, utterances: list[list[str]], max_speaking: int) -> list[dict]:
-    steps = []
+async def find_knee(
+    url: str, utterances: list[list[str]], max_speaking: int, through: bool = False
+) -> tuple[list[dict], list[Turn]]:
+    """The knee steps, and every turn they ran (their replies measure speech's needs).
+    With `through`, every step up to `max_speaking` runs even after one fails (for the
+    stall curve on a busy machine)."""
+    steps, seen = [], []
     for speaking in (s for s in KNEE_STEPS if s <= max_speaking):
         clients = await open_clients(url, max(KNEE_POOL, speaking))
         try:
@@ -295,11 +327,12 @@ async def find_knee(url: str, utterances: list[list[str]], max_speaking: int) ->
         finally:
             await asyncio.gather(*(c.close() for c in clients))
         await drained(url)
+        seen += turns
         steps.append({"speaking": speaking, **summarize_turns(turns)})
-        if not steps[-1]["speaking_realtime"]:
+        if not steps[-1]["speaking_realtime"] and not through:
             break
         await asyncio.sleep(1.0)
-    return steps
+    return steps, seen
 
 
 async def idle_baseline(url: str, pid: int) -> dict[str, float]:
@@ -312,29 +345,152 @@ async def idle_baseline(url: str, pid: int) -> dict[str, float]:
     }
 
 
-async def run(levels: list[int], max_speaking: int, config: Path | None) -> dict[str, Any]:
+async def run(
+    levels: list[int], max_speaking: int, config: Path | None, through: bool = False
+) -> dict[str, Any]:
     utterances = [utterance_frames(p) for p in RECORDINGS]
+    costs = await asyncio.to_thread(stage_costs, config)
     extra = ["--max-sessions", str(max(levels + [KNEE_POOL, max_speaking]) + 8)]
     extra += ["--config", str(config)] if config is not None else []
     with gateway_process(*extra) as gateway:
         url, pid = gateway.realtime_url, gateway.pid
         idle = await idle_baseline(url, pid)
         results = [await measure_level(url, pid, n, utterances, idle) for n in levels]
-        knee = await find_knee(url, utterances, max_speaking)
-    passing = [s["speaking"] for s in knee if s["speaking_realtime"]]
-    top = results[-1]
+        knee, turns = await find_knee(url, utterances, max_speaking, through)
+    passing = list(itertools.takewhile(lambda s: s["speaking_realtime"], knee))
+    at_knee = passing[-1] if passing else None
+    single = knee[0]["first_audio_ms_p50"] if knee else None
+    limit = capacity(costs, turns)
+    active = at_knee["speaking"] if at_knee else 0
+    top = results[-1] if results else {}
     return {
         "cpu_count": os.cpu_count(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         "idle_rtt_ms": round(idle["rtt_ms"], 2),
         "idle_rss_mb": round(idle["rss_mb"], 1),
         "jitter_buffer_ms": JITTER_MS,
         "levels": results,
         "knee": knee,
-        "active_sessions_realtime": max(passing, default=0),
-        "sessions": top["sessions"],
-        "event_loop_lag_ms_p99": top["event_loop_lag_ms_p99"],
-        "cpu_percent": top["cpu_percent"],
-        "rss_mb_per_session": top["rss_mb_per_session"],
+        "knee_pool": KNEE_POOL,
+        "active_sessions_realtime": active,
+        "first_audio_ms_p50_single": single,
+        "first_audio_ms_p50_at_knee": at_knee["first_audio_ms_p50"] if at_knee else None,
+        "stage_costs": costs,
+        **limit,
+        "knee_fraction": round(active / limit["limit_sessions"], 2),
+        "sessions": top.get("sessions"),
+        "event_loop_lag_ms_p99": top.get("event_loop_lag_ms_p99"),
+        "cpu_percent": top.get("cpu_percent"),
+        "rss_mb_per_session": top.get("rss_mb_per_session"),
+    }
+
+
+# -- the computed limit ----------------------------------------------------------------
+
+
+def stage_costs(config: Path | None) -> dict[str, float]:
+    """Time each stage in this process, as the gateway builds it (module docstring)."""
+    import engine  # noqa: F401 - first, so MLX picks up the optimised BLAS
+
+    # isort: split
+    import mlx.core as mx
+
+    from engine.build import cache_system_prompt, load_stages, warm_up
+    from engine.config import load_config
+
+    profile = load_config(config or ROOT / "configs" / "default.yaml")
+    stages = load_stages(profile, progress=False)
+    try:
+        warm_up(stages)
+        cache_system_prompt(stages, profile.system_prompt)
+        utterance = sf.read(RECORDINGS[0], dtype="float32", always_2d=True)
+        speech = soxr.resample(utterance[0].mean(axis=1), utterance[1], 16000)
+        return {
+            "tts_rtf_1": round(tts_rtf(stages["tts"], 1), 4),
+            f"tts_rtf_{LIMIT_BATCH}": round(tts_rtf(stages["tts"], LIMIT_BATCH), 4),
+            "llm_tok_s_1": round(llm_tokens_per_s(stages["llm"], 1, profile.system_prompt), 1),
+            f"llm_tok_s_{LIMIT_BATCH}": round(
+                llm_tokens_per_s(stages["llm"], LIMIT_BATCH, profile.system_prompt), 1
+            ),
+            "asr_ms_per_utterance": round(asr_ms(stages["asr"], speech), 1),
+            "vad_ms_per_stream_s": round(vad_ms_per_stream_s(stages["vad"], KNEE_POOL), 3),
+        }
+    finally:
+        mx.synchronize()
+
+
+def _drain(stage: Any) -> list[Any]:
+    outputs = []
+    while stage.has_work():
+        outputs += stage.step()
+    return outputs
+
+
+def tts_rtf(stage: Any, n: int) -> float:
+    """Seconds of TTS stage time per second of audio, speaking `n` replies at once."""
+    from engine.tts import TtsRequest
+
+    start = time.perf_counter()
+    for i in range(n):
+        stage.add(f"cost{i}", TtsRequest())
+        stage.feed(f"cost{i}", REPLY_TEXT, final=True)
+    audio_ms = sum(o.payload.duration_ms for o in _drain(stage) if o.payload is not None)
+    return (time.perf_counter() - start) / (audio_ms / 1000)
+
+
+def llm_tokens_per_s(stage: Any, n: int, system: str) -> float:
+    """Output tokens per second of LLM stage time, answering `n` turns at once."""
+    from engine.llm import LlmInput
+    from engine.request import SamplingParams
+
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": COST_QUESTION}]
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    start = time.perf_counter()
+    for i in range(n):
+        stage.add(f"cost{i}", LlmInput(messages=messages, sampling_params=params))
+    tokens = sum(len(o.payload.new_token_ids) for o in _drain(stage) if o.payload is not None)
+    return tokens / (time.perf_counter() - start)
+
+
+def asr_ms(stage: Any, speech: np.ndarray) -> float:
+    start = time.perf_counter()
+    stage.add("cost", speech)
+    _drain(stage)
+    return (time.perf_counter() - start) * 1000
+
+
+def vad_ms_per_stream_s(stage: Any, streams: int) -> float:
+    """VAD stage milliseconds per second of one stream's audio, `streams` at once."""
+    seconds = 2
+    for i in range(streams):
+        stage.add(f"cost{i}", None)
+        stage.feed(f"cost{i}", np.zeros(16000 * seconds, np.float32))
+    start = time.perf_counter()
+    _drain(stage)
+    elapsed = time.perf_counter() - start
+    for i in range(streams):
+        stage.abort(f"cost{i}")
+    return elapsed * 1000 / (streams * seconds)
+
+
+def capacity(costs: dict[str, float], turns: list[Turn]) -> dict[str, float]:
+    """Speaking sessions the stages can serve at once (module docstring)."""
+    spoken = [t for t in turns if t.audio_s() > 0 and t.output_tokens > 0]
+    audio_s = sum(t.audio_s() for t in spoken)
+    # Without measured replies, the issue's estimate: 3.5 tokens per second of speech.
+    tokens_per_s = sum(t.output_tokens for t in spoken) / audio_s if spoken else 3.5
+    reply_s = audio_s / len(spoken) if spoken else 5.0
+    per_speech_s = (
+        costs[f"tts_rtf_{LIMIT_BATCH}"]
+        + tokens_per_s / costs[f"llm_tok_s_{LIMIT_BATCH}"]
+        + costs["asr_ms_per_utterance"] / 1000 / reply_s
+    )
+    vad_share = costs["vad_ms_per_stream_s"] / 1000 * KNEE_POOL
+    return {
+        "speech_tokens_per_s": round(tokens_per_s, 2),
+        "reply_audio_s": round(reply_s, 2),
+        "engine_s_per_speech_s": round(per_speech_s, 4),
+        "limit_sessions": round((1 - vad_share) / per_speech_s, 1),
     }
 
 
@@ -346,9 +502,17 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [plot_knee(result, out_dir)]
+    if result["levels"]:
+        paths.insert(0, plot_levels(result, out_dir))
+    return paths
+
+
+def plot_levels(result: dict[str, Any], out_dir: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     levels = result["levels"]
     n = [lv["sessions"] for lv in levels]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
@@ -366,32 +530,55 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     scale = out_dir / "load_scale.png"
     fig.savefig(scale, dpi=80)
     plt.close(fig)
+    return scale
+
+
+def plot_knee(result: dict[str, Any], out_dir: Path) -> Path:
+    """Worst stall and first-audio latency against the number of speaking sessions."""
+    import matplotlib.pyplot as plt
 
     knee = result["knee"]
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    fig, (ax, lat) = plt.subplots(1, 2, figsize=(10, 3.6))
     speaking = [s["speaking"] for s in knee]
     stalls = [s["worst_stall_ms"] or 0 for s in knee]
     colors = ["tab:green" if s["speaking_realtime"] else "tab:red" for s in knee]
     ax.bar([str(s) for s in speaking], stalls, color=colors)
     ax.axhline(JITTER_MS, color="gray", linestyle="--", label=f"jitter buffer {JITTER_MS} ms")
-    ax.set_xlabel("sessions speaking at once")
+    ax.set_xlabel(f"sessions speaking at once (of {result['knee_pool']} open)")
     ax.set_ylabel("worst playback stall (ms)")
     ax.set_yscale("symlog")
-    ax.set_title(f"realtime knee: {result['active_sessions_realtime']} speaking", fontsize=10)
+    ax.set_title(
+        f"realtime knee: {result['active_sessions_realtime']} speaking, "
+        f"computed limit {result['limit_sessions']}",
+        fontsize=10,
+    )
     ax.legend()
+    lat.plot(speaking, [s["first_audio_ms_p50"] or 0 for s in knee], marker="o")
+    single = result["first_audio_ms_p50_single"]
+    if single:
+        lat.axhline(1.5 * single, color="gray", linestyle="--", label="1.5 x one speaker")
+        lat.legend()
+    lat.set_xlabel("sessions speaking at once")
+    lat.set_ylabel("first audio p50 (ms)")
+    lat.grid(alpha=0.3)
     fig.tight_layout()
     knee_png = out_dir / "load_knee.png"
     fig.savefig(knee_png, dpi=80)
     plt.close(fig)
-    return [scale, knee_png]
+    return knee_png
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--levels", default="10,50,100", help="comma-separated session counts")
+    parser.add_argument(
+        "--levels", default="10,50,100", help='comma-separated session counts ("": none)'
+    )
     parser.add_argument("--max-speaking", type=int, default=16, help="last knee step to try")
     parser.add_argument("--plot-dir", type=Path, help="write PNG plots here")
+    parser.add_argument(
+        "--through", action="store_true", help="run every knee step, even after one fails"
+    )
     parser.add_argument("--config", type=Path, help="gateway profile YAML")
     parser.add_argument("--probe", help=argparse.SUPPRESS)
     parser.add_argument("--probe-out", type=Path, help=argparse.SUPPRESS)
@@ -401,10 +588,10 @@ def main() -> None:
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
             asyncio.run(probe(args.probe, args.probe_out))
         return
-    levels = [int(x) for x in args.levels.split(",")]
-    if not levels or min(levels) < 1 or args.max_speaking < 1:
+    levels = [int(x) for x in args.levels.split(",") if x]  # "": the knee only
+    if min(levels, default=1) < 1 or args.max_speaking < 1:
         parser.error("--levels and --max-speaking must be positive")
-    result = asyncio.run(run(levels, args.max_speaking, args.config))
+    result = asyncio.run(run(levels, args.max_speaking, args.config, args.through))
     if args.plot_dir is not None:
         result["plots"] = [os.path.relpath(p, ROOT) for p in plot(result, args.plot_dir)]
     if args.json:
@@ -414,7 +601,12 @@ def main() -> None:
         print(json.dumps(level))
     for step in result["knee"]:
         print(json.dumps(step))
-    print(f"active_sessions_realtime: {result['active_sessions_realtime']}")
+    for key in ("active_sessions_realtime", "limit_sessions", "knee_fraction"):
+        print(f"{key}: {result[key]}")
+    print(
+        f"first audio p50: single {result['first_audio_ms_p50_single']} ms, at the knee "
+        f"{result['first_audio_ms_p50_at_knee']} ms"
+    )
 
 
 if __name__ == "__main__":

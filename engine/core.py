@@ -4,7 +4,9 @@ Rule: only the engine thread touches a stage. Other threads (and the event loop)
 aborts, adds and calls on queues guarded by one condition; the thread drains them in
 that order (aborts first, so a barge-in never waits behind new work), then steps every
 busy stage once, then hands that step's outputs out. It sleeps on the condition when no
-stage has work, so an idle engine burns no CPU.
+stage has work, so an idle engine burns no CPU. A stage whose work can wait says so with
+an optional `deferrable() -> bool` (the LLM when every row is ahead of its speech): it is
+stepped only in iterations where no other stage has work, i.e. in slack.
 """
 
 from __future__ import annotations
@@ -144,6 +146,14 @@ class EngineCore:
     def _busy(self) -> bool:
         return any(self._stage_has_work(name) for name in self._stages)
 
+    def _deferrable(self, name: str) -> bool:
+        deferrable = getattr(self._stages[name], "deferrable", None)
+        try:
+            return bool(deferrable()) if deferrable is not None else False
+        except Exception:
+            logger.exception("stage %s: deferrable failed", name)
+            return False
+
     def _stage_has_work(self, name: str) -> bool:
         try:
             return bool(self._stages[name].has_work())
@@ -195,9 +205,10 @@ class EngineCore:
             op.future.set_result(result)
 
     def _step_stages(self) -> None:
-        for name, stage in self._stages.items():
-            if not self._stage_has_work(name):
-                continue
+        busy = [name for name in self._stages if self._stage_has_work(name)]
+        urgent = [name for name in busy if not self._deferrable(name)]
+        for name in urgent or busy:
+            stage = self._stages[name]
             try:
                 outputs = stage.step()
             except Exception as exc:
@@ -295,6 +306,11 @@ class AsyncEngine:
     async def call(self, stage: str, method: str, *args: Any) -> Any:
         self._bind_loop()
         return await asyncio.wrap_future(self._core.call(stage, method, *args))
+
+    def notify(self, stage: str, method: str, *args: Any) -> None:
+        """Call a stage method on the engine thread without waiting for it; its result
+        and any error are dropped (for hints such as the LLM's `set_runway`)."""
+        self._core.call(stage, method, *args)
 
     def abort(self, stage: str, request_id: str) -> None:
         self._streams.close((stage, request_id))

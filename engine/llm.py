@@ -20,6 +20,11 @@ Rules of this file:
    through a `CallReader`: a call comes out as `tool_calls` deltas, never as text. Its
    `CallMask` logits processor (`engine.grammar`) keeps the call valid; it is one more
    per-row processor, so constrained and free rows share the batch.
+6. Speech pacing (`set_runway`): the orchestrator tells the stage how many seconds of
+   speech each request already has queued for its listener. While every running row has
+   more than AHEAD_S queued and no prompt waits, the stage's work is `deferrable`: the
+   engine thread steps it only when no other stage of its lane has work, so text no one
+   can speak yet never delays audio someone is about to need.
 4. Abort, finish and preemption free the KV at once and drop the row's pending token
    unread, so nothing drawn past a finish or an abort is ever emitted; a preempted row
    also gets its random key back, so its resumed draw repeats the dropped one. A
@@ -32,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -48,13 +53,21 @@ from engine.sampling import RowSampler, new_key, sample_batch
 from engine.stage import StageOutput
 from engine.tool_calls import CallReader, template_messages
 
-__all__ = ["LlmInput", "LlmStage", "SHARED_PREFIX_KEY"]
+__all__ = ["AHEAD_S", "PREFILL_AGEING_TOKENS_PER_S", "LlmInput", "LlmStage", "SHARED_PREFIX_KEY"]
 
 # The prompt-cache key of the system-prompt prefix every new session copies; the NUL
 # keeps it apart from any session key.
 SHARED_PREFIX_KEY = "\x00shared-prefix"
 # The KV depth at which a long prompt's prefill slice is half its full size (`_slice_at`).
 SLICE_HALVING_DEPTH = 512
+# A row whose listener has more than this much speech queued (seconds) is not decoded
+# further while no row is short of it (rule 6): text it could not speak yet. Generous:
+# once due, a row's next clause takes tens of decode steps, each behind a TTS step, so a
+# small margin (6 s was measured) lets a lone speaker's audio run dry on a loaded CPU.
+AHEAD_S = 20.0
+# Prefill ageing: each second a prompt has waited counts as this many fewer tokens left to
+# prefill, so a long prompt is eventually first even under a steady stream of short ones.
+PREFILL_AGEING_TOKENS_PER_S = 64
 
 
 @dataclass
@@ -106,6 +119,8 @@ class _Seq:
     layers: list[Any] = field(default_factory=list)  # per-layer KV while prefilling
     unread: bool = False  # its `_pending` token was drawn but not yet recorded
     rewind_key: mx.array | None = None  # its sampler key before that draw
+    added_at: float = 0.0  # stage clock at `add`
+    speech_until: float | None = None  # stage clock when its queued speech runs out (rule 6)
 
     @property
     def kv_tokens(self) -> int:
@@ -129,6 +144,7 @@ class LlmStage:
         max_kv_tokens: int | None = None,
         prompt_cache_bytes: int = 256 * 1024 * 1024,
         context_limits: ContextLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if min(max_running_sequences, prefill_chunk_tokens, prefill_slice_tokens) < 1:
             raise ValueError(
@@ -143,6 +159,7 @@ class LlmStage:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.prefill_slice_tokens = min(prefill_slice_tokens, prefill_chunk_tokens)
         self.max_kv_tokens = max_kv_tokens
+        self._clock = clock
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self._context = None if context_limits is None else self._fitter(context_limits)
         self._eos = set(getattr(tokenizer, "eos_token_ids", None) or ())
@@ -195,7 +212,7 @@ class LlmStage:
         req = Request(request_id, prompt, params, priority=inputs.priority)
         sampler = RowSampler(params, prompt, req.output_token_ids, new_key(params.seed))
         detok = StreamingDetokenizer(self.tokenizer.decode, params.stop)
-        seq = _Seq(req, list(prompt), sampler, detok, inputs.cache_key)
+        seq = _Seq(req, list(prompt), sampler, detok, inputs.cache_key, added_at=self._clock())
         seq.calls = CallReader() if tools else None
         self._seqs[request_id] = seq
         heapq.heappush(self._waiting, req)
@@ -235,6 +252,30 @@ class LlmStage:
         if not self._running:
             return outputs
         return outputs + self._decode()
+
+    def set_runway(self, request_id: str, seconds: float) -> None:
+        """Rule 6: `request_id`'s listener has `seconds` of speech queued (audio not yet
+        played and text not yet spoken). Unknown ids (finished a moment ago) are ignored."""
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            seq.speech_until = self._clock() + seconds
+
+    def deferrable(self) -> bool:
+        """Rule 6: only rows with speech enough queued, and no prompt waiting."""
+        if self._waiting or self._prefilling or not self._running:
+            return False
+        return not self._decode_due()
+
+    def _decode_due(self) -> bool:
+        """Whether some running row is short of speech (rows without a runway always are)."""
+        now = self._clock()
+        return any(self._ahead_by(seq, now) <= 0 for seq in self._running)
+
+    @staticmethod
+    def _ahead_by(seq: _Seq, now: float) -> float:
+        if seq.speech_until is None:
+            return 0.0
+        return seq.speech_until - now - AHEAD_S
 
     def stats(self) -> dict[str, int]:
         return {
@@ -363,12 +404,21 @@ class LlmStage:
           turns still starts in one step); otherwise the shortest one advances a slice.
           A new short turn's first token thus waits for at most the slice in flight
           when it arrived, and a long prompt gets every step in which nothing shorter
-          waits, so it is never starved for longer than the short turns' prefills.
+          waits.
+        - Ageing: every second a request has waited counts as PREFILL_AGEING_TOKENS_PER_S
+          fewer tokens left, so even a steady stream of short turns cannot hold a long
+          prompt back for ever: once aged past them it advances a slice per step.
         """
         budget = min(budget, self.prefill_chunk_tokens)
         if budget <= 0 or not self._prefilling:
             return []
-        shortest_first = sorted(self._prefilling, key=lambda s: len(s.tokens) - s.kv_tokens)
+        now = self._clock()
+
+        def aged_rest(seq: _Seq) -> float:
+            waited = now - seq.added_at
+            return len(seq.tokens) - seq.kv_tokens - PREFILL_AGEING_TOKENS_PER_S * waited
+
+        shortest_first = sorted(self._prefilling, key=aged_rest)
         last: list[_Seq] = []
         for seq in shortest_first:
             todo = len(seq.tokens) - seq.kv_tokens

@@ -74,6 +74,9 @@ logger = logging.getLogger(__name__)
 ASR, LLM, TTS = Stage.ASR, Stage.LLM, Stage.TTS
 # The engine stage that runs each pipeline stage.
 STAGE_ENGINES = {ASR: "asr", LLM: "llm", TTS: "tts"}
+# Characters of text per second of speech (the default voice at speed 1): how a speaker
+# turns its unspoken text into seconds for the LLM stage's pacing (`set_runway`).
+CHARS_PER_SPEECH_S = 14.0
 
 
 @dataclass(frozen=True)
@@ -698,7 +701,11 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
 
 
 class _Speaker:
-    """Stage 2 of one turn: feeds clauses to the TTS stage in order, emits its audio."""
+    """Stage 2 of one turn: feeds clauses to the TTS stage in order, emits its audio.
+
+    It also tells the engine's LLM stage how much speech the listener has queued (audio
+    not yet played, text not yet spoken), so that the LLM does not race ahead of it.
+    """
 
     def __init__(self, orchestrator: DuplexOrchestrator, turn: _Turn) -> None:
         self._orch = orchestrator
@@ -706,6 +713,10 @@ class _Speaker:
         self._rid = turn.ids[TTS]
         self._queue: asyncio.Queue[tuple[str, bool]] = asyncio.Queue()
         self._first_chunk = True
+        self._paces_llm = isinstance(orchestrator.llm, EngineLlm)
+        self._unspoken_chars = 0
+        self._heard_from: float | None = None  # monotonic time of the first chunk
+        self._audio_s = 0.0
 
     def say(self, clauses: list[str]) -> None:
         for clause in clauses:
@@ -713,6 +724,18 @@ class _Speaker:
                 self._turn.marks["clause"] = time.perf_counter()
                 self._turn.marks["llm_first_clause_ms"] = self._turn.since("llm")
             self._queue.put_nowait((clause, False))
+            self._unspoken_chars += len(clause)
+        if clauses:
+            self._pace()
+
+    def _pace(self) -> None:
+        if not self._paces_llm:
+            return
+        in_hand = 0.0
+        if self._heard_from is not None:
+            in_hand = max(0.0, self._heard_from + self._audio_s - time.monotonic())
+        seconds = in_hand + max(0, self._unspoken_chars) / CHARS_PER_SPEECH_S
+        self._orch.engine.notify("llm", "set_runway", self._turn.ids[LLM], seconds)
 
     def finish(self, clauses: list[str]) -> None:
         self.say(clauses)
@@ -754,6 +777,11 @@ class _Speaker:
                 return
 
     def _emit_chunk(self, chunk: Any) -> None:
+        if self._heard_from is None:
+            self._heard_from = time.monotonic()
+        self._audio_s += chunk.duration_ms / 1000
+        self._unspoken_chars -= len(chunk.text)
+        self._pace()
         metadata: dict[str, Any] = {"duration_ms": chunk.duration_ms}
         if self._first_chunk:
             self._first_chunk = False

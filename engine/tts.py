@@ -5,14 +5,25 @@ clauses). Every chunk leaves the engine as that audio, float32 mono at the voice
 rate: converting it to what a client wants is the gateway's job, done once there.
 `Synthesizer` is the plain API: text in, one chunk per clause out. `TtsStage` is the
 engine stage: requests are opened with `add`, text arrives with `feed` as the LLM
-produces it, and each `step` speaks the next chunk of every busy request in one batch.
+produces it, and each `step` speaks the next chunk of the most urgent requests in one
+batch.
 
 The stage renders a request's first audio in a short chunk: the clause's latents are
 computed whole (the text encoder and duration predictor need every phoneme), but the
 flows and the vocoder, both convolutional, run over windows of latent frames with enough
 context on each side that the window's middle equals the whole clause's audio. Each
 later chunk of a request is at most twice the audio already rendered for it, so the
-next chunk is ready well before playback reaches it; later clauses mostly fit in one.
+next chunk is ready well before playback reaches it, and at most MAX_CHUNK_FRAMES, so
+that no single chunk holds a step for long.
+
+Scheduling is earliest deadline first. A request's deadline is the moment its listener
+runs out of audio: the wall time of its first chunk plus the audio emitted since. A
+request not yet heard is already late (its deadline is when it arrived). Each step takes
+the requests with the soonest deadlines whose next chunk is at most twice as wide as the
+most urgent one's (a wider one would hold it up; cutting it narrower would cost more
+context per second of audio), and stops adding requests when the padded batch would exceed
+STEP_WINDOW_FRAMES, so that the most urgent chunk never waits behind a big batch. A
+request with more than AHEAD_S of audio in hand is not rendered while another has less.
 """
 
 from __future__ import annotations
@@ -20,7 +31,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,10 +45,13 @@ from engine.phonemes import get_phonemizer, phoneme_ids
 from engine.stage import StageOutput
 
 __all__ = [
+    "AHEAD_S",
     "AudioChunk",
     "DEFAULT_VOICE",
     "FIRST_CHUNK_FRAMES",
+    "MAX_CHUNK_FRAMES",
     "MIN_REST_FRAMES",
+    "STEP_WINDOW_FRAMES",
     "Synthesizer",
     "TtsRequest",
     "TtsStage",
@@ -62,6 +76,15 @@ FIRST_CHUNK_FRAMES = 32
 # A remainder shorter than this joins the chunk before it: rendering it apart would
 # cost more in window context than it saves.
 MIN_REST_FRAMES = 16
+# The widest chunk (about 3 s of speech). Each chunk also computes 2 x 44 frames of
+# context, so narrower chunks cost more per second of audio; wider ones hold every other
+# request's chunk for their whole step.
+MAX_CHUNK_FRAMES = 256
+# The most latent frames one step renders, counted as the padded batch computes them
+# (rows x (widest chunk + context)): six first chunks, or two of the widest.
+STEP_WINDOW_FRAMES = 720
+# A request with this much audio in hand (seconds) waits while another has less.
+AHEAD_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -144,6 +167,10 @@ class Voice:
 
     def ids(self, text: str) -> list[int]:
         return phoneme_ids(self.phonemizer.phonemize(text), self.id_map)
+
+    def context_frames(self) -> int:
+        """Latent frames of context a rendered span needs on each side."""
+        return int(self.model.context_frames())
 
     def id_pieces(self, text: str) -> list[list[int]]:
         """Ids of the text in pieces of at most MAX_PIECE_PHONEMES phonemes."""
@@ -289,41 +316,62 @@ class _Segment:
 @dataclass
 class _Stream:
     scales: Scales
+    arrived: float  # stage clock when the request was added
     pending: deque[str] = field(default_factory=deque)
     segments: deque[_Segment] = field(default_factory=deque)
     final: bool = False
     started: bool = False
     frames_out: int = 0  # latent frames rendered so far
+    first_at: float | None = None  # stage clock when its first chunk left
+    audio_s: float = 0.0  # seconds of audio emitted so far
 
     def busy(self) -> bool:
         return bool(self.pending or self.segments or self.final)
 
-    def next_span(self) -> tuple[_Segment, int, int]:
-        """The segment to render from and the frames [start, stop) of this step's chunk."""
-        seg = self.segments[0]
-        start = seg.rendered
+    def speakable(self) -> bool:
+        return bool(self.pending or self.segments)
+
+    def deadline(self) -> float:
+        """When its listener runs out of audio; a request not yet heard is already late."""
+        if self.first_at is None:
+            return self.arrived
+        return self.first_at + self.audio_s
+
+    def chunk_frames(self) -> int:
         # Each chunk at most doubles the audio rendered before it, so it is ready before
         # the audio ahead of it has played.
-        stop = min(seg.frames, start + max(FIRST_CHUNK_FRAMES, 2 * self.frames_out))
+        return min(MAX_CHUNK_FRAMES, max(FIRST_CHUNK_FRAMES, 2 * self.frames_out))
+
+    def next_span(self, width: int) -> tuple[_Segment, int, int]:
+        """The segment to render from and the frames [start, stop) of this step's chunk,
+        at most `width` frames (plus a remainder too short to render apart)."""
+        seg = self.segments[0]
+        start = seg.rendered
+        stop = min(seg.frames, start + min(width, self.chunk_frames()))
         if seg.frames - stop < MIN_REST_FRAMES:
             stop = seg.frames
         return seg, start, stop
 
 
 class TtsStage:
-    """Engine stage: streaming requests, one chunk per request per step, batched.
+    """Engine stage: streaming requests, the most urgent first, batched (module docstring).
 
-    A step starts the next clause of each busy request that has none in progress, then
-    renders the next chunk of every busy request. `feed` for an id the stage does not
-    hold (e.g. aborted a moment ago) is ignored and returns False, so late LLM text after
-    a barge-in is harmless.
+    A step picks the requests to speak (`_pick`), starts the next clause of each picked
+    request that has none in progress, then renders one chunk of each. `feed` for an id
+    the stage does not hold (e.g. aborted a moment ago) is ignored and returns False, so
+    late LLM text after a barge-in is harmless. `clock` is the wall clock deadlines are
+    read on (seconds).
     """
 
     name = "tts"
 
-    def __init__(self, voice: Voice, max_batch: int = 8) -> None:
+    def __init__(
+        self, voice: Voice, max_batch: int = 8, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.voice = voice
         self.max_batch = max_batch
+        self._clock = clock
+        self._context = voice.context_frames()
         self._streams: dict[str, _Stream] = {}
 
     def add(self, request_id: str, inputs: TtsRequest) -> None:
@@ -331,7 +379,15 @@ class TtsStage:
             raise ValueError(f"TTS inputs must be a TtsRequest, not {type(inputs).__name__}")
         if request_id in self._streams:
             raise ValueError(f"TTS request {request_id!r} already exists")
-        self._streams[request_id] = _Stream(self.voice.scales(inputs))
+        self._streams[request_id] = _Stream(self.voice.scales(inputs), self._clock())
+
+    def runway(self, request_id: str) -> float | None:
+        """Seconds of audio its listener has in hand now (negative: already dry); None
+        for a request not held or not yet heard."""
+        stream = self._streams.get(request_id)
+        if stream is None or stream.first_at is None:
+            return None
+        return stream.deadline() - self._clock()
 
     def feed(self, request_id: str, text: str, final: bool = False) -> bool:
         stream = self._streams.get(request_id)
@@ -354,25 +410,47 @@ class TtsStage:
         return any(s.busy() for s in self._streams.values())
 
     def step(self) -> list[StageOutput]:
-        ready = [(rid, s) for rid, s in self._streams.items() if s.busy()]
-        ready = ready[: self.max_batch]
-        for rid, _ in ready:  # round robin: served requests queue up behind the others
-            self._streams[rid] = self._streams.pop(rid)
-        speak = [(rid, s) for rid, s in ready if s.segments or s.pending]
-        outputs: list[StageOutput] = []
-        if speak:
-            outputs += self._speak(speak)
-        spoken = {rid for rid, _ in speak}
-        for rid, s in ready:
-            if rid not in spoken and rid in self._streams:
-                outputs.append(self._emit(rid, s, np.zeros(0, np.float32), "", {}))
+        # Requests with their final text all spoken only need their finished output.
+        ended = [(rid, s) for rid, s in self._streams.items() if s.busy() and not s.speakable()]
+        speak, width = self._pick()
+        outputs = self._speak(speak, width) if speak else []
+        for rid, s in ended:
+            outputs.append(self._emit(rid, s, np.zeros(0, np.float32), "", {}))
         return outputs
 
-    def _speak(self, speak: list[tuple[str, _Stream]]) -> list[StageOutput]:
+    def _pick(self) -> tuple[list[tuple[str, _Stream]], int]:
+        """This step's requests, earliest deadline first, and the widest chunk they may
+        render: twice the most urgent one's, so it is never held up much longer."""
+        now = self._clock()
+        ready = sorted(
+            ((rid, s) for rid, s in self._streams.items() if s.speakable()),
+            key=lambda item: item[1].deadline(),
+        )
+        if not ready:
+            return [], 0
+        limit = 2 * ready[0][1].chunk_frames()
+        short = ready[0][1].deadline() - now <= AHEAD_S
+        picked: list[tuple[str, _Stream]] = []
+        widest = 0
+        for rid, s in ready:
+            if len(picked) == self.max_batch:
+                break
+            if short and s.deadline() - now > AHEAD_S:
+                break  # far enough ahead: it waits while others run short
+            width = s.chunk_frames()
+            if width > limit:
+                continue  # its wide chunk would hold the urgent one up: a later step
+            rows, widest = len(picked) + 1, max(widest, width)
+            if picked and rows * (widest + 2 * self._context) > STEP_WINDOW_FRAMES:
+                break
+            picked.append((rid, s))
+        return picked, limit
+
+    def _speak(self, speak: list[tuple[str, _Stream]], width: int) -> list[StageOutput]:
         start = time.perf_counter()
         try:
             self._start_clauses([s for _, s in speak if not s.segments])
-            spans = [s.next_span() for _, s in speak]
+            spans = [s.next_span(width) for _, s in speak]
             audio = self.voice.render([(seg.z_p, a, b) for seg, a, b in spans])
         except Exception as exc:  # a model failure fails these requests, not the engine
             for rid, _ in speak:
@@ -383,10 +461,14 @@ class TtsStage:
             ]
         synth_ms = 1000 * (time.perf_counter() - start)
         metrics = {"synth_ms": synth_ms, "batch": float(len(speak))}
+        now = self._clock()
         outputs = []
         for (rid, s), (seg, a, b), chunk in zip(speak, spans, audio, strict=True):
             seg.rendered = b
             s.frames_out += b - a
+            if s.first_at is None:
+                s.first_at = now
+            s.audio_s += len(chunk) / self.voice.sample_rate
             if seg.rendered == seg.frames:
                 s.segments.popleft()
             total = seg.clause_frames

@@ -42,12 +42,17 @@ BACKCHANNELS = frozenset(
 FILLERS = frozenset(("then", "so", "it", "is", "in", "on", "that", "this", "there"))
 
 
+# A hum spelt out at any length ("MMMM", "hmmmm", "mhm"): whisper writes as many letters
+# as it hears.
+_HUM = re.compile(r"[mh]+")
+
+
 def is_backchannel(transcript: str) -> bool:
     """Whether a transcript holds no word that means to take the turn: only backchannels,
-    words that cannot stand alone ("and", "the"), or single letters."""
+    hums, words that cannot stand alone ("and", "the"), or single letters."""
     words = re.findall(r"[a-z']+", transcript.lower())  # "mm-hmm": "mm", "hmm"
     ignored = BACKCHANNELS | UNFINISHED_ENDINGS | FILLERS
-    return all(len(word) < 2 or word in ignored for word in words)
+    return all(len(word) < 2 or word in ignored or _HUM.fullmatch(word) for word in words)
 
 
 # Whisper completes speech cut after a preposition with a pronoun of its own ("a table

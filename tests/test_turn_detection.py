@@ -139,6 +139,9 @@ def test_the_word_rules() -> None:
     assert not sounds_unfinished("")
     assert is_backchannel("Mm-hmm.") and is_backchannel("Yeah, okay.") and is_backchannel("")
     assert not is_backchannel("Wait, stop.")
+    # Whisper spells a hum with as many letters as it hears.
+    assert is_backchannel("MMMM") and is_backchannel("Hmmmm.") and is_backchannel("Mhmmm")
+    assert not is_backchannel("Mom")
 
 
 # -- interruptions -------------------------------------------------------------------------

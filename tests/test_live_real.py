@@ -11,26 +11,17 @@ and is transcribed live the same way, with no audio of the cancelled answer afte
 from __future__ import annotations
 
 import asyncio
-import base64
-import re
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
-import soundfile as sf
-import soxr
-from openai import AsyncOpenAI
 
 from tests.helpers import running_gateway
+from tests.realtime_client import client, silence, speech, stream, until, words
 
 pytestmark = pytest.mark.models
 
 MODEL = "duplex-smollm2"
-RATE = 24000
-FRAME_MS = 40
 DELTA = "conversation.item.input_audio_transcription.delta"
 COMPLETED = "conversation.item.input_audio_transcription.completed"
 LONG_QUESTION = (
@@ -46,43 +37,6 @@ def gateway() -> Iterator[str]:
     assert gw.proc.returncode == 0, "SIGTERM must shut down cleanly:\n" + "".join(gw.lines[-30:])
 
 
-def client(base: str) -> AsyncOpenAI:
-    return AsyncOpenAI(api_key="sk-local", websocket_base_url=base)
-
-
-def speech(text: str) -> bytes:
-    """PCM16 24 kHz of eSpeak NG saying `text`."""
-    with tempfile.NamedTemporaryFile(suffix=".wav") as wav:
-        subprocess.run(["espeak-ng", "-v", "en-us", "-w", wav.name, text], check=True)
-        audio, rate = sf.read(wav.name, dtype="float32")
-    pcm = soxr.resample(audio, rate, RATE)
-    return (np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes()
-
-
-def silence(ms: int) -> bytes:
-    return bytes(RATE * 2 * ms // 1000)
-
-
-async def stream(conn: Any, pcm: bytes) -> None:
-    """Append `pcm` in 40 ms frames at a microphone's pace."""
-    step = RATE * 2 * FRAME_MS // 1000
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    for n, i in enumerate(range(0, len(pcm), step)):
-        await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i : i + step]).decode())
-        await asyncio.sleep(max(0.0, start + (n + 1) * FRAME_MS / 1000 - loop.time()))
-
-
-async def until(conn: Any, *kinds: str, timeout: float = 180) -> list[Any]:
-    events = []
-    async with asyncio.timeout(timeout):
-        while True:
-            event = await conn.recv()
-            events.append(event)
-            if event.type in kinds:
-                return events
-
-
 async def speak_and_read(conn: Any, pcm: bytes, *kinds: str) -> list[Any]:
     """Stream `pcm` in real time while reading events up to the first of `kinds`."""
     speaking = asyncio.create_task(stream(conn, pcm))
@@ -90,10 +44,6 @@ async def speak_and_read(conn: Any, pcm: bytes, *kinds: str) -> list[Any]:
         return await until(conn, *kinds)
     finally:
         await speaking
-
-
-def words(text: str) -> set[str]:
-    return set(re.findall(r"[a-z']+", text.lower()))
 
 
 def check_live_transcript(events: list[Any]) -> str:

@@ -19,10 +19,10 @@ import pytest
 import soundfile as sf
 import soxr
 import yaml
-from openai import AsyncOpenAI
 from websockets.asyncio.client import connect
 
 from tests.helpers import ROOT, running_gateway
+from tests.realtime_client import client, until
 
 pytestmark = pytest.mark.models
 
@@ -47,10 +47,6 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     assert gw.proc.returncode == 0, "SIGTERM must shut down cleanly:\n" + "".join(gw.lines[-30:])
 
 
-def client(base: str) -> AsyncOpenAI:
-    return AsyncOpenAI(api_key="sk-local", websocket_base_url=base)
-
-
 def recording_pcm(path: Path = RECORDING) -> bytes:
     data, rate = sf.read(path, dtype="float32")
     if data.ndim > 1:
@@ -71,17 +67,6 @@ async def append(conn: Any, pcm: bytes, chunk_ms: int = 100) -> None:
     step = RATE * 2 * chunk_ms // 1000
     for i in range(0, len(pcm), step):
         await conn.input_audio_buffer.append(audio=b64(pcm[i : i + step]))
-
-
-async def until(conn: Any, *kinds: str, timeout: float = 120) -> list[Any]:
-    """Events up to and including the first of one of `kinds`."""
-    events = []
-    async with asyncio.timeout(timeout):
-        while True:
-            event = await conn.recv()
-            events.append(event)
-            if event.type in kinds:
-                return events
 
 
 async def settle(conn: Any, quiet_s: float = 1.0) -> list[Any]:

@@ -19,9 +19,9 @@ import pytest
 import soundfile as sf
 import soxr
 import yaml
-from openai import AsyncOpenAI
 
 from tests.helpers import ROOT, running_gateway
+from tests.realtime_client import client, until
 
 pytestmark = pytest.mark.models
 
@@ -77,20 +77,6 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     path.write_text(yaml.safe_dump(profile))
     with running_gateway("--config", str(path)) as gw:
         yield f"ws://127.0.0.1:{gw.port}/v1"
-
-
-def client(base: str) -> AsyncOpenAI:
-    return AsyncOpenAI(api_key="sk-local", websocket_base_url=base)
-
-
-async def until(conn: Any, *kinds: str, timeout: float = 120) -> list[Any]:
-    events = []
-    async with asyncio.timeout(timeout):
-        while True:
-            event = await conn.recv()
-            events.append(event)
-            if event.type in kinds:
-                return events
 
 
 def user_text(words: str) -> dict[str, Any]:

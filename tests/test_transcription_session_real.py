@@ -9,8 +9,6 @@ look for them before `speech_stopped` need that path in the engine.
 from __future__ import annotations
 
 import asyncio
-import base64
-import re
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -20,14 +18,12 @@ import numpy as np
 import pytest
 import soundfile as sf
 import soxr
-from openai import AsyncOpenAI
 
 from tests.helpers import running_gateway
+from tests.realtime_client import RATE, client, silence, stream, until, words
 
 pytestmark = pytest.mark.models
 
-RATE = 24000
-FRAME_MS = 40
 LOGPROBS = "item.input_audio_transcription.logprobs"
 SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank this morning."
 INTENT = {"intent": "transcription"}
@@ -47,39 +43,6 @@ def sentence() -> bytes:
         audio, rate = sf.read(wav.name, dtype="float32")
     pcm = (np.clip(soxr.resample(audio, rate, RATE), -1, 1) * 32767).astype("<i2").tobytes()
     return silence(300) + pcm + silence(1500)
-
-
-def client(base: str) -> AsyncOpenAI:
-    return AsyncOpenAI(api_key="sk-local", websocket_base_url=base)
-
-
-def silence(ms: int) -> bytes:
-    return bytes(RATE * 2 * ms // 1000)
-
-
-def words(text: str) -> set[str]:
-    return set(re.findall(r"[a-z']+", text.lower()))
-
-
-async def stream(conn: Any, pcm: bytes) -> None:
-    """Append `pcm` in 40 ms frames at a microphone's pace."""
-    step = RATE * 2 * FRAME_MS // 1000
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    for n, i in enumerate(range(0, len(pcm), step)):
-        await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i : i + step]).decode())
-        await asyncio.sleep(max(0.0, start + (n + 1) * FRAME_MS / 1000 - loop.time()))
-
-
-async def until(conn: Any, *kinds: str, timeout: float = 120) -> list[Any]:
-    """Events up to and including the first of one of `kinds`."""
-    events = []
-    async with asyncio.timeout(timeout):
-        while True:
-            event = await conn.recv()
-            events.append(event)
-            if event.type in kinds:
-                return events
 
 
 async def transcribe(conn: Any, pcm: bytes) -> list[Any]:

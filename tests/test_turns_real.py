@@ -7,27 +7,18 @@ an answer are confirmed by their words or their length (configs/default.yaml).
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import re
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
-import soundfile as sf
-import soxr
-from openai import AsyncOpenAI
 
 from tests.helpers import running_gateway
+from tests.realtime_client import RATE, client, silence, speech, stream, until, words
 
 pytestmark = pytest.mark.models
 
 MODEL = "duplex-smollm2"
-RATE = 24000
-FRAME_MS = 40
 
 
 @pytest.fixture(scope="module")
@@ -36,52 +27,11 @@ def gateway() -> Iterator[str]:
         yield f"ws://127.0.0.1:{gw.port}/v1"
 
 
-def client(base: str) -> AsyncOpenAI:
-    return AsyncOpenAI(api_key="sk-local", websocket_base_url=base)
-
-
-def speech(text: str, voice: str = "en-us") -> bytes:
-    """PCM16 24 kHz of eSpeak NG saying `text` (SSML allowed)."""
-    with tempfile.NamedTemporaryFile(suffix=".wav") as wav:
-        subprocess.run(["espeak-ng", "-m", "-v", voice, "-w", wav.name, text], check=True)
-        audio, rate = sf.read(wav.name, dtype="float32")
-    pcm = soxr.resample(audio, rate, RATE)
-    return (np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes()
-
-
-def silence(ms: int) -> bytes:
-    return bytes(RATE * 2 * ms // 1000)
-
-
-async def stream(conn: Any, pcm: bytes) -> None:
-    """Append `pcm` in 40 ms frames at a microphone's pace."""
-    step = RATE * 2 * FRAME_MS // 1000
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    for n, i in enumerate(range(0, len(pcm), step)):
-        await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i : i + step]).decode())
-        await asyncio.sleep(max(0.0, start + (n + 1) * FRAME_MS / 1000 - loop.time()))
-
-
 async def append(conn: Any, pcm: bytes) -> None:
     """Append `pcm` at once, in 100 ms pieces."""
     step = RATE * 2 // 10
     for i in range(0, len(pcm), step):
         await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i : i + step]).decode())
-
-
-async def until(conn: Any, *kinds: str, timeout: float = 120) -> list[Any]:
-    events = []
-    async with asyncio.timeout(timeout):
-        while True:
-            event = await conn.recv()
-            events.append(event)
-            if event.type in kinds:
-                return events
-
-
-def words(text: str) -> set[str]:
-    return set(re.findall(r"[a-z']+", text.lower()))
 
 
 async def semantic_session(conn: Any, eagerness: str, **extra: Any) -> Any:

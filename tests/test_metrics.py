@@ -135,9 +135,17 @@ async def test_real_gateway_exports_engine_pending_and_loop_lag() -> None:
             assert set(streaming) == STAGES
             assert all(v >= 0 for v in streaming.values())
         await until_pending(gw.port, lambda p: p["vad"] == 0)
-        samples = await asyncio.to_thread(scrape, gw.port)
-        count = lag(samples, "_count")
-        assert count > lag(idle, "_count")
+        # The probe observes every 0.1 s: wait for its next sample (the session above may
+        # have come and gone within one interval).
+        before = lag(idle, "_count")
+        deadline = time.monotonic() + 60
+        while True:
+            samples = await asyncio.to_thread(scrape, gw.port)
+            count = lag(samples, "_count")
+            if count > before or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        assert count > before
         assert lag(samples, "_bucket", "+Inf") == count
         assert math.isfinite(lag(samples, "_sum")) and lag(samples, "_sum") >= 0
 

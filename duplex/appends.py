@@ -11,9 +11,11 @@ rule 5) hears the session's input as it happens. Each append is one of:
   transcribe it live as `utterance_id`;
 - `UtteranceEnded(utterance_id)`, prompt `{"append": "utterance_ended",
   "utterance_id": str}`: no more live work for it (committed, or dropped);
-- `Listen(enabled, prompt, logprobs)`, prompt `{"append": "listen", "enabled": bool,
-  "prompt": str, "logprobs": bool}`: transcribe live from now on with these options,
-  or (`enabled=False`) not at all.
+- `Listen(enabled, prompt, logprobs, clock)`, prompt `{"append": "listen", "enabled":
+  bool, "prompt": str, "logprobs": bool, "clock": int}`: transcribe live from now on
+  with these options, or (`enabled=False`) not at all. `clock` is the session clock
+  (samples) at that moment: a session that does not listen need not send what it
+  hears, and the clock tells how much it did not send.
 
 `plan()` builds the `DuplexAppendPlan` of a value and `read_append` reads one back,
 refusing a malformed prompt with ValueError.
@@ -71,6 +73,7 @@ class Listen:
     enabled: bool = True
     prompt: str = ""
     logprobs: bool = False
+    clock: int = 0
 
     def plan(self) -> DuplexAppendPlan:
         prompt = {
@@ -78,6 +81,7 @@ class Listen:
             "enabled": self.enabled,
             "prompt": self.prompt,
             "logprobs": self.logprobs,
+            "clock": self.clock,
         }
         return DuplexAppendPlan(prompt)
 
@@ -110,7 +114,10 @@ def read_append(prompt: Mapping[str, object]) -> Append:
             raise ValueError("listen needs a bool enabled and a str prompt")
         if not isinstance(logprobs, bool):
             raise ValueError("listen needs a bool logprobs")
-        return Listen(enabled, text, logprobs)
+        clock = prompt.get("clock")
+        if not isinstance(clock, int) or isinstance(clock, bool) or clock < 0:
+            raise ValueError("listen needs an int clock >= 0")
+        return Listen(enabled, text, logprobs, clock)
     raise ValueError(f"not a resident stage-0 append: {kind!r}")
 
 

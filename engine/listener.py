@@ -109,6 +109,12 @@ class HeardAudio:
         self._chunks.append(samples)
         self.end += len(samples)
 
+    def skip_to(self, clock: int) -> None:
+        """Samples up to `clock` went unheard: what is kept is from before them."""
+        if clock > self.end:
+            self._chunks.clear()
+            self.start = self.end = clock
+
     def keep_from(self, sample: int) -> None:
         while self._chunks and self.start + len(self._chunks[0]) <= sample:
             self.start += len(self._chunks.popleft())
@@ -186,6 +192,9 @@ class Listener:
             self.utterance = None
 
     def listen(self, options: Listen) -> None:
+        # What the session did not send while it did not listen still counts on the
+        # clock, so that utterance starts fall where they were spoken.
+        self.heard.skip_to(options.clock)
         self.options = options if options.enabled else None
         if self.options is None:
             self._stop_partials()

@@ -47,6 +47,8 @@ class EngineBackendSession:
 
     def __init__(self, handle: DuplexSessionHandle) -> None:
         self._handle = handle
+        self._listening = False
+        self._clock = 0  # samples heard, sent or not
 
     def start(self, response_id: str, turn: TurnRequest, *, conversation: bool) -> None:
         try:
@@ -76,13 +78,19 @@ class EngineBackendSession:
         self._handle.cancel(tag=response_id, reason=reason)
 
     def listen(self, options: LiveTranscription | None) -> None:
+        self._listening = options is not None
         if options is None:
-            self._append(Listen(enabled=False))
+            self._append(Listen(enabled=False, clock=self._clock))
         else:
-            self._append(Listen(prompt=options.prompt, logprobs=options.logprobs))
+            self._append(
+                Listen(prompt=options.prompt, logprobs=options.logprobs, clock=self._clock)
+            )
 
     def hear(self, samples: np.ndarray) -> None:
-        if samples.size:
+        # Only a listening session's audio goes down: the others' would cost every
+        # frame a trip through the duplex session and the engine for nothing.
+        self._clock += samples.size
+        if samples.size and self._listening:
             self._append(Heard(samples.astype("<f4", copy=False).tobytes()))
 
     def utterance_started(self, utterance_id: str, start_ms: float) -> None:

@@ -170,6 +170,22 @@ def port() -> FakeStagePort:
     return FakeStagePort()
 
 
+async def test_a_session_not_listening_sends_no_audio_but_keeps_the_clock(
+    port: FakeStagePort,
+) -> None:
+    manager = DuplexSessionManager(port, max_sessions=1)
+    session = EngineBackendSession(manager.open("s"))
+    for _ in range(5):
+        session.hear(np.zeros(640, np.float32))
+    await manager.get("s").settled()  # type: ignore[union-attr]
+    assert port.submitted == []  # no frame went down
+    session.listen(LiveTranscription())
+    session.hear(np.zeros(640, np.float32))
+    await manager.get("s").settled()  # type: ignore[union-attr]
+    listen, heard = (dict(s.prompt) for s in port.submitted)
+    assert (listen["append"], listen["clock"], heard["append"]) == ("listen", 5 * 640, "heard")
+
+
 async def test_the_engine_backend_appends_to_the_resident_request(port: FakeStagePort) -> None:
     manager = DuplexSessionManager(port, max_sessions=1)
     session = EngineBackendSession(manager.open("s"))

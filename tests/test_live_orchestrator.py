@@ -123,6 +123,20 @@ async def test_no_partial_runs_on_less_audio_than_counts(h: Harness) -> None:
     await resident.append(UtteranceEnded("item_1"))
 
 
+async def test_audio_not_sent_before_listening_still_counts_on_the_clock(h: Harness) -> None:
+    resident = Resident(h)
+    await resident.append(Listen(clock=10 * BLOCK))  # ten words went by unsent
+    await resident.say(spoken(*WORDS))
+    listener = h.orch.listener("s1")
+    assert listener is not None
+    assert (listener.heard.start, listener.heard.end) == (10 * BLOCK, (10 + len(WORDS)) * BLOCK)
+    # An utterance started where it was spoken gets its own audio, from its first word.
+    await resident.append(UtteranceStarted("item_1", 10 * BLOCK * 1000 / SAMPLE_RATE))
+    assert listener.utterance is not None
+    assert np.array_equal(listener.heard.since(listener.utterance.start), spoken(*WORDS))
+    await resident.append(UtteranceEnded("item_1"))
+
+
 async def test_a_turn_naming_the_utterance_finishes_its_live_transcript(h: Harness) -> None:
     resident = Resident(h)
     await speak(h, resident)

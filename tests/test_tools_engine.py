@@ -243,7 +243,7 @@ class CallingLlm:
         return self._replies(request_id)
 
     def abort(self, request_id: str) -> None:
-        pass
+        """Its replies are whole at once: nothing runs to stop."""
 
 
 async def test_a_spoken_turn_that_calls_says_nothing() -> None:

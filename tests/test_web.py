@@ -156,8 +156,10 @@ def test_voice_conversation_with_barge_in(web_url: str, microphone_wav: Path) ->
             state = _wait_for(page, lambda s: s["userTranscripts"], 120)
             assert "dragon" in _words(" ".join(state["userTranscripts"])), state
 
-            # The answer is played, then the second question interrupts it.
-            state = _wait_for(page, lambda s: s["truncatesSent"], 120)
+            # The answer is played, then the second question interrupts it: the page
+            # truncates on speech_started and records the cancelled response.done that
+            # comes next, each as its message is handled.
+            state = _wait_for(page, lambda s: s["truncatesSent"] and s["responses"], 120)
             page.screenshot(path=str(ARTIFACTS / "web-demo-barge-in.png"))
             assert state["samplesPlayed"] > 0, state
             assert state["responses"][:1] == ["cancelled"], state

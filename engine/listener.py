@@ -2,10 +2,12 @@
 utterance being spoken, and that utterance's live transcript.
 
 Rules of this module:
-1. A `Listener` belongs to one session. The audio it heard and its clock (samples
-   heard) belong to the session and outlive epochs; the utterance and its live work
-   belong to the epoch's resident request: `stop()` (the request aborted) ends them at
-   once, and nothing is emitted after it, because emission goes through `resident_id`.
+1. A `Listener` belongs to one session. The audio it heard, its clock (samples heard)
+   and the utterance being spoken are the session's input and outlive epochs; the live
+   work belongs to the epoch's resident request: `stop()` (the request aborted) ends it
+   at once, and nothing is emitted after it, because emission goes through
+   `resident_id`. The next epoch's resident request `attach`es and the live work of an
+   utterance still spoken goes on under it, so a cancel in mid-utterance loses no word.
 2. Memory is bounded: without an utterance only `LOOKBACK_S` of audio is kept (speech
    starts are reported late: VAD's window, a confirmed interruption's minimum length);
    an utterance keeps its own audio, up to the ASR limit, past which its live work ends.
@@ -230,13 +232,17 @@ class Listener:
 
     # -- the resident request's end (rule 1) --------------------------------------------
 
+    def attach(self, resident_id: str) -> None:
+        """The epoch's resident request opened: live work goes on under its id."""
+        self.resident_id = resident_id
+        self._start_partials()
+
     def stop(self) -> asyncio.Task[None] | None:
         """The resident request was aborted: its live work ends now. Returns the task
         to wait for, if one was running."""
         self.resident_id = None
         task = self._task
         self._stop_partials()
-        self.utterance = None
         return task
 
     # -- partials (rule 3) --------------------------------------------------------------
@@ -245,6 +251,8 @@ class Listener:
         utterance = self.utterance
         if self.options is None or utterance is None or utterance.claimed or self._task:
             return
+        if self.resident_id is None:
+            return  # words agreed now could not go out: wait for the next `attach`
         self._wake.clear()
         self._task = asyncio.create_task(
             self._partials(utterance, self.options), name=f"live {utterance.utterance_id}"

@@ -6,9 +6,11 @@ utterance's audio with the committed tokens forced as the transcript's start; th
 which the last two hypotheses agree are committed, up to a token that starts a new word
 (so a word still being spoken, or a character split across byte-level tokens, is never
 committed), or to the end when the two hypotheses are the same although the audio grew.
-A guess over less than `min_agree_s` of an utterance's first audio counts for
-nothing. Committed text is only ever appended to. At the end of the turn a final request
-decodes only the tail after the committed tokens.
+An agreed token to which the latest guess gives a log-probability under `min_logprob`
+ends what may be committed: Whisper is unsure of it, as it usually is of a mishearing
+two guesses share. A guess over less than `min_agree_s` of an utterance's first audio
+counts for nothing. Committed text is only ever appended to. At the end of the turn a
+final request decodes only the tail after the committed tokens.
 
 Bounded cost: a partial never re-transcribes much more than `window_s` of audio. When the
 current window grows past it, the next request is a seal: the window up to a quiet point
@@ -55,10 +57,14 @@ MIN_SEAL_SPAN_S = 0.3  # the least audio to look for a quiet point in
 RETRY_SEAL_S = 1.0  # more audio before another try after a seal that failed
 PROMPT_CHARS = 600  # previous text given to Whisper (it keeps at most 223 tokens anyway)
 QUIET_FRAME = SAMPLE_RATE // 50  # 20 ms
-# Whisper guesses wildly on the first fraction of a second of speech, and two such
-# guesses can agree ("For me" for "The meeting"): an utterance's guesses count only
-# from this much audio on.
-MIN_AGREE_S = 1.0
+SENTENCE_ENDS = (".", "?", "!")
+# Whisper guesses wildly on the first fraction of a second of speech: an utterance's
+# guesses count only from this much audio on (the gateway's 300 ms of padding included).
+MIN_AGREE_S = 0.7
+# Two guesses can still agree on a mishearing ("for meeting" for "The meeting", "Brent"
+# for "Front"), but Whisper is unsure of it: an agreed token below this log-probability
+# (p = 0.37) and the words after it wait for the next guess, or for the final request.
+MIN_LOGPROB = -1.0
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,7 @@ class LiveTranscript:
         window_s: float = WINDOW_S,
         hard_window_s: float = HARD_WINDOW_S,
         min_agree_s: float = MIN_AGREE_S,
+        min_logprob: float = MIN_LOGPROB,
     ) -> None:
         if not 2.0 <= window_s <= hard_window_s <= MAX_WINDOW_S:
             raise ValueError(f"need 2 <= window_s <= hard_window_s <= {MAX_WINDOW_S}")
@@ -101,6 +108,7 @@ class LiveTranscript:
         self._window = int(window_s * SAMPLE_RATE)
         self._hard_window = int(hard_window_s * SAMPLE_RATE)
         self._min_agree = int(min_agree_s * SAMPLE_RATE)
+        self._min_logprob = min_logprob
         self._sealed = ""  # text of the windows before the current one
         self._window_start = 0  # sample where the current window starts
         self._committed: list[int] = []  # committed tokens of the current window
@@ -172,8 +180,10 @@ class LiveTranscript:
         return _quiet_point(window, lo, hi)
 
     def _ask(self, window: np.ndarray, *, partial: bool) -> AsrRequest:
+        # A partial always asks for log-probabilities: unsure words are not committed.
+        logprobs = self._logprobs or partial
         return AsrRequest(
-            window, tuple(self._committed), self._context(), self._logprobs, partial=partial
+            window, tuple(self._committed), self._context(), logprobs, partial=partial
         )
 
     def _context(self) -> str:
@@ -201,9 +211,12 @@ class LiveTranscript:
         if previous is None:
             return None
         # Two whole hypotheses alike, although the audio grew between them: the last
-        # word is over too. Otherwise commit only up to where a new word starts.
+        # word is over too, unless they end a sentence there, as Whisper ends every
+        # guess ("Please remind me." before "to call"). Otherwise commit only up to
+        # where a new word starts.
         same = agreed == len(tokens) == len(previous)
-        cut = self._word_cut(tokens, agreed, to_end=same)
+        same = same and not self._decode(tokens[-1:]).endswith(SENTENCE_ENDS)
+        cut = self._word_cut(tokens, _sure(scores, agreed, self._min_logprob), to_end=same)
         if cut == 0:
             return None
         self._agreed_end = max(heard[:cut])
@@ -223,8 +236,7 @@ class LiveTranscript:
         n = len(self._committed)
         if list(result.tokens[:n]) != self._committed:
             return None  # not a transcript of this state (cannot happen in order)
-        scores = list(result.logprobs[n:]) if self._logprobs else []
-        return list(result.tokens[n:]), scores
+        return list(result.tokens[n:]), list(result.logprobs[n:])
 
     def _word_cut(self, tokens: list[int], agreed: int, *, to_end: bool) -> int:
         """The longest agreed part that ends where a new word starts (or at the end, if
@@ -308,6 +320,14 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def _sure(scores: list[float], agreed: int, min_logprob: float) -> int:
+    """How many of the first `agreed` tokens come before the first unsure one."""
+    for i, score in enumerate(scores[:agreed]):
+        if score < min_logprob:
+            return i
+    return agreed
 
 
 def _whole(text: str) -> bool:

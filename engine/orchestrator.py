@@ -332,7 +332,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         listener = self._listeners[submission.context.session_id]
         if rid not in self._resident_submitted:
             self._resident_submitted.add(rid)
-            listener.resident_id = rid
+            listener.attach(rid)
         listener.apply(append)
 
     def _emit_delta(

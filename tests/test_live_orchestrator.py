@@ -237,7 +237,7 @@ async def test_an_abort_of_the_resident_request_stops_its_live_work_at_once(h: H
     await h.until(lambda: sum(h.engine.pending().values()) == 0)
     assert len(h.outputs) == count
     listener = h.orch.listener("s1")
-    assert listener is not None and listener.utterance is None and listener.resident_id is None
+    assert listener is not None and listener.resident_id is None
     # The next epoch's resident request hears on; the session's clock goes on.
     heard = listener.heard.end
     following = Resident(h, epoch=1)
@@ -245,6 +245,33 @@ async def test_an_abort_of_the_resident_request_stops_its_live_work_at_once(h: H
     assert listener.heard.end == heard + FRAME
     await h.orch.cleanup([resident.rid, following.rid])
     assert h.orch.listener("s1") is None and h.orch.reserved_requests() == 0
+
+
+async def test_an_utterance_spoken_across_an_epoch_goes_on_under_the_next_one(
+    h: Harness,
+) -> None:
+    """A cancel in mid-utterance (the client's `response.cancel`) bumps the epoch: the
+    words still being spoken keep their live transcript, so the deltas sent under both
+    resident requests join into the final transcript."""
+    resident = Resident(h)
+    await speak(h, resident, WORDS[:4])
+    before = resident.text()
+    await h.orch.abort_requests([resident.rid])
+    following = Resident(h, epoch=1)
+    for pair in (WORDS[4:6], WORDS[6:]):
+        await following.say(spoken(*pair))
+        await partial_done(h)
+    await h.until(lambda: bool(following.deltas()))
+    assert len(h.asr.lives) == 1  # the same live transcript, not a new one
+    contexts = h.reserve(epoch=1, final=0)
+    await h.submit(contexts, turn(Stage.ASR, audio=spoken(*WORDS).tobytes(), utterance="item_1"))
+    await following.append(UtteranceEnded("item_1"))
+    await h.until(lambda: h.finished(contexts[0].request_id))
+    transcript = h.of(contexts[0].request_id)[0]
+    assert transcript.metadata["live"] is True
+    assert transcript.text == " ".join(f"w{n}" for n in WORDS)
+    assert transcript.text.startswith(before + following.text())
+    await h.idle()
 
 
 async def test_submissions_follow_the_seeds_resumable_semantics(h: Harness) -> None:

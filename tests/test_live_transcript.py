@@ -54,13 +54,15 @@ class FakeRecogniser:
     """Transcribes fake speech like Whisper would: forced prefix first, then what it hears."""
 
     seen: list[AsrRequest] = field(default_factory=list)
+    unsure: set[int] = field(default_factory=set)  # tokens heard with a low probability
 
     def __call__(self, request: AsrRequest) -> Transcription:
         self.seen.append(request)
         heard = [t for word in heard_words(request.audio) for t in word]
         prefix = list(request.prefix)
         tokens = prefix + (heard[len(prefix) :] if heard[: len(prefix)] == prefix else [])
-        logprobs = [-0.01 * (t + 1) for t in tokens] if request.logprobs else []
+        logprobs = [-2.0 if t in self.unsure else -0.01 * (t + 1) for t in tokens]
+        logprobs = logprobs if request.logprobs else []
         text = decode(tokens).strip()
         return Transcription(text, tokens, 0, 1, len(request.audio) / RATE, logprobs)
 
@@ -122,6 +124,15 @@ def test_a_word_cut_off_by_the_end_of_the_audio_is_not_committed() -> None:
     assert live.text == "one"
 
 
+def test_a_guess_that_ends_a_sentence_leaves_its_last_word_to_the_next() -> None:
+    audio = np.concatenate([speech([0, 7]), np.zeros(RATE // 2, np.float32)])
+    live, recognise = LiveTranscript(decode, min_agree_s=0.5), FakeRecogniser()
+    for seconds in (1.0, 1.2):  # both guesses are "one go.", whole
+        delta = live.agree(recognise(live.request(audio[: int(seconds * RATE)], final=False)))
+    assert delta == LiveDelta("one")  # not "one go.": the speaker may go on
+    assert live.finish(recognise(live.request(audio, final=True))) == LiveDelta(" go.")
+
+
 def test_guesses_over_the_first_fraction_of_a_second_count_for_nothing() -> None:
     audio = speech([0, 1, 2, 3])
     live, recognise = LiveTranscript(decode, min_agree_s=1.0), FakeRecogniser()
@@ -132,6 +143,19 @@ def test_guesses_over_the_first_fraction_of_a_second_count_for_nothing() -> None
     live.agree(recognise(live.request(audio[: int(1.05 * RATE)], final=False)))
     delta = live.agree(recognise(live.request(audio[: int(1.5 * RATE)], final=False)))
     assert delta is not None and live.text == delta.text != ""
+
+
+def test_an_unsure_word_and_those_after_it_wait_until_a_guess_is_sure_of_it() -> None:
+    audio = speech([0, 1, 4, 2, 5])
+    live, recognise = LiveTranscript(decode, min_agree_s=0.5), FakeRecogniser(unsure={6})
+    for seconds in (1.0, 1.5, 2.0, 2.3):  # the guesses agree on "one two don't three"
+        live.agree(recognise(live.request(audio[: int(seconds * RATE)], final=False)))
+    assert live.text == "one two"
+    assert all(r.logprobs for r in recognise.seen)  # partials always ask for them
+    recognise.unsure.clear()  # more audio: Whisper is sure of "don't" now
+    delta = live.agree(recognise(live.request(audio[: int(2.4 * RATE)], final=False)))
+    assert delta == LiveDelta(" don't three stop,")
+    assert delta.tokens == ()  # the caller did not ask for log-probabilities
 
 
 def test_logprobs_come_with_each_committed_token() -> None:
@@ -145,6 +169,7 @@ def test_logprobs_come_with_each_committed_token() -> None:
     assert [lp for _, lp in pairs] == pytest.approx([-0.01 * (t + 1) for t in tokens])
     assert all(r.logprobs for r in recognise.seen)
     assert LiveTranscript(decode).request(audio, final=True).logprobs is False
+    assert LiveTranscript(decode).request(audio, final=False).logprobs is True
 
 
 def test_prompt_goes_to_every_request() -> None:

@@ -147,6 +147,10 @@ class GatewayConfig(BaseModel):
     # On SIGTERM: sessions with a response running may finish it for this long; then
     # every session left is closed with 1001 and the process exits.
     drain_timeout_s: float = Field(default=30.0, ge=0)
+    # The engine's threads (lanes, BLAS and MLX workers) run this many nice levels below
+    # the event loop (Linux; gateway/priority.py), so that frames, pings and audio are
+    # handled as soon as they come while the models keep every core busy. 0: equal.
+    engine_nice: int = Field(default=5, ge=0, le=19)
     voices: tuple[str, ...] = ("joe",)
     # A new session's `instructions`; the CLI fills it from the profile's system prompt.
     default_instructions: str = ""

@@ -11,12 +11,14 @@ and is transcribed live the same way, with no audio of the cancelled answer afte
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import running_gateway
+from tests.helpers import GatewayProcess, running_gateway
 from tests.realtime_client import client, silence, speech, stream, until, words
 
 pytestmark = pytest.mark.models
@@ -31,10 +33,15 @@ LONG_QUESTION = (
 
 
 @pytest.fixture(scope="module")
-def gateway() -> Iterator[str]:
+def process() -> Iterator[GatewayProcess]:
     with running_gateway() as gw:
-        yield f"ws://127.0.0.1:{gw.port}/v1"
+        yield gw
     assert gw.proc.returncode == 0, "SIGTERM must shut down cleanly:\n" + "".join(gw.lines[-30:])
+
+
+@pytest.fixture
+def gateway(process: GatewayProcess) -> str:
+    return f"ws://127.0.0.1:{process.port}/v1"
 
 
 async def speak_and_read(conn: Any, pcm: bytes, *kinds: str) -> list[Any]:
@@ -151,3 +158,13 @@ async def test_speech_over_an_answer_cancels_it_and_is_transcribed_live(gateway:
         assert not [e for e in after if getattr(e, "response_id", None) == answer_id]
         transcript = check_live_transcript(events)
         assert {"capital", "france"} <= words(transcript), transcript
+
+
+def test_the_engine_threads_run_below_the_event_loop(process: GatewayProcess) -> None:
+    """gateway/priority.py in the CLI: the main thread (the event loop) keeps its
+    priority, the engine's threads (lanes, BLAS, MLX) run `engine_nice` (5) below."""
+    tasks = Path(f"/proc/{process.proc.pid}/task")
+    nice = {int(t.name): os.getpriority(os.PRIO_PROCESS, int(t.name)) for t in tasks.iterdir()}
+    loop = nice.pop(process.proc.pid)
+    assert len(nice) >= 4  # the engine's lanes at least
+    assert all(value == min(loop + 5, 19) for value in nice.values()), (loop, nice)

@@ -31,7 +31,9 @@ Rules of this module:
    over the turn's own audio (only the tail is left to decode) instead of starting
    over; a prepared turn does the same with its outputs held, and a turn stopped before
    its transcript went out gives the utterance back for the turn that takes over.
-   Aborting the resident id ends its live work at once (rule 2).
+   Aborting the resident id ends its live work at once (rule 2); an utterance still
+   spoken goes on live under the next epoch's resident id, which the listener attaches
+   to on its first submission.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 from tokenizers import Tokenizer
 
+from engine.asr_request import NOT_SCORED, AsrRequest, Transcription
 from engine.models import whisper
 from engine.stage import StageOutput
 
@@ -56,30 +57,6 @@ EARLY_STOP_MIN_SECONDS = 4.0
 MIN_WINDOW_S = 4.0  # the first window of a short clip: the decoder needs room after it
 PARTIAL_PAD_S = 0.5  # pad of a partial request's window
 PREFIX_SLACK_TOKENS = 8  # a forced prefix may use up the duration's cap: still decode a few
-NOT_SCORED = float("nan")  # the log-probability reported for a forced token
-
-
-@dataclass(frozen=True, eq=False)
-class AsrRequest:
-    """One transcription asked of the ASR stage (see the module docstring)."""
-
-    audio: np.ndarray  # float32 16 kHz mono, the utterance from its start
-    prefix: tuple[int, ...] = ()  # tokens forced as the transcript's start
-    prompt: str = ""  # previous text, given to Whisper after <|startofprev|>
-    logprobs: bool = False  # report each token's log-probability
-    partial: bool = False  # live work: after every final request, in one try
-
-
-@dataclass
-class Transcription:
-    text: str
-    tokens: list[int]
-    window_frames: int  # mel frames the encoder saw in the accepted attempt
-    attempts: int  # 1 = the first (shortest) window was accepted
-    duration_s: float
-    # Each token's log-probability, aligned with `tokens`, when the request asked for
-    # them (NOT_SCORED for the forced prefix's tokens); else empty.
-    logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass

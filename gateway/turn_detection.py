@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from engine.asr_request import AsrRequest, Transcription
 from engine.speech_detector import (
     SpeechConfirmed,
     SpeechDetector,
@@ -55,7 +56,7 @@ from engine.stage import StageOutput
 from gateway.backend import SpeechEvent
 from gateway.config import TurnSettings
 from gateway.session_config import TurnDetection
-from gateway.turn_words import is_backchannel, sounds_unfinished
+from gateway.turn_words import ends_unsure, is_backchannel, sounds_unfinished
 from gateway.vad_feeds import vad_feeds
 
 __all__ = [
@@ -437,22 +438,26 @@ class EngineSpeechSource:
         asked = time.monotonic()
         score = self._result("turn", request_id, clip)
         words = self._words_before(silence_ms, clip)
+        heard: Transcription | None = None
         try:
             probability = await score
             scored = time.monotonic()
             # Shielded: later scorings in the same silence read the same transcript.
-            transcript = await asyncio.shield(words) if words is not None else ""
+            heard = await asyncio.shield(words) if words is not None else None
         finally:  # a stream closed meanwhile cancels this task: stop the scoring too
             score.cancel()
         logger.debug(
-            "turn end at %d ms: complete %.3f after %.0f ms, words %r after %.0f ms",
+            "turn end at %d ms: complete %.3f after %.0f ms, words %r (ending %s) after %.0f ms",
             silence_ms,
             probability or 0.0,
             (scored - asked) * 1000,
-            transcript,
+            heard and heard.text,
+            heard and [round(p, 2) for p in heard.logprobs[-3:]],
             (time.monotonic() - asked) * 1000,
         )
-        if transcript is None or sounds_unfinished(transcript):
+        if words is not None and (
+            heard is None or sounds_unfinished(heard.text) or ends_unsure(heard.logprobs)
+        ):
             self._stop_scoring(silence_ms)
             return  # the words will not change in this silence: it lasts to the cap
         if probability is None or probability < self._turns.semantic_complete_threshold:
@@ -471,7 +476,8 @@ class EngineSpeechSource:
         if self._silence_words is None or self._silence_words[0] != silence_ms:
             self._forget_words()
             request_id = f"{self._session_id}.turnwords{next(self._serial)}"
-            self._silence_words = (silence_ms, self._result("asr", request_id, clip))
+            request = AsrRequest(clip, logprobs=True)  # how sure it is of the end
+            self._silence_words = (silence_ms, self._result("asr", request_id, request))
         return self._silence_words[1]
 
     def _forget_words(self) -> None:
@@ -485,13 +491,15 @@ class EngineSpeechSource:
         if self._next_score is not None and self._next_score[0] == silence_ms:
             self._next_score = (silence_ms, 10**9)
 
-    def _result(self, stage: str, request_id: str, clip: np.ndarray) -> asyncio.Task[Any]:
+    def _result(
+        self, stage: str, request_id: str, inputs: np.ndarray | AsrRequest
+    ) -> asyncio.Task[Any]:
         """The one output of a request on `stage`, as a task (None if it failed)."""
 
         async def run() -> Any:
             result = None
             try:
-                async for output in self._engine.stream(stage, request_id, clip):
+                async for output in self._engine.stream(stage, request_id, inputs):
                     if output.error:
                         logger.warning("%s for the turn end failed: %s", stage, output.error)
                         return None

@@ -9,12 +9,15 @@ only if it has content of its own.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 __all__ = [
     "BACKCHANNELS",
     "FILLERS",
     "GUESSED_OBJECTS",
     "UNFINISHED_ENDINGS",
+    "UNSURE_ENDING_LOGPROB",
+    "ends_unsure",
     "is_backchannel",
     "sounds_unfinished",
 ]
@@ -67,3 +70,17 @@ def sounds_unfinished(transcript: str) -> bool:
     if len(words) >= 2 and words[-1] in GUESSED_OBJECTS and words[-2] in UNFINISHED_ENDINGS:
         return True
     return bool(words) and words[-1] in UNFINISHED_ENDINGS
+
+
+# Whisper also completes a phrase cut mid-sentence with words or a stop of its own ("Can
+# you add eggs and" heard as "Can you have excellent?", "Could you tell me what the" as
+# "Could you tell me what?"), and is unsure of them: a token of the transcript's end (its
+# last word or two and the punctuation) below this log-probability (p = 0.37).
+UNSURE_ENDING_LOGPROB = -1.0
+ENDING_TOKENS = 3
+
+
+def ends_unsure(logprobs: Sequence[float]) -> bool:
+    """Whether Whisper was unsure how the transcript ends (its tokens' log-probabilities,
+    in order; a cut phrase that it completed on its own usually is)."""
+    return any(score < UNSURE_ENDING_LOGPROB for score in logprobs[-ENDING_TOKENS:])

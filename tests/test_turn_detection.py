@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from engine.asr_request import AsrRequest, Transcription
 from engine.stage import StageOutput
 from gateway.actions import (
     CancelResponse,
@@ -25,7 +26,7 @@ from gateway.config import GatewayConfig, TurnSettings
 from gateway.realtime import RealtimeSession
 from gateway.session_config import TurnDetection
 from gateway.turn_detection import EngineSpeechSource
-from gateway.turn_words import is_backchannel, sounds_unfinished
+from gateway.turn_words import ends_unsure, is_backchannel, sounds_unfinished
 from tests.helpers import wait_until
 
 RATE = 24000
@@ -137,6 +138,9 @@ def test_the_word_rules() -> None:
     assert sounds_unfinished("I would like to book a table for it.")  # whisper's guess
     assert not sounds_unfinished("What is the capital of France?")
     assert not sounds_unfinished("")
+    assert not ends_unsure([-0.1, -2.0, -0.2, -0.1, -0.3])  # only the last tokens count...
+    assert ends_unsure([-0.1, -0.9, -1.2])  # ...and one unsure token of them is enough
+    assert not ends_unsure([])
     assert is_backchannel("Mm-hmm.") and is_backchannel("Yeah, okay.") and is_backchannel("")
     assert not is_backchannel("Wait, stop.")
     # Whisper spells a hum with as many letters as it hears.
@@ -208,9 +212,12 @@ class ScriptedEngine:
     """VAD probabilities as the test pushes them; turn scores and transcripts from
     scripts; records the requests."""
 
-    def __init__(self, score: float | list[float], transcript: str) -> None:
+    def __init__(
+        self, score: float | list[float], transcript: str, ending: tuple[float, ...] = ()
+    ) -> None:
         self.scores = score if isinstance(score, list) else [score]
         self.transcript = transcript
+        self.ending = ending  # the log-probabilities of the transcript's last tokens
         self.vad: asyncio.Queue[StageOutput] = asyncio.Queue()
         self.requests: list[tuple[str, int]] = []
         self.fed = 0
@@ -221,6 +228,12 @@ class ScriptedEngine:
         if stage == "vad":
             while True:
                 yield await self.vad.get()
+        if isinstance(inputs, AsrRequest):  # the words before a silence, and how sure
+            self.requests.append((stage, len(inputs.audio)))
+            scores = [-0.1, *self.ending] if inputs.logprobs else []
+            heard = Transcription(self.transcript, [0] * len(scores), 0, 1, 0.0, scores)
+            yield StageOutput(request_id, heard, finished=True)
+            return
         assert isinstance(inputs, np.ndarray)
         self.requests.append((stage, len(inputs)))
         score = self.scores.pop(0) if len(self.scores) > 1 else self.scores[0]
@@ -273,11 +286,18 @@ async def test_a_complete_turn_ends_at_the_start_of_its_silence() -> None:
 
 
 @pytest.mark.parametrize(
-    ("score", "transcript"),
-    [(0.2, "What is the capital of France?"), (0.9, "I would like to book a table for")],
+    ("score", "transcript", "ending"),
+    [
+        (0.2, "What is the capital of France?", ()),
+        (0.9, "I would like to book a table for", ()),
+        # "Can you add eggs and", completed by Whisper on its own and unsure of it.
+        (0.9, "Can you have excellent?", (-0.7, -1.69, -0.3)),
+    ],
 )
-async def test_an_unfinished_turn_waits(score: float, transcript: str) -> None:
-    engine = ScriptedEngine(score=score, transcript=transcript)
+async def test_an_unfinished_turn_waits(
+    score: float, transcript: str, ending: tuple[float, ...]
+) -> None:
+    engine = ScriptedEngine(score=score, transcript=transcript, ending=ending)
     source = semantic_source(engine)
     engine.push(*[0.9] * 20, *[0.0] * 6)
     events = await decisions(source, 2)
@@ -440,7 +460,7 @@ async def test_speech_over_an_answer_ends_after_a_short_silence_in_semantic_mode
 
 
 async def test_scorings_in_one_silence_share_one_transcript() -> None:
-    engine = ScriptedEngine(score=[0.2, 0.2, 0.8], transcript="How far away is the moon?")
+    engine = ScriptedEngine(score=[0.2, 0.8], transcript="How far away is the moon?")
     source = semantic_source(engine)
     engine.push(*[0.9] * 20, *[0.0] * 6)  # scored at 160 ms of silence: incomplete
     assert [e.kind for e in await decisions(source, 2)] == ["started", "paused"]

@@ -397,6 +397,15 @@ def _refuse_output_settings(raw: dict[str, Any], fields: list[str]) -> None:
 def _beta_transcription_changes(
     update: BetaTranscriptionSessionIn, current: SessionSettings
 ) -> dict[str, Any]:
+    if update.modalities is not None and update.modalities != ["text"]:
+        raise SettingError(f"modalities is ['text']: {_NEVER_RESPONDS}", "session.modalities")
+    return _beta_input_changes(update, current)
+
+
+def _beta_input_changes(
+    update: BetaSessionIn | BetaTranscriptionSessionIn, current: SessionSettings
+) -> dict[str, Any]:
+    """The input settings, which both beta shapes spell alike."""
     given = update.model_fields_set
     changes: dict[str, Any] = {}
     if update.input_audio_format is not None:
@@ -410,11 +419,10 @@ def _beta_transcription_changes(
             "noise reduction is not supported", "session.input_audio_noise_reduction"
         )
     if "turn_detection" in given:
-        changes["turn_detection"] = _transcription_detection(
+        detect = _transcription_detection if current.transcription_only else _turn_detection
+        changes["turn_detection"] = detect(
             update.turn_detection, current.turn_detection, "session.turn_detection"
         )
-    if update.modalities is not None and update.modalities != ["text"]:
-        raise SettingError(f"modalities is ['text']: {_NEVER_RESPONDS}", "session.modalities")
     return changes
 
 
@@ -547,22 +555,9 @@ def _beta_changes(update: BetaSessionIn, current: SessionSettings) -> dict[str, 
         changes["voice"] = update.voice
     if update.speed is not None:
         changes["speed"] = update.speed
-    if update.input_audio_format is not None:
-        changes["input_format"] = _beta_format(update.input_audio_format, "input_audio_format")
     if update.output_audio_format is not None:
         changes["output_format"] = _beta_format(update.output_audio_format, "output_audio_format")
-    if "input_audio_transcription" in given:
-        changes["transcription"] = _transcription(
-            update.input_audio_transcription, "session.input_audio_transcription"
-        )
-    if update.input_audio_noise_reduction is not None:
-        raise SettingError(
-            "noise reduction is not supported", "session.input_audio_noise_reduction"
-        )
-    if "turn_detection" in given:
-        changes["turn_detection"] = _turn_detection(
-            update.turn_detection, current.turn_detection, "session.turn_detection"
-        )
+    changes |= _beta_input_changes(update, current)
     if update.temperature is not None:
         raise SettingError(
             "temperature is not supported by the realtime API shape of this gateway",

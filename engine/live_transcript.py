@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.asr import AsrRequest, Transcription
+from engine.asr_request import SURE_LOGPROB, AsrRequest, Transcription
 
 __all__ = ["LiveDelta", "LiveTranscript"]
 
@@ -61,10 +61,10 @@ SENTENCE_ENDS = (".", "?", "!")
 # Whisper guesses wildly on the first fraction of a second of speech: an utterance's
 # guesses count only from this much audio on (the gateway's 300 ms of padding included).
 MIN_AGREE_S = 0.7
-# Two guesses can still agree on a mishearing ("for meeting" for "The meeting", "Brent"
-# for "Front"), but Whisper is unsure of it: an agreed token below this log-probability
-# (p = 0.37) and the words after it wait for the next guess, or for the final request.
-MIN_LOGPROB = -1.0
+# Two guesses can still agree on a mishearing ("for meeting" for "The meeting", "leave"
+# for "leaves"), but Whisper is unsure of it: an agreed token below this log-probability
+# and the words after it wait for the next guess, or for the final request.
+MIN_LOGPROB = SURE_LOGPROB
 
 
 @dataclass(frozen=True)

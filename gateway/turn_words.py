@@ -11,12 +11,13 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from engine.asr_request import SURE_LOGPROB
+
 __all__ = [
     "BACKCHANNELS",
     "FILLERS",
     "GUESSED_OBJECTS",
     "UNFINISHED_ENDINGS",
-    "UNSURE_ENDING_LOGPROB",
     "ends_unsure",
     "is_backchannel",
     "sounds_unfinished",
@@ -75,12 +76,11 @@ def sounds_unfinished(transcript: str) -> bool:
 # Whisper also completes a phrase cut mid-sentence with words or a stop of its own ("Can
 # you add eggs and" heard as "Can you have excellent?", "Could you tell me what the" as
 # "Could you tell me what?"), and is unsure of them: a token of the transcript's end (its
-# last word or two and the punctuation) below this log-probability (p = 0.37).
-UNSURE_ENDING_LOGPROB = -1.0
+# last word or two and the punctuation) under SURE_LOGPROB.
 ENDING_TOKENS = 3
 
 
 def ends_unsure(logprobs: Sequence[float]) -> bool:
     """Whether Whisper was unsure how the transcript ends (its tokens' log-probabilities,
     in order; a cut phrase that it completed on its own usually is)."""
-    return any(score < UNSURE_ENDING_LOGPROB for score in logprobs[-ENDING_TOKENS:])
+    return any(score < SURE_LOGPROB for score in logprobs[-ENDING_TOKENS:])

@@ -81,6 +81,7 @@ INTERRUPTIONS = (
 # Speech recordings in the theme (channel names) are not non-speech.
 NOT_NONSPEECH = ("audio-channel-", "audio-test-signal")
 QUESTION = "Tell me a long story about a dragon who learns to fly over the sea."
+KINDS = ["hesitations", "sentences", "nonspeech", "backchannels", "interruptions"]
 MODES: dict[str, dict[str, Any]] = {
     "semantic_vad": {"type": "semantic_vad", "eagerness": "auto"},
     "server_vad": {"type": "server_vad"},
@@ -293,6 +294,10 @@ def _whole(ms: float) -> int | None:
     return round(ms) if ms == ms else None
 
 
+def rate(hits: list[bool]) -> float:
+    return round(float(np.mean(hits)), 3) if hits else float("nan")
+
+
 def percentile(values: list[float], q: float) -> float:
     finite = [v for v in values if v == v]
     return round(float(np.percentile(finite, q)), 1) if finite else float("nan")
@@ -340,7 +345,7 @@ async def run_mode(url: str, mode: str, clips: dict[str, list[bytes]]) -> dict[s
     trace["interrupts"] = [(hit, _whole(ms), stale) for hit, ms, stale in interrupts]
     print(mode, json.dumps(trace), file=sys.stderr)
     return {
-        "premature_end_rate": round(float(np.mean(premature)), 3),
+        "premature_end_rate": rate(premature),
         # An answer whose audio began before the sentence ended (the turn was cut inside
         # it) has no wait to measure; it is counted instead.
         "end_of_speech_to_first_audio_ms_p50": percentile([w for w in waits if w > 0], 50),
@@ -348,8 +353,8 @@ async def run_mode(url: str, mode: str, clips: dict[str, list[bytes]]) -> dict[s
         # rest is the answer's first audio.
         "end_of_speech_to_speech_stopped_ms_p50": percentile(deciding, 50),
         "sentences_answered_before_their_end": sum(w <= 0 for w in waits),
-        "false_interruption_rate_nonspeech": round(float(np.mean(nonspeech)), 3),
-        "false_interruption_rate_backchannel": round(float(np.mean(backchannel)), 3),
+        "false_interruption_rate_nonspeech": rate(nonspeech),
+        "false_interruption_rate_backchannel": rate(backchannel),
         "interrupt_detect_ms_p95": percentile([d for _, d, _ in interrupts], 95),
         "interruptions_detected": sum(hit for hit, _, _ in interrupts),
         "stale_audio_deltas": sum(stale for _, _, stale in interrupts),
@@ -381,12 +386,14 @@ def main() -> int:
     parser.add_argument("--url", default=None, help="a running gateway's ws://HOST:PORT/v1")
     parser.add_argument("--sounds", type=Path, default=SOUNDS, help="freedesktop sound theme")
     parser.add_argument("--per-kind", type=int, default=None, help="at most N clips per kind")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=KINDS, help="clips to play")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--json", action="store_true", help="print JSON only")
     args = parser.parse_args()
     if not any(args.sounds.glob("*.oga")):
         parser.error(f"no sound theme at {args.sounds} (see the module docstring)")
-    clips = {k: v[: args.per_kind] for k, v in make_clips(args.sounds).items()}
+    made = make_clips(args.sounds)
+    clips = {k: v[: args.per_kind] if k in args.kinds else [] for k, v in made.items()}
     modes = tuple(args.modes)
     if args.url:
         results = asyncio.run(measure(args.url, clips, modes))

@@ -163,6 +163,11 @@ class SpeechDetector:
         """Counts the speeches started so far: tells a late answer about one from the next."""
         return self._speeches
 
+    @property
+    def confirmed(self) -> bool:
+        """Whether the speech under way has been confirmed (heard long enough, or meant)."""
+        return self._speaking and self._confirmed
+
     def confirm(self) -> SpeechConfirmed | None:
         """Confirm the speech under way now (its words showed it is meant), once."""
         if not self._speaking or self._confirmed:

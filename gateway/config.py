@@ -120,6 +120,10 @@ class TurnSettings(BaseModel):
     # Also transcribe the speech at the silence: a turn ending on "for", "the", "and"...
     # is not over, whatever the model heard.
     semantic_words: bool = True
+    # A transcript whose ending whisper is unsure of (maybe a cut phrase it completed
+    # with words of its own) ends the turn only after this fraction of the eagerness's
+    # longest wait (auto: 0.3 x 4 s = 1.2 s of silence); 1: wait all of it.
+    semantic_unsure_wait: float = Field(default=0.3, ge=0.0, le=1.0)
     # Speech over a running response is transcribed once it has been heard this long
     # (and every as long again until `min_interruption_ms`, each time once the last
     # transcript is in): words other than backchannels ("yeah", "mm hmm", "okay")

@@ -172,6 +172,7 @@ class EngineSpeechSource:
         self._feeder = asyncio.create_task(self._feed_loop(), name="vad-feed")
         self._closed = False
         self._semantic = False
+        self._unsure_wait_ms = 0  # silence an unsure ending needs (semantic_unsure_wait)
         self._stream_start_ms = 0.0
         self._watch_words = False  # the speech under way is a candidate interruption
         # (silence start, silence length at which the turn is next scored)
@@ -200,6 +201,7 @@ class EngineSpeechSource:
             confirm_after_ms=confirm,
         )
         self._semantic = semantic
+        self._unsure_wait_ms = int(settings.max_wait_ms * self._turns.semantic_unsure_wait)
         self._audio = _RecentAudio()
         self._stream_start_ms = start_ms
         stream_id = f"{self._session_id}.vad{next(self._serial)}"
@@ -363,7 +365,7 @@ class EngineSpeechSource:
         rescore = self._turns.semantic_rescore_ms
         self._next_score = (silent_since, self._next_score[1] + rescore if rescore else 10**9)
         clip = self._audio.clip(speech_start_ms, detector.position_ms)
-        self._score(clip, detector, silent_since, start_ms)
+        self._score(clip, detector, silent_since, silence, start_ms)
 
     def _check_words(
         self, detector: SpeechDetector, speech_start_ms: int, due_ms: int | None
@@ -378,8 +380,8 @@ class EngineSpeechSource:
             if self._words_check is not None:
                 self._words_check.cancel()  # about a speech that is over
             return every
-        if not self._watch_words:
-            return due_ms
+        if not self._watch_words or detector.confirmed:
+            return due_ms  # no answer to interrupt, or it is interrupted already
         if detector.voiced_ms < due_ms or (limit and detector.voiced_ms >= limit):
             return due_ms
         if self._words_check is not None and not self._words_check.done():
@@ -400,13 +402,20 @@ class EngineSpeechSource:
     async def _confirm_if_meant(
         self, request_id: str, clip: np.ndarray, detector: SpeechDetector, speech: int
     ) -> None:
-        words = self._result("asr", request_id, clip)
+        asked = time.monotonic()
+        words = self._result("asr", request_id, AsrRequest(clip, logprobs=True))
         try:
-            transcript = await words
+            heard: Transcription | None = await words
         finally:
             words.cancel()
-        logger.debug("words over the answer: %r", transcript)
-        if transcript is None or is_backchannel(transcript):
+        logger.debug(
+            "words over the answer (%d ms) after %.0f ms: %r %s",
+            len(clip) // SAMPLES_PER_MS,
+            (time.monotonic() - asked) * 1000,
+            heard and heard.text,
+            heard and [round(p, 2) for p in heard.logprobs],
+        )
+        if heard is None or is_backchannel(heard.text):
             return
         if detector.speech_number == speech:
             confirmed = detector.confirm()
@@ -415,14 +424,20 @@ class EngineSpeechSource:
                 self._events.put_nowait(SpeechEvent("confirmed", start))
 
     def _score(
-        self, clip: np.ndarray, detector: SpeechDetector, silence_ms: int, start_ms: float
+        self,
+        clip: np.ndarray,
+        detector: SpeechDetector,
+        silence_ms: int,
+        silent_for_ms: int,
+        start_ms: float,
     ) -> None:
-        """Ask the turn-end model about the speech before the silence at `silence_ms`."""
+        """Ask the turn-end model about the speech before the silence at `silence_ms`,
+        heard `silent_for_ms` long so far."""
         request_id = f"{self._session_id}.turn{next(self._serial)}"
-        task = asyncio.create_task(
-            self._end_if_complete(request_id, clip, detector, silence_ms, start_ms),
-            name="turn-score",
+        scoring = self._end_if_complete(
+            request_id, clip, detector, (silence_ms, silent_for_ms), start_ms
         )
+        task = asyncio.create_task(scoring, name="turn-score")
         self._scoring.add(task)
         task.add_done_callback(self._scoring.discard)
         self._turn_score = task
@@ -432,9 +447,10 @@ class EngineSpeechSource:
         request_id: str,
         clip: np.ndarray,
         detector: SpeechDetector,
-        silence_ms: int,
+        silence: tuple[int, int],
         start_ms: float,
     ) -> None:
+        silence_ms, silent_for_ms = silence
         asked = time.monotonic()
         score = self._result("turn", request_id, clip)
         words = self._words_before(silence_ms, clip)
@@ -455,11 +471,14 @@ class EngineSpeechSource:
             heard and [round(p, 2) for p in heard.logprobs[-3:]],
             (time.monotonic() - asked) * 1000,
         )
-        if words is not None and (
-            heard is None or sounds_unfinished(heard.text) or ends_unsure(heard.logprobs)
-        ):
+        if words is not None and (heard is None or sounds_unfinished(heard.text)):
             self._stop_scoring(silence_ms)
             return  # the words will not change in this silence: it lasts to the cap
+        unsure = heard is not None and ends_unsure(heard.logprobs)
+        if unsure and silent_for_ms < self._unsure_wait_ms:
+            # Maybe a cut phrase whisper completed: the speaker gets time to go on.
+            self._score_again_at(silence_ms, self._unsure_wait_ms)
+            return
         if probability is None or probability < self._turns.semantic_complete_threshold:
             return  # incomplete: the detector ends the turn at the eagerness's longest wait
         if detector.silent_since_ms != silence_ms:
@@ -484,6 +503,11 @@ class EngineSpeechSource:
         if self._silence_words is not None:
             self._silence_words[1].cancel()
             self._silence_words = None
+
+    def _score_again_at(self, silence_ms: int, silent_for_ms: int) -> None:
+        """Score the silence at `silence_ms` next once it has lasted `silent_for_ms`."""
+        if self._next_score is not None and self._next_score[0] == silence_ms:
+            self._next_score = (silence_ms, max(self._next_score[1], silent_for_ms))
 
     def _stop_scoring(self, silence_ms: int) -> None:
         """No more scorings in the silence at `silence_ms`: it lasts to the eagerness's

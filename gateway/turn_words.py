@@ -33,10 +33,10 @@ UNFINISHED_ENDINGS = frozenset(
     + ("whether", "been", "being", "very", "i", "we", "they", "he", "she", "i'm")
 )
 
-# What a listener says to show they follow, not to take the turn; whisper's habit of
-# hearing "Thank you." in short noise is in here too.
+# What a listener says to show they follow, not to take the turn; whisper's habits of
+# hearing "Thank you." in short noise and "Amen." in a short "mm hmm" are in here too.
 BACKCHANNELS = frozenset(
-    ("mm", "mmm", "hm", "hmm", "mhm", "uh", "huh", "um", "ah", "oh", "ooh", "aha")
+    ("mm", "mmm", "hm", "hmm", "mhm", "uh", "huh", "um", "ah", "oh", "ooh", "aha", "amen")
     + ("yeah", "yep", "yes", "ya", "yup", "okay", "ok", "right", "sure", "alright", "cool")
     + ("i", "see", "got", "it", "nice", "wow", "really", "true", "exactly", "great", "good")
     + ("fine", "thanks", "thank", "you", "so", "well")

@@ -145,6 +145,7 @@ def test_the_word_rules() -> None:
     assert not is_backchannel("Wait, stop.")
     # Whisper spells a hum with as many letters as it hears.
     assert is_backchannel("MMMM") and is_backchannel("Hmmmm.") and is_backchannel("Mhmmm")
+    assert is_backchannel("Amen.")  # whisper-tiny's hearing of a short "mm hmm"
     assert not is_backchannel("Mom")
 
 
@@ -322,6 +323,19 @@ async def test_an_unfinished_turn_ends_at_the_eagerness_cap() -> None:
     await source.close()
 
 
+async def test_an_unsure_ending_waits_part_of_the_cap_then_ends() -> None:
+    # "Could you tell me what the", completed by Whisper as "Could you tell me what?".
+    engine = ScriptedEngine(score=0.9, transcript="Could you tell me what?", ending=(-1.4,))
+    source = semantic_source(engine)
+    engine.push(*[0.9] * 20, *[0.0] * 30)  # 960 ms of silence: under auto's 1.2 s
+    assert [e.kind for e in await decisions(source, 2)] == ["started", "paused"]
+    await wait_until(lambda: engine.vad.empty() and not source.scoring, 5, "the scoring")
+    engine.push(*[0.0] * 10)  # 1.28 s: scored again, and the turn ends where it fell silent
+    (stopped,) = await decisions(source, 1)
+    assert (stopped.kind, stopped.ms) == ("stopped", 640)
+    await source.close()
+
+
 async def test_words_confirm_an_interruption_before_the_minimum() -> None:
     engine = ScriptedEngine(score=0.1, transcript="Wait, stop")
     source = EngineSpeechSource(
@@ -356,6 +370,25 @@ async def test_backchannel_words_do_not_confirm() -> None:
     (event,) = await decisions(source, 1)
     assert event.kind == "stopped"
     assert [stage for stage, _ in engine.requests] == ["asr"]
+    await source.close()
+
+
+async def test_a_confirmed_interruption_is_not_checked_again() -> None:
+    engine = ScriptedEngine(score=0.1, transcript="Wait, stop")
+    source = EngineSpeechSource(
+        engine, "s", TurnSettings(min_interruption_ms=2000, interruption_words_after_ms=256)
+    )
+    source.configure(TurnDetection(), start_ms=0)
+    source.feed(np.zeros(32000, np.float32))
+    engine.push(0.9)
+    await decisions(source, 1)
+    source.watch_words()
+    engine.push(*[0.9] * 7)
+    (confirmed,) = await decisions(source, 1)
+    assert confirmed.kind == "confirmed"
+    engine.push(*[0.9] * 30)  # a second more of the interruption
+    await wait_until(lambda: engine.vad.empty() and not source.scoring, 5, "the speech heard")
+    assert len(engine.requests) == 1
     await source.close()
 
 

@@ -125,9 +125,9 @@ class TurnSettings(BaseModel):
     # longest wait (auto: 0.3 x 4 s = 1.2 s of silence); 1: wait all of it.
     semantic_unsure_wait: float = Field(default=0.3, ge=0.0, le=1.0)
     # Speech over a running response is transcribed once it has been heard this long
-    # (and again until `min_interruption_ms`, each time once the last transcript is in
-    # and 100 ms more was heard): words other than backchannels ("yeah", "mm hmm",
-    # "okay") confirm the interruption early. None: off.
+    # (and every as long again until `min_interruption_ms`, each time once the last
+    # transcript is in): words other than backchannels ("yeah", "mm hmm", "okay")
+    # confirm the interruption early. None: off.
     interruption_words_after_ms: int | None = Field(default=None, ge=32, le=5000)
     min_interruption_ms: int = Field(default=0, ge=0, le=5000)
 

@@ -80,11 +80,6 @@ MAX_QUEUED_SAMPLES = 60 * 16_000
 # heard.
 KEEP_FOR_SCORING_SAMPLES = 8 * 16_000 + MAX_UNHEARD_SAMPLES
 SAMPLES_PER_MS = 16
-# Speech over an answer whose words were all backchannels is transcribed again once the
-# check has answered and this much more speech was heard: the first words of an
-# interruption are often misheard as one ("Okay." for "Actually"), and every check
-# hears all of the speech so far.
-WORDS_RECHECK_MS = 100
 # How long a silence ends speech heard over a running answer, in either mode.
 CANDIDATE_SILENCE_MS = TurnDetection().silence_duration_ms
 
@@ -377,14 +372,14 @@ class EngineSpeechSource:
     ) -> int | None:
         """Transcribe the speech under way once it has been heard `due_ms`; returns when
         the next check is due (a new speech starts the count again)."""
-        first = self._turns.interruption_words_after_ms
+        every = self._turns.interruption_words_after_ms
         limit = self._turns.min_interruption_ms
-        if first is None or due_ms is None:
+        if every is None or due_ms is None:
             return due_ms
         if not detector.speaking:
             if self._words_check is not None:
                 self._words_check.cancel()  # about a speech that is over
-            return first
+            return every
         if not self._watch_words or detector.confirmed:
             return due_ms  # no answer to interrupt, or it is interrupted already
         if detector.voiced_ms < due_ms or (limit and detector.voiced_ms >= limit):
@@ -402,7 +397,7 @@ class EngineSpeechSource:
         self._scoring.add(task)
         task.add_done_callback(self._scoring.discard)
         self._words_check = task
-        return detector.voiced_ms + WORDS_RECHECK_MS
+        return max(due_ms + every, detector.voiced_ms)
 
     async def _confirm_if_meant(
         self, request_id: str, clip: np.ndarray, detector: SpeechDetector, speech: int

@@ -55,7 +55,6 @@ TOKENS_PER_SECOND_CAP = 8.0  # fast speech is ~5 tokens/s with punctuation
 MIN_TOKENS_PER_SECOND = 0.5  # fewer on a long utterance means decoding stopped early
 EARLY_STOP_MIN_SECONDS = 4.0
 MIN_WINDOW_S = 4.0  # the first window of a short clip: the decoder needs room after it
-MAX_WINDOW_S = whisper.N_FRAMES / whisper.FRAMES_PER_SECOND  # Whisper's whole window
 PARTIAL_PAD_S = 0.5  # pad of a partial request's window
 PREFIX_SLACK_TOKENS = 8  # a forced prefix may use up the duration's cap: still decode a few
 
@@ -68,7 +67,6 @@ class _Job:
     prefix: list[int] = field(default_factory=list)
     logprobs: bool = False
     partial: bool = False
-    min_window_s: float = MIN_WINDOW_S
     attempts: int = 0
     tokens: list[int] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
@@ -197,8 +195,6 @@ class Transcriber:
             raise ValueError(f"ASR prefix is longer than {self.max_tokens} tokens")
         if not isinstance(request.prompt, str):
             raise ValueError("ASR prompt must be a string")
-        if request.min_window_s is not None and not 0 < request.min_window_s <= MAX_WINDOW_S:
-            raise ValueError(f"ASR min_window_s must be in (0, {MAX_WINDOW_S}]")
         return replace(request, audio=_check_audio(request.audio))
 
     # --- attempts ---
@@ -215,7 +211,6 @@ class Transcriber:
                 prefix=list(request.prefix) if i == 0 else [],
                 logprobs=request.logprobs,
                 partial=request.partial,
-                min_window_s=request.min_window_s or self.min_window_s,
             )
             for i, part in enumerate(parts)
         ]
@@ -248,7 +243,7 @@ class Transcriber:
             # minimum: its words are committed, and a short window mishears the first
             # ones ("for me then" for "The meeting").
             pad = PARTIAL_PAD_S if job.partial else first
-            return _bucket(max(job.duration_s + pad, job.min_window_s))
+            return _bucket(max(job.duration_s + pad, self.min_window_s))
 
         return [
             first_rung,

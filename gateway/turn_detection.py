@@ -80,10 +80,6 @@ MAX_QUEUED_SAMPLES = 60 * 16_000
 # heard.
 KEEP_FOR_SCORING_SAMPLES = 8 * 16_000 + MAX_UNHEARD_SAMPLES
 SAMPLES_PER_MS = 16
-# The words of speech over an answer are heard in a 2 s window, not the ASR's usual 4 s:
-# the encoder, most of a check's cost, takes about half as long, and the few words of
-# a short clip are heard alike (bench/turns.py measures both).
-WORDS_WINDOW_S = 2.0
 # How long a silence ends speech heard over a running answer, in either mode.
 CANDIDATE_SILENCE_MS = TurnDetection().silence_duration_ms
 
@@ -407,8 +403,7 @@ class EngineSpeechSource:
         self, request_id: str, clip: np.ndarray, detector: SpeechDetector, speech: int
     ) -> None:
         asked = time.monotonic()
-        request = AsrRequest(clip, logprobs=True, min_window_s=WORDS_WINDOW_S)
-        words = self._result("asr", request_id, request)
+        words = self._result("asr", request_id, AsrRequest(clip, logprobs=True))
         try:
             heard: Transcription | None = await words
         finally:

@@ -28,7 +28,6 @@ from engine.asr import (
     repeated_tail,
     split_long_audio,
 )
-from engine.asr_request import AsrRequest
 from engine.models import whisper, whisper_ct2
 
 RATE = 16000
@@ -261,19 +260,6 @@ def test_front_center_recording(transcriber: Transcriber) -> None:
         "front",
         "center",
     ]
-
-
-@pytest.mark.models
-def test_a_request_may_ask_for_a_shorter_first_window(transcriber: Transcriber) -> None:
-    audio = read_16k(ALSA / "Front_Center.wav")  # about 1 s
-    usual = transcriber.transcribe_requests([AsrRequest(audio)])[0]
-    short = transcriber.transcribe_requests([AsrRequest(audio, min_window_s=2.0)])[0]
-    assert usual.window_frames >= 4 * whisper.FRAMES_PER_SECOND
-    assert short.window_frames < 3 * whisper.FRAMES_PER_SECOND
-    assert normalise(short.text) == ["front", "center"]
-    for bad in (0.0, -1.0, 31.0):
-        with pytest.raises(ValueError, match="min_window_s"):
-            transcriber.transcribe_requests([AsrRequest(audio, min_window_s=bad)])
 
 
 @pytest.mark.models

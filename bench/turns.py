@@ -2,6 +2,7 @@
 real interruption is heard, and the wait from the end of speech to the answer's audio.
 
     .venv/bin/python bench/turns.py [--config PROFILE.yaml] [--sounds DIR] [--json]
+        [--modes semantic_vad server_vad] [--kinds hesitations sentences nonspeech ...]
 
 The gateway is started through its CLI with the real models. Each turn-detection mode
 (`semantic_vad` eagerness auto, `server_vad` with its defaults) gets a session whose

@@ -151,7 +151,9 @@ class TurnRequest:
     transcript is finished rather than started over, and the final transcript begins
     with every word already reported live. `transcription_prompt` is text the speech
     follows (Whisper reads it as the previous context); `logprobs` asks for each
-    transcript token's log probability.
+    transcript token's log probability. `heard` is the words of `audio` already heard
+    (by the gateway's turn detector): stage 0 reports them rather than transcribing the
+    same speech again; it goes with neither a live utterance, a prompt nor logprobs.
     """
 
     final: Stage
@@ -168,6 +170,7 @@ class TurnRequest:
     utterance: str | None = None
     transcription_prompt: str = ""
     logprobs: bool = False
+    heard: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "final", Stage(self.final))
@@ -202,6 +205,10 @@ class TurnRequest:
             raise ValueError("turn audio must be non-empty float32 samples (bytes)")
         if self.text is not None and not isinstance(self.text, str):
             raise ValueError("turn text must be a str")
+        if self.heard is not None and (
+            self.audio is None or self.transcription_prompt or self.logprobs
+        ):
+            raise ValueError("heard words go with turn audio, without a prompt or logprobs")
         for i, message in enumerate(self.messages):
             if not isinstance(message, Message):
                 raise ValueError(f"messages[{i}] must be a Message, got {message!r}")

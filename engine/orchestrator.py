@@ -563,14 +563,16 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         return [s for s, rid in sorted(turn.out_ids.items()) if rid in self._open]
 
     async def _transcribe(self, turn: _Turn) -> str | None:
-        """Stage 0 of a turn: finish the live utterance it names (rule 5), or transcribe
-        its audio whole, with a transcript of its own when it asks for a prompt or
-        logprobs."""
+        """Stage 0 of a turn: finish the live utterance it names (rule 5), report the
+        words the gateway already heard, or transcribe its audio whole, with a transcript
+        of its own when it asks for a prompt or logprobs."""
         request = turn.request
         turn.marks["asr"] = time.perf_counter()
         audio = np.frombuffer(request.audio or b"", dtype="<f4")
         utterance = turn.utterance
         live = utterance.live if utterance is not None else None
+        if live is None and request.heard is not None:
+            return self._transcribed(turn, request.heard.strip(), heard=True)
         if live is None and (request.transcription_prompt or request.logprobs):
             live = await self.engine.call(
                 "asr", "new_live_transcript", request.transcription_prompt, request.logprobs
@@ -607,12 +609,15 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         *,
         logprobs: tuple[tuple[str, float], ...] = (),
         live: bool = False,
+        heard: bool = False,
     ) -> str:
         metadata: dict[str, Any] = {"asr_ms": turn.since("asr"), **turn.asr_metrics}
         if logprobs:
             metadata["logprobs"] = logprobs
         if live:
             metadata["live"] = True
+        if heard:
+            metadata["heard"] = True  # the turn detector's words: no transcription ran
         turn.transcribed = True
         self._emit(turn, ASR, "transcript", text=text, metadata=metadata)
         self._emit(turn, ASR, "done", finished=True)

@@ -104,11 +104,15 @@ SessionEvent = ResponseEvent | TranscriptDelta
 class SpeechEvent:
     """Server VAD: speech `started` or `stopped` at session time `ms`; `paused` (the
     silence that began at `ms` may become a stop) and `resumed` (it did not);
-    `confirmed` (the speech that started at `ms` has lasted long enough to interrupt)."""
+    `confirmed` (the speech that started at `ms` has lasted long enough to interrupt).
+    A `paused` event may carry the `words` the turn detector heard in the speech before
+    the silence: the turn the stop would start then answers them, not transcribing the
+    same speech again."""
 
     kind: Literal["started", "stopped", "paused", "resumed", "confirmed"]
     ms: float
     metrics: dict[str, float] = field(default_factory=dict)
+    words: str | None = None
 
 
 class BackendSession(Protocol):

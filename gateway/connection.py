@@ -175,7 +175,7 @@ class RealtimeConnection:
             case "started":
                 self.core.speech_started(event.ms)
             case "paused":
-                self.core.speech_paused(event.ms)
+                self.core.speech_paused(event.ms, event.words)
             case "resumed":
                 self.core.speech_resumed()
             case "confirmed":

@@ -53,6 +53,7 @@ class Item:
     audio: bytearray | None = None  # wire bytes in `audio_format`
     audio_format: AudioFormat | None = None
     pending_audio: bytes | None = None  # user audio not yet transcribed (rule 2)
+    heard: str | None = None  # the words the turn detector heard in pending_audio
     ledger: PlaybackLedger | None = None  # what a spoken assistant item said when (rule 1)
     audio_dropped: bool = False  # its audio went to make room for newer audio (rule 4)
     type: ItemType = "message"
@@ -62,9 +63,11 @@ class Item:
     output: str | None = None  # function_call_output
 
     @classmethod
-    def user_audio(cls, item_id: str, clip: Clip) -> Item:
+    def user_audio(cls, item_id: str, clip: Clip, heard: str | None = None) -> Item:
         audio, pending = bytearray(clip.data), _turn_audio(clip.samples)
-        return cls(item_id, "user", audio=audio, audio_format=clip.fmt, pending_audio=pending)
+        return cls(
+            item_id, "user", audio=audio, audio_format=clip.fmt, pending_audio=pending, heard=heard
+        )
 
     @classmethod
     def assistant(cls, item_id: str, modalities: tuple[str, ...]) -> Item:
@@ -217,7 +220,7 @@ class Item:
 
     def set_transcript(self, text: str) -> None:
         self.transcript = text
-        self.pending_audio = None
+        self.pending_audio = self.heard = None
 
     def add_audio(self, data: bytes, text: str) -> None:
         """Append a chunk of spoken audio (wire bytes) and the words it speaks."""

@@ -152,10 +152,11 @@ class RealtimeSession:
         """The speech that began at `audio_start_ms` lasted long enough to interrupt."""
         self._turns.speech_confirmed(audio_start_ms)
 
-    def speech_paused(self, audio_end_ms: float) -> None:
+    def speech_paused(self, audio_end_ms: float, words: str | None = None) -> None:
         """VAD heard a silence begin that may become the stop: the turn the stop would
-        start is prepared, so its work runs while the silence does."""
-        self._turns.speech_paused(audio_end_ms)
+        start is prepared, so its work runs while the silence does; `words`, when the
+        turn detector transcribed the speech, are what it answers."""
+        self._turns.speech_paused(audio_end_ms, words)
 
     def speech_resumed(self) -> None:
         """The paused speech went on: the prepared turn is not wanted."""

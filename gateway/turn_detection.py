@@ -180,6 +180,7 @@ class EngineSpeechSource:
         # (silence start, the transcript of the speech before it): the words do not
         # change while the silence lasts, so every scoring in it shares one transcript.
         self._silence_words: tuple[int, asyncio.Task[Any]] | None = None
+        self._announced: int | None = None  # the silence whose pause went out with its words
         # The latest scoring: a silence is scored again only once it has answered, so
         # that scorings do not queue up (and take the CPU) while the engine is busy.
         self._turn_score: asyncio.Task[None] | None = None
@@ -324,6 +325,8 @@ class EngineSpeechSource:
                 elif isinstance(decision, SpeechConfirmed):
                     event = SpeechEvent("confirmed", start_ms + decision.audio_start_ms)
                 elif isinstance(decision, SpeechPaused):
+                    if self._pause_waits_for_words():
+                        continue  # announced with the words (`_announce_pause`)
                     event = SpeechEvent("paused", start_ms + decision.audio_end_ms)
                 elif isinstance(decision, SpeechResumed):
                     event = SpeechEvent("resumed", start_ms + decision.detected_ms)
@@ -453,7 +456,7 @@ class EngineSpeechSource:
         silence_ms, silent_for_ms = silence
         asked = time.monotonic()
         score = self._result("turn", request_id, clip)
-        words = self._words_before(silence_ms, clip)
+        words = self._words_before(silence_ms, clip, detector)
         heard: Transcription | None = None
         try:
             probability = await score
@@ -471,6 +474,8 @@ class EngineSpeechSource:
             heard and [round(p, 2) for p in heard.logprobs[-3:]],
             (time.monotonic() - asked) * 1000,
         )
+        if words is not None:
+            self._announce_pause(silence_ms, heard, detector)  # before a stop it may send
         if words is not None and (heard is None or sounds_unfinished(heard.text)):
             self._stop_scoring(silence_ms)
             return  # the words will not change in this silence: it lasts to the cap
@@ -487,7 +492,9 @@ class EngineSpeechSource:
         if stop is not None:
             self._events.put_nowait(SpeechEvent("stopped", start_ms + stop.audio_end_ms))
 
-    def _words_before(self, silence_ms: int, clip: np.ndarray) -> asyncio.Task[Any] | None:
+    def _words_before(
+        self, silence_ms: int, clip: np.ndarray, detector: SpeechDetector
+    ) -> asyncio.Task[Any] | None:
         """The transcript of the speech before the silence at `silence_ms`, asked for
         once per silence (None when the words are not checked)."""
         if not self._turns.semantic_words:
@@ -496,8 +503,36 @@ class EngineSpeechSource:
             self._forget_words()
             request_id = f"{self._session_id}.turnwords{next(self._serial)}"
             request = AsrRequest(clip, logprobs=True)  # how sure it is of the end
-            self._silence_words = (silence_ms, self._result("asr", request_id, request))
+            words = self._result("asr", request_id, request)
+            words.add_done_callback(lambda done: self._words_in(done, silence_ms, detector))
+            self._silence_words = (silence_ms, words)
         return self._silence_words[1]
+
+    def _pause_waits_for_words(self) -> bool:
+        """semantic_vad transcribes the speech before each silence it scores: the pause
+        is announced once those words are in, with them, so that the answer prepared in
+        the silence starts from them and does not transcribe the same speech again."""
+        return self._semantic and self._turns.semantic_words and not self._watch_words
+
+    def _words_in(
+        self, words: asyncio.Task[Any], silence_ms: int, detector: SpeechDetector
+    ) -> None:
+        if not words.cancelled():
+            self._announce_pause(
+                silence_ms, None if words.exception() else words.result(), detector
+            )
+
+    def _announce_pause(
+        self, silence_ms: int, heard: Transcription | None, detector: SpeechDetector
+    ) -> None:
+        """The pause at `silence_ms` with its words, once, while the silence lasts."""
+        if self._announced == silence_ms or detector.silent_since_ms != silence_ms:
+            return
+        self._announced = silence_ms
+        text = heard.text if heard is not None else None
+        self._events.put_nowait(
+            SpeechEvent("paused", self._stream_start_ms + silence_ms, words=text)
+        )
 
     def _forget_words(self) -> None:
         if self._silence_words is not None:

@@ -90,6 +90,9 @@ class TurnTaking:
         # The start of speech heard over a running response, not yet confirmed (rule 3).
         self._candidate_ms: float | None = None
         self._prepared = False  # a PrepareResponse is out, not yet taken or discarded
+        # (silence start, the words heard before it): the turn detector's transcript of
+        # the speech, which the turn a stop there answers.
+        self._heard: tuple[float, str] | None = None
         self._idle_since_ms = 0.0
         self._configure_vad()
         if settings.live_transcription() is not None:
@@ -204,7 +207,9 @@ class TurnTaking:
         self._commit(item_id, self.input.start_ms, self.now_ms)
         self._respond(ResponseOptions.from_session(self.settings))
 
-    def _commit(self, item_id: str, start_ms: float, end_ms: float) -> Item:
+    def _commit(
+        self, item_id: str, start_ms: float, end_ms: float, heard: str | None = None
+    ) -> Item:
         """Take [start_ms, end_ms) of the buffer as a new user item of the conversation."""
         span_ms = self.input.span_ms(start_ms, end_ms)
         if self.input.empty or span_ms < MIN_COMMIT_MS:
@@ -219,7 +224,7 @@ class TurnTaking:
             self._conversation.check_audio_room(span_ms)
         except AudioLimitError as exc:
             raise ClientError(str(exc), "input_audio_buffer_commit_too_large") from None
-        item = Item.user_audio(item_id, self.input.take(start_ms, end_ms))
+        item = Item.user_audio(item_id, self.input.take(start_ms, end_ms), heard)
         self._feed_vad()  # taking the span may have flushed the resampler
         previous = self._conversation.last_id()
         self._out.emit("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id)
@@ -260,9 +265,10 @@ class TurnTaking:
         # After the barge-in: the utterance belongs to the epoch that follows it.
         self._out.act(StartUtterance(self._speech_item_id, self._speech_start_ms))
 
-    def speech_paused(self, audio_end_ms: float) -> None:
+    def speech_paused(self, audio_end_ms: float, words: str | None = None) -> None:
         detection = self.settings.turn_detection
         item_id = self._speech_item_id
+        self._heard = None if words is None else (audio_end_ms, words)
         if detection is None or item_id is None or self._config.prepare_after_silence_ms is None:
             return
         answers = detection.create_response and self._responses.active_id is None
@@ -274,7 +280,7 @@ class TurnTaking:
         if clip.duration_ms < MIN_COMMIT_MS:
             return
         # The item the stop will commit: the same span, so the same stored samples.
-        item = Item.user_audio(item_id, clip)
+        item = Item.user_audio(item_id, clip, words)
         if answers:
             turn = response_turn(
                 ResponseOptions.from_session(self.settings),
@@ -291,6 +297,7 @@ class TurnTaking:
         self._out.act(PrepareResponse(turn))
 
     def speech_resumed(self) -> None:
+        self._heard = None
         self._discard_prepared()
 
     def speech_stopped(self, audio_end_ms: float) -> None:
@@ -310,7 +317,9 @@ class TurnTaking:
         )
         try:
             self._check_still_kept(audio_end_ms)
-            item = self._commit(item_id, self._speech_start_ms, audio_end_ms)
+            heard, self._heard = self._heard, None
+            words = heard[1] if heard is not None and heard[0] == audio_end_ms else None
+            item = self._commit(item_id, self._speech_start_ms, audio_end_ms, words)
         except ClientError as exc:
             self._discard_prepared()
             self._out.act(EndUtterance(item_id))

@@ -55,6 +55,11 @@ def response_turn(
     text = answered.text() if answered is not None and audio is None else None
     spoken = "audio" in options.output_modalities
     live = settings.live_transcription() or LiveTranscription()
+    # Words the turn detector heard stand in for stage 0, unless the session transcribes
+    # its speech live (that transcript is finished instead).
+    heard = answered.heard if answered is not None and audio is not None else None
+    if settings.live_transcription() is not None:
+        heard = None
     messages = _merge_calls([m for m in (item.message() for item in history) if m is not None])
     if settings.truncation == "auto":
         messages = messages[-max_context_messages:]
@@ -76,6 +81,7 @@ def response_turn(
         utterance=answered.id if answered is not None and audio is not None else None,
         transcription_prompt=live.prompt if audio is not None else "",
         logprobs=live.logprobs and audio is not None,
+        heard=heard,
     )
 
 

@@ -60,6 +60,37 @@ def test_a_pause_prepares_exactly_the_turn_the_stop_starts() -> None:
     assert abs(len(prepare.turn.audio) / 4 - 0.7 * 16000) < 100
 
 
+def test_the_words_heard_at_a_pause_are_what_the_turn_answers() -> None:
+    session = _speaking_session()
+    session.speech_paused(900, "What is the capital of France?")
+    (prepare,) = _actions(session, PrepareResponse)
+    assert prepare.turn.heard == "What is the capital of France?"
+    assert prepare.turn.audio is not None  # the item keeps its audio
+    session.speech_stopped(900)
+    (start,) = _actions(session, StartResponse)
+    assert start.turn == prepare.turn  # the stop takes the prepared turn over
+
+
+def test_words_heard_before_another_silence_are_not_used() -> None:
+    session = _speaking_session()
+    session.speech_paused(600, "What is the")
+    session.speech_resumed()
+    session.speech_stopped(900)
+    (start,) = _actions(session, StartResponse)
+    assert start.turn.heard is None  # transcribed from its audio
+
+
+def test_a_live_transcribed_session_finishes_its_own_transcript() -> None:
+    session = _speaking_session()
+    update = {"type": "realtime", "audio": {"input": {"transcription": {"model": "whisper-1"}}}}
+    session.receive_text(json.dumps({"type": "session.update", "session": update}))
+    session.events_to_send()
+    session.speech_started(1000)
+    session.speech_paused(1100, "Hello there.")
+    (prepare,) = _actions(session, PrepareResponse)
+    assert prepare.turn.heard is None and prepare.turn.utterance is not None
+
+
 def test_speech_going_on_discards_the_prepared_response() -> None:
     session = _speaking_session()
     session.speech_paused(600)

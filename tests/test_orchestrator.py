@@ -230,6 +230,31 @@ async def test_empty_transcript_ends_the_turn_without_the_llm(h: Harness) -> Non
     assert not h.llm.inputs
 
 
+async def test_words_the_gateway_heard_are_answered_without_transcribing_again(
+    h: Harness,
+) -> None:
+    contexts = h.reserve()
+    await h.submit(contexts, turn(audio=audio(3), heard="What is the capital of France?"))
+    asr, llm, tts = (c.request_id for c in contexts)
+    await h.until(lambda: h.finished(tts))
+    (transcript, _) = h.of(asr)
+    assert transcript.text == "What is the capital of France?"
+    assert transcript.metadata["heard"] is True
+    assert h.asr.requests == []  # the ASR stage never saw the audio
+    assert h.llm.inputs[llm].messages[-1]["content"] == "What is the capital of France?"
+    await h.idle()
+
+
+def test_heard_words_go_with_audio_and_no_transcription_options() -> None:
+    for fields in (
+        {"text": "hi", "heard": "hi"},
+        {"audio": audio(1), "heard": "hi", "logprobs": True},
+        {"audio": audio(1), "heard": "hi", "transcription_prompt": "Names: Ada."},
+    ):
+        with pytest.raises(ValueError, match="heard words"):
+            turn(**fields)
+
+
 # ---- errors -------------------------------------------------------------------------
 
 

@@ -282,6 +282,7 @@ async def test_a_complete_turn_ends_at_the_start_of_its_silence() -> None:
     events = await decisions(source, 3)
     assert [e.kind for e in events] == ["started", "paused", "stopped"]
     assert events[2].ms == 640
+    assert events[1].words == "What is the capital of France?"  # the answer starts from them
     assert {stage for stage, _ in engine.requests} == {"turn", "asr"}
     await source.close()
 
@@ -316,10 +317,11 @@ async def test_an_unfinished_turn_waits(
 async def test_an_unfinished_turn_ends_at_the_eagerness_cap() -> None:
     engine = ScriptedEngine(score=0.1, transcript="and")
     source = semantic_source(engine)
-    engine.push(*[0.9] * 20, *[0.0] * 130)  # 4.16 s of silence: past auto's 4 s
-    events = await decisions(source, 3)
-    assert [e.kind for e in events] == ["started", "paused", "stopped"]
-    assert events[2].ms == 640
+    engine.push(*[0.9] * 20, *[0.0] * 6)  # scored 160 ms into the silence...
+    assert [e.kind for e in await decisions(source, 2)] == ["started", "paused"]
+    engine.push(*[0.0] * 124)  # ...and it lasts 4.16 s: past auto's 4 s
+    (stopped,) = await decisions(source, 1)
+    assert (stopped.kind, stopped.ms) == ("stopped", 640)
     await source.close()
 
 

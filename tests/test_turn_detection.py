@@ -338,16 +338,23 @@ async def test_an_unsure_ending_waits_part_of_the_cap_then_ends() -> None:
     await source.close()
 
 
-async def test_words_confirm_an_interruption_before_the_minimum() -> None:
-    engine = ScriptedEngine(score=0.1, transcript="Wait, stop")
-    source = EngineSpeechSource(
-        engine, "s", TurnSettings(min_interruption_ms=1000, interruption_words_after_ms=256)
-    )
+async def speech_over_an_answer(
+    engine: ScriptedEngine, min_interruption_ms: int = 1000
+) -> tuple[EngineSpeechSource, SpeechEvent]:
+    """A source whose speech started (one chunk heard) while an answer was running."""
+    turns = TurnSettings(min_interruption_ms=min_interruption_ms, interruption_words_after_ms=256)
+    source = EngineSpeechSource(engine, "s", turns)
     source.configure(TurnDetection(), start_ms=0)
-    source.feed(np.zeros(16000, np.float32))
+    source.feed(np.zeros(32000, np.float32))
     engine.push(0.9)
     (started,) = await decisions(source, 1)
     source.watch_words()  # the session saw it start over a running answer
+    return source, started
+
+
+async def test_words_confirm_an_interruption_before_the_minimum() -> None:
+    engine = ScriptedEngine(score=0.1, transcript="Wait, stop")
+    source, started = await speech_over_an_answer(engine)
     engine.push(*[0.9] * 7)  # 256 ms heard: the words are checked
     (confirmed,) = await decisions(source, 1)
     assert (started.kind, confirmed.kind) == ("started", "confirmed")
@@ -358,14 +365,7 @@ async def test_words_confirm_an_interruption_before_the_minimum() -> None:
 
 async def test_backchannel_words_do_not_confirm() -> None:
     engine = ScriptedEngine(score=0.1, transcript="Mm-hmm.")
-    source = EngineSpeechSource(
-        engine, "s", TurnSettings(min_interruption_ms=1000, interruption_words_after_ms=256)
-    )
-    source.configure(TurnDetection(), start_ms=0)
-    source.feed(np.zeros(16000, np.float32))
-    engine.push(0.9)
-    await decisions(source, 1)
-    source.watch_words()
+    source, _ = await speech_over_an_answer(engine)
     engine.push(*[0.9] * 9)  # the words are checked after this much speech ...
     await wait_until(lambda: bool(engine.requests) and not source.scoring, 5, "the check")
     engine.push(*[0.0] * 16)  # ... and said nothing: the speech stops unconfirmed
@@ -377,14 +377,7 @@ async def test_backchannel_words_do_not_confirm() -> None:
 
 async def test_a_confirmed_interruption_is_not_checked_again() -> None:
     engine = ScriptedEngine(score=0.1, transcript="Wait, stop")
-    source = EngineSpeechSource(
-        engine, "s", TurnSettings(min_interruption_ms=2000, interruption_words_after_ms=256)
-    )
-    source.configure(TurnDetection(), start_ms=0)
-    source.feed(np.zeros(32000, np.float32))
-    engine.push(0.9)
-    await decisions(source, 1)
-    source.watch_words()
+    source, _ = await speech_over_an_answer(engine, min_interruption_ms=2000)
     engine.push(*[0.9] * 7)
     (confirmed,) = await decisions(source, 1)
     assert confirmed.kind == "confirmed"
@@ -412,13 +405,7 @@ class HeldWords(ScriptedEngine):
 
 async def test_speech_over_an_answer_is_checked_once_at_a_time() -> None:
     engine = HeldWords(transcript="Mm-hmm.")
-    turns = TurnSettings(min_interruption_ms=2000, interruption_words_after_ms=256)
-    source = EngineSpeechSource(engine, "s", turns)
-    source.configure(TurnDetection(), start_ms=0)
-    source.feed(np.zeros(32000, np.float32))
-    engine.push(0.9)
-    await decisions(source, 1)
-    source.watch_words()
+    source, _ = await speech_over_an_answer(engine, min_interruption_ms=2000)
     engine.push(*[0.9] * 24)  # 800 ms heard: past three check times, the first unanswered
     await wait_until(engine.vad.empty, 5, "the speech heard")
     engine.answer.set()

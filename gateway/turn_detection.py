@@ -251,6 +251,7 @@ class EngineSpeechSource:
             task.cancel()
         self._scoring.clear()
         self._forget_words()
+        self._announced = None
         self._progress.close()
         if self._reader is not None:
             self._reader.cancel()

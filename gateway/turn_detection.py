@@ -407,17 +407,16 @@ class EngineSpeechSource:
         self, request_id: str, clip: np.ndarray, detector: SpeechDetector, speech: int
     ) -> None:
         asked = time.monotonic()
-        words = self._result("asr", request_id, AsrRequest(clip, logprobs=True))
+        words = self._result("asr", request_id, AsrRequest(clip))
         try:
             heard: Transcription | None = await words
         finally:
             words.cancel()
         logger.debug(
-            "words over the answer (%d ms) after %.0f ms: %r %s",
+            "words over the answer (%d ms) after %.0f ms: %r",
             len(clip) // SAMPLES_PER_MS,
             (time.monotonic() - asked) * 1000,
             heard and heard.text,
-            heard and [round(p, 2) for p in heard.logprobs],
         )
         if heard is None or is_backchannel(heard.text):
             return

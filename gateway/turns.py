@@ -57,9 +57,8 @@ def response_turn(
     live = settings.live_transcription() or LiveTranscription()
     # Words the turn detector heard stand in for stage 0, unless the session transcribes
     # its speech live (that transcript is finished instead).
-    heard = answered.heard if answered is not None and audio is not None else None
-    if settings.live_transcription() is not None:
-        heard = None
+    listening = settings.live_transcription() is not None
+    heard = answered.heard if answered is not None and audio is not None and not listening else None
     messages = _merge_calls([m for m in (item.message() for item in history) if m is not None])
     if settings.truncation == "auto":
         messages = messages[-max_context_messages:]

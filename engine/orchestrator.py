@@ -449,6 +449,12 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         self._register(turn)
         turn.marks["adopted"] = time.perf_counter()
         held, turn.held = turn.held or [], None
+        logger.debug(
+            "prepared turn %s adopted %.0f ms after its start, %d audio chunks ready",
+            turn.ids[min(turn.ids)],
+            turn.since("submit"),
+            sum(kind == "audio" for _, kind, _ in held),
+        )
         for stage, kind, fields in held:
             self._emit(turn, stage, kind, **fields)
         if turn.task is not None and turn.task.done():
@@ -671,6 +677,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             "cached_tokens": final.cached_tokens,
             "llm_ms": turn.since("llm"),
         }
+        logger.debug("LLM of %s done: %s", rid, metadata)
         self._emit(turn, LLM, "done", finished=True, metadata=metadata)
         if speaker is not None:
             speaker.finish(splitter.flush())
@@ -797,6 +804,14 @@ class _Speaker:
                 first_audio_ms=self._turn.since("submit"),
                 tts_first_chunk_ms=self._turn.since("clause"),
                 llm_first_clause_ms=marks.get("llm_first_clause_ms", 0.0),
+            )
+            logger.debug(
+                "first audio of %s: %.0f ms after its start, first clause after %.0f ms, "
+                "spoken in %.0f ms",
+                self._rid,
+                metadata["first_audio_ms"],
+                metadata["llm_first_clause_ms"],
+                metadata["tts_first_chunk_ms"],
             )
         self._orch._emit(
             self._turn,

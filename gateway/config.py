@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
     "OPENAI_REALTIME_MODELS",
@@ -120,6 +120,9 @@ class TurnSettings(BaseModel):
     # Also transcribe the speech at the silence: a turn ending on "for", "the", "and"...
     # is not over, whatever the model heard.
     semantic_words: bool = True
+    # The words are asked for sooner, once the silence lasts this long: the answer is
+    # prepared from them, so its LLM and TTS start while the model scores the turn.
+    semantic_words_after_ms: int = Field(default=64, ge=32, le=2000)
     # A transcript whose ending whisper is unsure of (maybe a cut phrase it completed
     # with words of its own) ends the turn only after this fraction of the eagerness's
     # longest wait (auto: 0.3 x 4 s = 1.2 s of silence); 1: wait all of it.
@@ -130,6 +133,15 @@ class TurnSettings(BaseModel):
     # confirm the interruption early. None: off.
     interruption_words_after_ms: int | None = Field(default=None, ge=32, le=5000)
     min_interruption_ms: int = Field(default=0, ge=0, le=5000)
+
+    @model_validator(mode="after")
+    def _words_before_score(self) -> TurnSettings:
+        if self.semantic_words_after_ms > self.semantic_score_after_ms:
+            raise ValueError(
+                "semantic_words_after_ms must not exceed semantic_score_after_ms: the "
+                "score needs the words"
+            )
+        return self
 
 
 class GatewayConfig(BaseModel):

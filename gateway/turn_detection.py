@@ -3,10 +3,12 @@
 pauses that may become a stop) on the session clock.
 
 semantic_vad uses the same detector with the eagerness's longest wait as its silence:
-when a silence reaches `pause_after_ms`, the engine's turn-end model scores the speech
-heard so far (its last 8 s) while the ASR stage transcribes it. The turn ends at the
-start of that silence if the score is `semantic_complete_threshold` or more and the
-words do not stop on one that cannot end an English sentence ("for", "the", "and"...).
+when a silence reaches `semantic_words_after_ms`, the ASR stage transcribes the speech
+before it (the pause that prepares the answer goes out with those words); at
+`semantic_score_after_ms`, the engine's turn-end model scores the speech heard so far
+(its last 8 s). The turn ends at the start of that silence if the score is
+`semantic_complete_threshold` or more and the words do not stop on one that cannot end
+an English sentence ("for", "the", "and"...).
 The model hears prosody, the words catch what prosody misses (synthetic voices fool
 the model both ways). Speech coming back first makes the decision moot.
 
@@ -360,6 +362,8 @@ class EngineSpeechSource:
                 if stop is not None:
                     self._events.put_nowait(SpeechEvent("stopped", start_ms + stop.audio_end_ms))
             return
+        if silence >= self._turns.semantic_words_after_ms:
+            self._ask_words(silent_since, speech_start_ms, detector)
         if self._next_score is None or self._next_score[0] != silent_since:
             self._next_score = (silent_since, self._turns.semantic_score_after_ms)
         if silence < self._next_score[1]:
@@ -492,6 +496,13 @@ class EngineSpeechSource:
         if stop is not None:
             self._events.put_nowait(SpeechEvent("stopped", start_ms + stop.audio_end_ms))
 
+    def _ask_words(self, silence_ms: int, speech_start_ms: int, detector: SpeechDetector) -> None:
+        """Have the speech before the silence at `silence_ms` transcribed, once."""
+        asked = self._silence_words is not None and self._silence_words[0] == silence_ms
+        if self._turns.semantic_words and not asked:
+            clip = self._audio.clip(speech_start_ms, detector.position_ms)
+            self._words_before(silence_ms, clip, detector)
+
     def _words_before(
         self, silence_ms: int, clip: np.ndarray, detector: SpeechDetector
     ) -> asyncio.Task[Any] | None:
@@ -530,6 +541,12 @@ class EngineSpeechSource:
             return
         self._announced = silence_ms
         text = heard.text if heard is not None else None
+        logger.debug(
+            "pause at %d ms: %d ms of silence heard, words %r",
+            silence_ms,
+            detector.position_ms - silence_ms,
+            text,
+        )
         self._events.put_nowait(
             SpeechEvent("paused", self._stream_start_ms + silence_ms, words=text)
         )

@@ -131,8 +131,8 @@ class TurnTaking:
         self._discard_prepared()
         pause = self._config.prepare_after_silence_ms if detection is not None else None
         if detection is not None and detection.semantic:
-            # The silence the turn-end model scores is also where the answer is prepared.
-            pause = self._config.turns.semantic_score_after_ms
+            # The answer is prepared where the detector asks for the words it scores with.
+            pause = self._config.turns.semantic_words_after_ms
         self._out.act(ConfigureVad(detection, self.now_ms, pause))
 
     # -- client events ------------------------------------------------------------------

@@ -94,9 +94,7 @@ async def test_an_adopted_turn_outputs_what_a_fresh_turn_would(h: Harness) -> No
 async def test_a_turn_that_finished_while_prepared_is_delivered_whole(h: Harness) -> None:
     params = h.orch.sampling_defaults()
     short = (params[0], params[1].__class__(max_tokens=4), params[2])
-    h.orch.prepare_turn(
-        DuplexPreparedTurn("s1", 0, short, _voice(2).plan().prompt, 0, 2)
-    )
+    h.orch.prepare_turn(DuplexPreparedTurn("s1", 0, short, _voice(2).plan().prompt, 0, 2))
     await _prepared_turn_ended(h)  # the whole turn ran while held
     assert h.outputs == []
     contexts = h.reserve(params=short)

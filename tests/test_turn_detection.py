@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from engine.asr_request import AsrRequest, Transcription
 from engine.stage import StageOutput
@@ -73,8 +74,8 @@ def test_semantic_vad_in_the_ga_shape() -> None:
     }
     configure = [a for a in rt.actions() if isinstance(a, ConfigureVad)][-1]
     assert configure.settings is not None and configure.settings.max_wait_ms == 2000
-    # The silence the model scores is where the answer is prepared.
-    assert configure.pause_after_ms == TurnSettings().semantic_score_after_ms
+    # The answer is prepared where the words the model scores with are asked for.
+    assert configure.pause_after_ms == TurnSettings().semantic_words_after_ms
 
 
 def test_semantic_vad_in_the_beta_shape_and_partial_updates() -> None:
@@ -287,6 +288,26 @@ async def test_a_complete_turn_ends_at_the_start_of_its_silence() -> None:
     await source.close()
 
 
+async def test_the_words_and_the_pause_come_before_the_score() -> None:
+    engine = ScriptedEngine(score=0.9, transcript="What is the capital of France?")
+    source = semantic_source(engine)
+    engine.push(*[0.9] * 20, *[0.0] * 3)  # 96 ms of silence: words, not yet a score
+    events = await decisions(source, 2)
+    assert [e.kind for e in events] == ["started", "paused"]
+    assert events[1].words == "What is the capital of France?"
+    assert [stage for stage, _ in engine.requests] == ["asr"]
+    engine.push(*[0.0] * 3)  # 192 ms: scored, with the words already in
+    (event,) = await decisions(source, 1)
+    assert (event.kind, event.ms) == ("stopped", 640)
+    assert [stage for stage, _ in engine.requests] == ["asr", "turn"]
+    await source.close()
+
+
+def test_the_words_cannot_wait_for_the_score() -> None:
+    with pytest.raises(ValidationError, match="semantic_words_after_ms"):
+        TurnSettings(semantic_words_after_ms=200, semantic_score_after_ms=160)
+
+
 @pytest.mark.parametrize(
     ("score", "transcript", "ending"),
     [
@@ -490,7 +511,7 @@ async def test_scorings_in_one_silence_share_one_transcript() -> None:
     engine.push(*[0.0] * 13)  # 576 ms: scored again, complete
     (event,) = await decisions(source, 1)
     assert (event.kind, event.ms) == ("stopped", 640)
-    assert [stage for stage, _ in engine.requests] == ["turn", "asr", "turn"]
+    assert [stage for stage, _ in engine.requests] == ["asr", "turn", "turn"]
     await source.close()
 
 
@@ -504,7 +525,7 @@ async def test_unfinished_words_stop_the_scoring_until_speech_comes_back() -> No
     engine.push(*[0.9] * 5)
     (event,) = await decisions(source, 1)
     assert event.kind == "resumed"
-    assert [stage for stage, _ in engine.requests] == ["turn", "asr"]
+    assert [stage for stage, _ in engine.requests] == ["asr", "turn"]
     # The next silence is scored (and transcribed) afresh.
     engine.push(*[0.0] * 6)
     (event,) = await decisions(source, 1)

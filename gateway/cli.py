@@ -140,6 +140,21 @@ def llm_override(profile: dict[str, Any], args: argparse.Namespace) -> dict[str,
     return {**profile, "stages": {**stages, "llm": llm}}
 
 
+def served_name(profile: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """With `--llm` or `--llm-url` the gateway's own model name (`session.model`,
+    `/healthz`) follows the LLM it now serves, `duplex-<model>`, unless the profile names
+    itself (`gateway: model_name:`)."""
+    if args.llm is None and args.llm_url is None:
+        return {}
+    if "model_name" in (profile.get("gateway") or {}):
+        return {}
+    remote = args.llm_url is not None
+    model = (args.llm_model or REMOTE_DEFAULT_MODEL) if remote else args.llm
+    folder = Path(model).expanduser()
+    last = folder.resolve().name if not remote and folder.is_dir() else model.rsplit("/", 1)[-1]
+    return {"model_name": f"duplex-{_safe(last)}"}
+
+
 def local_llm_ref(value: str) -> dict[str, str]:
     """`--llm`'s model: a registry name as it is; a folder or a Hugging Face id becomes
     a registry entry of its own (`path:` or `hf:` source, files linked into the cache)."""
@@ -186,9 +201,10 @@ async def _serve(args: argparse.Namespace) -> int:
     from gateway.server import GatewayServer
 
     profile, config = load_profile(args.config)
+    named = served_name(profile, args)
     profile = llm_override(profile, args)
     config = GatewayConfig.model_validate(
-        {**config.model_dump(), **_overrides(args), **_capacity_override(config, args)}
+        {**config.model_dump(), **_overrides(args), **_capacity_override(config, args), **named}
     )
     backend, voice = await _start_engine(profile, config, str(args.config))
     config = GatewayConfig.model_validate(

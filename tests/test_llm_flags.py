@@ -24,7 +24,7 @@ import yaml
 from openai import AsyncOpenAI
 
 from engine.paths import CACHE_ENV, cache_dir
-from gateway.cli import llm_override, local_llm_ref
+from gateway.cli import llm_override, local_llm_ref, served_name
 from tests.helpers import ROOT, free_port, running_gateway
 
 PROFILE = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
@@ -61,6 +61,24 @@ def test_llm_names_a_registry_model_a_folder_or_a_hugging_face_id(tmp_path: Path
     }
     stage = llm_override(PROFILE, flags(llm=str(tmp_path)))["stages"]["llm"]
     assert stage["backend"] == "local" and stage["model"] == folder
+
+
+def test_the_gateway_is_named_for_the_llm_it_serves(tmp_path: Path) -> None:
+    assert served_name(PROFILE, flags()) == {}
+    named = served_name(PROFILE, flags(llm_url="http://h/v1", llm_model="Qwen/Qwen2.5-7B"))
+    assert named == {"model_name": "duplex-Qwen2.5-7B"}
+    assert served_name(PROFILE, flags(llm_url="http://h/v1")) == {
+        "model_name": "duplex-default_model"
+    }
+    assert served_name(PROFILE, flags(llm=str(tmp_path))) == {
+        "model_name": f"duplex-{tmp_path.name}"
+    }
+    assert served_name(PROFILE, flags(llm="smollm2-135m-instruct")) == {
+        "model_name": "duplex-smollm2-135m-instruct"
+    }
+    # A profile that names itself keeps its name.
+    own = {**PROFILE, "gateway": {**PROFILE["gateway"], "model_name": "my-agent"}}
+    assert served_name(own, flags(llm=str(tmp_path))) == {}
 
 
 @pytest.mark.parametrize("given", [{"llm": "./no/such/folder"}, {"llm_model": "m"}])

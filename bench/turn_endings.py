@@ -9,9 +9,10 @@ hesitation (where the gateway first scores the turn), and its whole sentences wi
 of the silence after them; both voices; 300 ms of silence in front, as VAD's padding.
 Each is transcribed once by whisper-tiny.en with token log-probabilities, in-process.
 
-- `cut_held`: cut phrases the word check holds (`sounds_unfinished` or `ends_unsure`):
+- `cut_held`: cut phrases the word check holds (`sounds_unfinished` or `sounds_unsure`):
   the turn is not ended in the hesitation.
-- `cut_held_by_sureness`: of those, the ones only the sureness of the ending holds.
+- `cut_held_by_sureness`: of those, the ones only the doubt about the ending holds (an
+  unsure last token, or no stop after it).
 - `whole_held`: whole sentences held all the same; they wait for the eagerness's cap.
 - `transcripts`: each clip's transcript and its last three tokens' log-probabilities.
 """
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from engine import registry  # noqa: E402  (before mlx: selects the fast BLAS)
 from engine.asr import AsrRequest, Transcriber, load_transcriber  # noqa: E402
-from gateway.turn_words import ENDING_TOKENS, ends_unsure, sounds_unfinished  # noqa: E402
+from gateway.turn_words import ENDING_TOKENS, sounds_unfinished, sounds_unsure  # noqa: E402
 
 SAMPLE_RATE = 16000
 SCORED_AFTER_S = 0.16  # semantic_score_after_ms in configs/default.yaml
@@ -79,7 +80,10 @@ def check(transcriber: Transcriber, clips: list[np.ndarray]) -> list[dict[str, A
     requests = [AsrRequest(clip, logprobs=True) for clip in clips]
     out = []
     for heard in transcriber.transcribe_requests(requests):
-        unfinished, unsure = sounds_unfinished(heard.text), ends_unsure(heard.logprobs)
+        unfinished, unsure = (
+            sounds_unfinished(heard.text),
+            sounds_unsure(heard.text, heard.logprobs),
+        )
         out.append(
             {
                 "text": heard.text,

@@ -58,7 +58,7 @@ from engine.stage import StageOutput
 from gateway.backend import SpeechEvent
 from gateway.config import TurnSettings
 from gateway.session_config import TurnDetection
-from gateway.turn_words import ends_unsure, is_backchannel, sounds_unfinished
+from gateway.turn_words import is_backchannel, sounds_unfinished, sounds_unsure
 from gateway.vad_feeds import vad_feeds
 
 __all__ = [
@@ -483,7 +483,7 @@ class EngineSpeechSource:
         if words is not None and (heard is None or sounds_unfinished(heard.text)):
             self._stop_scoring(silence_ms)
             return  # the words will not change in this silence: it lasts to the cap
-        unsure = heard is not None and ends_unsure(heard.logprobs)
+        unsure = heard is not None and sounds_unsure(heard.text, heard.logprobs)
         if unsure and silent_for_ms < self._unsure_wait_ms:
             # Maybe a cut phrase whisper completed: the speaker gets time to go on.
             self._score_again_at(silence_ms, self._unsure_wait_ms)

@@ -21,6 +21,7 @@ __all__ = [
     "ends_unsure",
     "is_backchannel",
     "sounds_unfinished",
+    "sounds_unsure",
 ]
 
 # Words an English sentence almost never ends with: articles, possessives, most
@@ -84,3 +85,16 @@ def ends_unsure(logprobs: Sequence[float]) -> bool:
     """Whether Whisper was unsure how the transcript ends (its tokens' log-probabilities,
     in order; a cut phrase that it completed on its own usually is)."""
     return any(score < SURE_LOGPROB for score in logprobs[-ENDING_TOKENS:])
+
+
+# Whisper closes every whole sentence with a stop; in a day of `bench/turns.py` runs every
+# transcript of a whole sentence had one, while cut phrases sometimes had none ("I think
+# the best way to get there is", called complete by the turn-end model at 0.6).
+SENTENCE_ENDS = (".", "?", "!")
+
+
+def sounds_unsure(transcript: str, logprobs: Sequence[float]) -> bool:
+    """Whether how a transcript ends is in doubt: Whisper was unsure of its last tokens,
+    or put no stop after them."""
+    closed = transcript.rstrip().rstrip("\"')").endswith(SENTENCE_ENDS)
+    return ends_unsure(logprobs) or not closed

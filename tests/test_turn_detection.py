@@ -27,7 +27,7 @@ from gateway.config import GatewayConfig, TurnSettings
 from gateway.realtime import RealtimeSession
 from gateway.session_config import TurnDetection
 from gateway.turn_detection import EngineSpeechSource
-from gateway.turn_words import ends_unsure, is_backchannel, sounds_unfinished
+from gateway.turn_words import ends_unsure, is_backchannel, sounds_unfinished, sounds_unsure
 from tests.helpers import wait_until
 
 RATE = 24000
@@ -142,6 +142,11 @@ def test_the_word_rules() -> None:
     assert not ends_unsure([-0.1, -2.0, -0.2, -0.1, -0.3])  # only the last tokens count...
     assert ends_unsure([-0.1, -0.9, -1.2])  # ...and one unsure token of them is enough
     assert not ends_unsure([])
+    # Whisper puts a stop after a whole sentence: without one, the ending is in doubt.
+    assert sounds_unsure("I think the best way to get there is", [-0.1, -0.1, -0.1])
+    assert not sounds_unsure("How far away is the moon?", [-0.1, -0.1, -0.1])
+    assert not sounds_unsure('He said "stop."', [])
+    assert sounds_unsure("Could you tell me what?", [-0.1, -1.4])
     assert is_backchannel("Mm-hmm.") and is_backchannel("Yeah, okay.") and is_backchannel("")
     assert not is_backchannel("Wait, stop.")
     # Whisper spells a hum with as many letters as it hears.
@@ -315,6 +320,8 @@ def test_the_words_cannot_wait_for_the_score() -> None:
         (0.9, "I would like to book a table for", ()),
         # "Can you add eggs and", completed by Whisper on its own and unsure of it.
         (0.9, "Can you have excellent?", (-0.7, -1.69, -0.3)),
+        # A cut phrase Whisper left without a stop, sure of its words.
+        (0.9, "I think the best way to get there is", ()),
     ],
 )
 async def test_an_unfinished_turn_waits(

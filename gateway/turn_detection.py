@@ -460,7 +460,7 @@ class EngineSpeechSource:
         silence_ms, silent_for_ms = silence
         asked = time.monotonic()
         score = self._result("turn", request_id, clip)
-        words = self._words_before(silence_ms, clip, detector)
+        words = self._words_of(silence_ms)  # asked for before the score
         heard: Transcription | None = None
         try:
             probability = await score
@@ -497,27 +497,22 @@ class EngineSpeechSource:
             self._events.put_nowait(SpeechEvent("stopped", start_ms + stop.audio_end_ms))
 
     def _ask_words(self, silence_ms: int, speech_start_ms: int, detector: SpeechDetector) -> None:
-        """Have the speech before the silence at `silence_ms` transcribed, once."""
-        asked = self._silence_words is not None and self._silence_words[0] == silence_ms
-        if self._turns.semantic_words and not asked:
-            clip = self._audio.clip(speech_start_ms, detector.position_ms)
-            self._words_before(silence_ms, clip, detector)
+        """Have the speech before the silence at `silence_ms` transcribed, once: the
+        words do not change while the silence lasts, so its scorings share them."""
+        if not self._turns.semantic_words or self._words_of(silence_ms) is not None:
+            return
+        self._forget_words()
+        clip = self._audio.clip(speech_start_ms, detector.position_ms)
+        request_id = f"{self._session_id}.turnwords{next(self._serial)}"
+        request = AsrRequest(clip, logprobs=True)  # how sure it is of the end
+        words = self._result("asr", request_id, request)
+        words.add_done_callback(lambda done: self._words_in(done, silence_ms, detector))
+        self._silence_words = (silence_ms, words)
 
-    def _words_before(
-        self, silence_ms: int, clip: np.ndarray, detector: SpeechDetector
-    ) -> asyncio.Task[Any] | None:
-        """The transcript of the speech before the silence at `silence_ms`, asked for
-        once per silence (None when the words are not checked)."""
-        if not self._turns.semantic_words:
-            return None
-        if self._silence_words is None or self._silence_words[0] != silence_ms:
-            self._forget_words()
-            request_id = f"{self._session_id}.turnwords{next(self._serial)}"
-            request = AsrRequest(clip, logprobs=True)  # how sure it is of the end
-            words = self._result("asr", request_id, request)
-            words.add_done_callback(lambda done: self._words_in(done, silence_ms, detector))
-            self._silence_words = (silence_ms, words)
-        return self._silence_words[1]
+    def _words_of(self, silence_ms: int) -> asyncio.Task[Any] | None:
+        """The transcript asked for the silence at `silence_ms` (None: not asked for)."""
+        words = self._silence_words
+        return words[1] if words is not None and words[0] == silence_ms else None
 
     def _pause_waits_for_words(self) -> bool:
         """semantic_vad transcribes the speech before each silence it scores: the pause

@@ -12,7 +12,7 @@ Each is transcribed once by whisper-tiny.en with token log-probabilities, in-pro
 - `cut_held`: cut phrases the word check holds (`sounds_unfinished` or `sounds_unsure`):
   the turn is not ended in the hesitation.
 - `cut_held_by_sureness`: of those, the ones only the doubt about the ending holds (an
-  unsure last token, or no stop after it).
+  unsure last token, no stop after it, or a stop at even odds or less).
 - `whole_held`: whole sentences held all the same; they wait for the eagerness's cap.
 - `transcripts`: each clip's transcript and its last three tokens' log-probabilities.
 """

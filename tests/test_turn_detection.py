@@ -147,6 +147,9 @@ def test_the_word_rules() -> None:
     assert not sounds_unsure("How far away is the moon?", [-0.1, -0.1, -0.1])
     assert not sounds_unsure('He said "stop."', [])
     assert sounds_unsure("Could you tell me what?", [-0.1, -1.4])
+    # A stop Whisper gives even odds or less: it doubts the sentence is over.
+    assert sounds_unsure("I think the best way to get married.", [-0.0, -0.3, -0.89])
+    assert not sounds_unsure("And that's it all I needed to know.", [-0.01, -0.0, -0.62])
     assert is_backchannel("Mm-hmm.") and is_backchannel("Yeah, okay.") and is_backchannel("")
     assert not is_backchannel("Wait, stop.")
     # Whisper spells a hum with as many letters as it hears.
@@ -322,6 +325,8 @@ def test_the_words_cannot_wait_for_the_score() -> None:
         (0.9, "Can you have excellent?", (-0.7, -1.69, -0.3)),
         # A cut phrase Whisper left without a stop, sure of its words.
         (0.9, "I think the best way to get there is", ()),
+        # The same phrase completed with a word and a stop Whisper doubts.
+        (0.9, "I think the best way to get married.", (-0.0, -0.3, -0.89)),
     ],
 )
 async def test_an_unfinished_turn_waits(

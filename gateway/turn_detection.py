@@ -411,7 +411,8 @@ class EngineSpeechSource:
         self, request_id: str, clip: np.ndarray, detector: SpeechDetector, speech: int
     ) -> None:
         asked = time.monotonic()
-        words = self._result("asr", request_id, AsrRequest(clip))
+        # Quick: only whether the words are backchannels matters, not each word.
+        words = self._result("asr", request_id, AsrRequest(clip, quick=True))
         try:
             heard: Transcription | None = await words
         finally:

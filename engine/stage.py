@@ -2,13 +2,20 @@
 
 A stage is synchronous and is driven only by the engine thread (`engine.core`): the
 thread calls `abort` first, then `add`/`feed`, then `step` once per busy stage per loop
-iteration. A stage never blocks on I/O and never touches asyncio.
+iteration. A stage never blocks on I/O and never touches asyncio. Two optional methods
+tell the thread when its work can wait: `deferrable()` for the other stages of its
+thread, `can_yield()` for urgent work on other threads (engine.core says how).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+# Audio in hand (seconds) with which a speech stage's listeners can wait while another
+# engine lane steps urgent work (`can_yield`, engine.core): a turn score or a transcript
+# takes tens to a few hundred milliseconds, and a client's jitter buffer is about 200.
+YIELD_RUNWAY_S = 1.0
 
 
 @dataclass

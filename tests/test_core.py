@@ -333,3 +333,80 @@ def test_a_key_streams_once_at_a_time() -> None:
     streams.open("r")
     with pytest.raises(ValueError, match="already streaming"):
         streams.open("r")
+
+
+class HeldStage(CountingStage):
+    """A long urgent step on another lane: it lasts until the test releases it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def step(self) -> list[StageOutput]:
+        self.entered.set()
+        assert self.release.wait(timeout=30)
+        return super().step()
+
+
+class SpeechStage(CountingStage):
+    """Work whose listeners have audio in hand (`can_yield`), or not."""
+
+    def __init__(self, can_wait: bool) -> None:
+        super().__init__()
+        self.can_wait = can_wait
+        self.asked = 0
+        self.asked_twice = threading.Event()
+        self.steps = 0
+
+    def can_yield(self) -> bool:
+        self.asked += 1
+        if self.asked >= 2:
+            self.asked_twice.set()
+        return self.can_wait
+
+    def step(self) -> list[StageOutput]:
+        self.steps += 1
+        return super().step()
+
+
+def lanes(speech: SpeechStage) -> tuple[HeldStage, EngineCore, EngineCore, threading.Event]:
+    """A pressing lane mid-step, and a lane that yields to it with one request to step."""
+    held = HeldStage()
+    pressing, yielding = EngineCore({"asr": held}), EngineCore({"tts": speech})
+    yielding.yield_to(pressing)
+    finished = threading.Event()
+    yielding.set_output_callback(
+        lambda stage, outputs: finished.set() if any(o.finished for o in outputs) else None
+    )
+    pressing.start()
+    yielding.start()
+    pressing.add("asr", "words", 1)
+    assert held.entered.wait(timeout=30)
+    yielding.add("tts", "speech", 1)
+    return held, pressing, yielding, finished
+
+
+def test_a_lane_whose_work_can_wait_leaves_the_cpu_to_a_pressing_one() -> None:
+    speech = SpeechStage(can_wait=True)
+    held, pressing, yielding, finished = lanes(speech)
+    try:
+        assert speech.asked_twice.wait(timeout=30)  # it looked again, and still waited
+        assert speech.steps == 0 and not finished.is_set()
+        held.release.set()
+        assert finished.wait(timeout=30)  # stepped once the other lane was done
+    finally:
+        held.release.set()
+        pressing.shutdown()
+        yielding.shutdown()
+
+
+def test_work_that_cannot_wait_is_stepped_beside_a_pressing_lane() -> None:
+    speech = SpeechStage(can_wait=False)
+    held, pressing, yielding, finished = lanes(speech)
+    try:
+        assert finished.wait(timeout=30)
+        assert not held.release.is_set()  # the other lane was still mid-step
+    finally:
+        held.release.set()
+        pressing.shutdown()
+        yielding.shutdown()

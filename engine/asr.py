@@ -16,9 +16,6 @@ An `AsrRequest` can force the start of the transcript (`prefix`, run through the
 in the same pass as the start tokens), give Whisper the previous text (`prompt`), ask for
 each token's log-probability, and mark itself `partial`: live, speculative work that the
 stage runs only when no final transcript waits, in one try (no wider-window fall-backs).
-A `quick` request (a first look at speech that has just begun: is it only "mm hmm"?) has
-no minimum window: the utterance and its pad, a third of the encoder's work on half a
-second of speech, where the gist matters and not the last word.
 """
 
 from __future__ import annotations
@@ -70,7 +67,6 @@ class _Job:
     prefix: list[int] = field(default_factory=list)
     logprobs: bool = False
     partial: bool = False
-    quick: bool = False
     attempts: int = 0
     tokens: list[int] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
@@ -215,7 +211,6 @@ class Transcriber:
                 prefix=list(request.prefix) if i == 0 else [],
                 logprobs=request.logprobs,
                 partial=request.partial,
-                quick=request.quick,
             )
             for i, part in enumerate(parts)
         ]
@@ -248,7 +243,7 @@ class Transcriber:
             # minimum: its words are committed, and a short window mishears the first
             # ones ("for me then" for "The meeting").
             pad = PARTIAL_PAD_S if job.partial else first
-            return _bucket(max(job.duration_s + pad, 0.0 if job.quick else self.min_window_s))
+            return _bucket(max(job.duration_s + pad, self.min_window_s))
 
         return [
             first_rung,

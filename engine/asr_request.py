@@ -24,7 +24,6 @@ class AsrRequest:
     prompt: str = ""  # previous text, given to Whisper after <|startofprev|>
     logprobs: bool = False  # report each token's log-probability
     partial: bool = False  # live work: after every final request, in one try
-    quick: bool = False  # a first look at speech just begun: no minimum window
 
 
 @dataclass

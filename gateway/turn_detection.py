@@ -411,8 +411,7 @@ class EngineSpeechSource:
         self, request_id: str, clip: np.ndarray, detector: SpeechDetector, speech: int
     ) -> None:
         asked = time.monotonic()
-        # Quick: only whether the words are backchannels matters, not each word.
-        words = self._result("asr", request_id, AsrRequest(clip, quick=True))
+        words = self._result("asr", request_id, AsrRequest(clip))
         try:
             heard: Transcription | None = await words
         finally:

@@ -20,8 +20,6 @@ import mlx.core as mx
 from engine import registry
 from engine.asr import (
     MIN_SECONDS,
-    MIN_WINDOW_S,
-    AsrRequest,
     AsrStage,
     Transcriber,
     Transcription,
@@ -262,23 +260,6 @@ def test_front_center_recording(transcriber: Transcriber) -> None:
         "front",
         "center",
     ]
-
-
-@pytest.mark.models
-def test_a_quick_look_at_speech_just_begun_has_no_minimum_window(
-    transcriber: Transcriber, tmp_path: Path
-) -> None:
-    wav = tmp_path / "wait.wav"
-    sentence = "Wait, stop, I have a different question."
-    subprocess.run(["espeak-ng", "-v", "en-us", "-s", "150", "-w", str(wav), sentence], check=True)
-    speech = read_16k(wav)
-    onset = int(np.flatnonzero(np.abs(speech) > 0.02)[0])
-    # 300 ms of padding, then the first 400 ms of speech: a check over a running answer.
-    clip = np.concatenate([np.zeros(4800, np.float32), speech[onset : onset + 6400]])
-    quick, usual = transcriber.transcribe_requests([AsrRequest(clip, quick=True), AsrRequest(clip)])
-    assert usual.window_frames == round(MIN_WINDOW_S * 100)  # mel frames
-    assert quick.window_frames <= usual.window_frames // 2
-    assert normalise(quick.text) == normalise(usual.text) == ["wait"]
 
 
 @pytest.mark.models

@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 # Audio in hand (seconds) with which a speech stage's listeners can wait while another
-# engine lane steps urgent work (`can_yield`, engine.core): a turn score or a transcript
-# takes tens to a few hundred milliseconds, and a client's jitter buffer is about 200.
-YIELD_RUNWAY_S = 1.0
+# engine lane steps urgent work (`can_yield`, engine.core). The yielding lane looks again
+# every few ms and goes on as soon as a listener is down to this: one step of its own
+# (tens of ms) and a client's jitter buffer (about 200 ms) still fit. 1 s was measured
+# too: interruptions come early in an answer, when listeners seldom have that much.
+YIELD_RUNWAY_S = 0.5
 
 
 @dataclass

@@ -163,19 +163,18 @@ class EngineCore:
         return any(self._stage_has_work(name) for name in self._stages)
 
     def _deferrable(self, name: str) -> bool:
-        deferrable = getattr(self._stages[name], "deferrable", None)
-        try:
-            return bool(deferrable()) if deferrable is not None else False
-        except Exception:
-            logger.exception("stage %s: deferrable failed", name)
-            return False
+        return self._may_wait(name, "deferrable")
 
     def _can_yield(self, name: str) -> bool:
-        can_yield = getattr(self._stages[name], "can_yield", None)
+        return self._may_wait(name, "can_yield")
+
+    def _may_wait(self, name: str, method: str) -> bool:
+        """A stage's optional answer to whether its work can wait; no answer means no."""
+        ask = getattr(self._stages[name], method, None)
         try:
-            return bool(can_yield()) if can_yield is not None else False
+            return bool(ask()) if ask is not None else False
         except Exception:
-            logger.exception("stage %s: can_yield failed", name)
+            logger.exception("stage %s: %s failed", name, method)
             return False
 
     def _should_yield(self, busy: list[str]) -> bool:

@@ -450,10 +450,6 @@ class AsrStage:
     def has_work(self) -> bool:
         return bool(self._finals or self._partials)
 
-    def deferrable(self) -> bool:
-        """Only partial transcripts wait: speculative work, no one waits on it."""
-        return not self._finals
-
     def new_live_transcript(self, prompt: str = "", logprobs: bool = False) -> LiveTranscript:
         """The policy for one utterance transcribed while it is spoken (runs anywhere:
         it only needs this stage's tokenizer)."""

@@ -75,10 +75,7 @@ async def build_engine(config: EngineConfig, *, progress: bool = True) -> Engine
     if "turn" in stages:
         # Turn-end scoring takes tens of ms: on its own thread it delays neither VAD nor TTS.
         lanes["turn"] = {"turn": stages["turn"]}
-    # The speech stages leave both cores to a transcript or a score someone waits for
-    # (an interruption's words, a turn's end) while every listener has audio in hand.
-    urgent = [lane for lane in ("asr", "turn") if lane in lanes]
-    core = EngineLanes(lanes, yields={"main": urgent})
+    core = EngineLanes(lanes)
     core.start()
     engine = AsyncEngine(core)
     llm = config.stages.llm

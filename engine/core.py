@@ -7,12 +7,6 @@ busy stage once, then hands that step's outputs out. It sleeps on the condition 
 stage has work, so an idle engine burns no CPU. A stage whose work can wait says so with
 an optional `deferrable() -> bool` (the LLM when every row is ahead of its speech): it is
 stepped only in iterations where no other stage has work, i.e. in slack.
-
-Between threads ("lanes", `engine.lanes`): a lane that `yield_to`s others does not step
-while one of them is `pressing` (stepping work that cannot wait: a transcript or turn
-score someone waits for) and all its own work can wait a moment: each busy stage's
-optional `can_yield() -> bool` (the speech stages when every listener has audio in hand).
-The two cores are shared: the urgent work gets them both.
 """
 
 from __future__ import annotations
@@ -44,8 +38,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 OutputCallback = Callable[[str, list[StageOutput]], None]
-# How often a yielding lane looks again: a step of the pressing lane takes tens of ms.
-YIELD_POLL_S = 0.005
 
 
 @dataclass
@@ -75,9 +67,6 @@ class EngineCore:
         self._callback: OutputCallback | None = None
         self._thread: threading.Thread | None = None
         self._running = False
-        # Set while this thread steps work that cannot wait (read by other lanes).
-        self.pressing = threading.Event()
-        self._yields_to: tuple[EngineCore, ...] = ()
 
     def start(self) -> None:
         if self._thread is not None:
@@ -123,10 +112,6 @@ class EngineCore:
     def set_output_callback(self, cb: OutputCallback) -> None:
         self._callback = cb
 
-    def yield_to(self, *cores: EngineCore) -> None:
-        """Leave the CPU to `cores` while they press and this core's work can wait."""
-        self._yields_to = cores
-
     def pending(self) -> dict[str, int]:
         with self._cond:
             return {name: len(ids) for name, ids in self._live.items()}
@@ -149,7 +134,6 @@ class EngineCore:
         while True:
             with self._cond:
                 while self._running and not self._aborts and not self._ops and not self._busy():
-                    self.pressing.clear()
                     self._cond.wait()
                 if not self._running:
                     return
@@ -163,24 +147,12 @@ class EngineCore:
         return any(self._stage_has_work(name) for name in self._stages)
 
     def _deferrable(self, name: str) -> bool:
-        return self._may_wait(name, "deferrable")
-
-    def _can_yield(self, name: str) -> bool:
-        return self._may_wait(name, "can_yield")
-
-    def _may_wait(self, name: str, method: str) -> bool:
-        """A stage's optional answer to whether its work can wait; no answer means no."""
-        ask = getattr(self._stages[name], method, None)
+        deferrable = getattr(self._stages[name], "deferrable", None)
         try:
-            return bool(ask()) if ask is not None else False
+            return bool(deferrable()) if deferrable is not None else False
         except Exception:
-            logger.exception("stage %s: %s failed", name, method)
+            logger.exception("stage %s: deferrable failed", name)
             return False
-
-    def _should_yield(self, busy: list[str]) -> bool:
-        if not any(core.pressing.is_set() for core in self._yields_to):
-            return False
-        return all(self._can_yield(name) for name in busy)
 
     def _stage_has_work(self, name: str) -> bool:
         try:
@@ -235,15 +207,6 @@ class EngineCore:
     def _step_stages(self) -> None:
         busy = [name for name in self._stages if self._stage_has_work(name)]
         urgent = [name for name in busy if not self._deferrable(name)]
-        if urgent:
-            self.pressing.set()
-        else:
-            self.pressing.clear()
-        if busy and self._should_yield(busy):
-            with self._cond:  # an abort or an add wakes it at once
-                if not self._aborts and not self._ops:
-                    self._cond.wait(YIELD_POLL_S)
-            return
         for name in urgent or busy:
             stage = self._stages[name]
             try:

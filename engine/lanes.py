@@ -10,7 +10,7 @@ inside each lane the `EngineCore` rules still hold (one thread per stage, aborts
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from engine.core import EngineCore, OutputCallback
@@ -22,16 +22,8 @@ __all__ = ["EngineLanes"]
 class EngineLanes:
     """Routes each call to the lane (its own `EngineCore` thread) that owns the stage."""
 
-    def __init__(
-        self,
-        lanes: Mapping[str, Mapping[str, Stage]],
-        yields: Mapping[str, Sequence[str]] | None = None,
-    ) -> None:
-        """`yields` maps a lane to the lanes it leaves the CPU to while they press
-        (`EngineCore.yield_to`)."""
+    def __init__(self, lanes: Mapping[str, Mapping[str, Stage]]) -> None:
         self._cores = {lane: EngineCore(stages) for lane, stages in lanes.items()}
-        for lane, others in (yields or {}).items():
-            self._cores[lane].yield_to(*(self._cores[other] for other in others))
         self._owner: dict[str, EngineCore] = {}
         for core, stages in zip(self._cores.values(), lanes.values(), strict=True):
             for stage in stages:

@@ -50,7 +50,7 @@ from engine.detokenizer import StreamingDetokenizer
 from engine.prompt_cache import PromptCache, common_prefix_length
 from engine.request import Request, RequestOutput, RequestStatus, SamplingParams, ToolCallDelta
 from engine.sampling import RowSampler, new_key, sample_batch
-from engine.stage import YIELD_RUNWAY_S, StageOutput
+from engine.stage import StageOutput
 from engine.tool_calls import CallReader, template_messages
 
 __all__ = ["AHEAD_S", "PREFILL_AGEING_TOKENS_PER_S", "LlmInput", "LlmStage", "SHARED_PREFIX_KEY"]
@@ -265,17 +265,6 @@ class LlmStage:
         if self._waiting or self._prefilling or not self._running:
             return False
         return not self._decode_due()
-
-    def can_yield(self) -> bool:
-        """Whether its work can wait for another lane's urgent step: no prompt waits,
-        and every row's listener has YIELD_RUNWAY_S of speech queued."""
-        if self._waiting or self._prefilling:
-            return False
-        now = self._clock()
-        return all(
-            seq.speech_until is not None and seq.speech_until - now > YIELD_RUNWAY_S
-            for seq in self._running
-        )
 
     def _decode_due(self) -> bool:
         """Whether some running row is short of speech (rows without a runway always are)."""

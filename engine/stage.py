@@ -2,22 +2,13 @@
 
 A stage is synchronous and is driven only by the engine thread (`engine.core`): the
 thread calls `abort` first, then `add`/`feed`, then `step` once per busy stage per loop
-iteration. A stage never blocks on I/O and never touches asyncio. Two optional methods
-tell the thread when its work can wait: `deferrable()` for the other stages of its
-thread, `can_yield()` for urgent work on other threads (engine.core says how).
+iteration. A stage never blocks on I/O and never touches asyncio.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-
-# Audio in hand (seconds) with which a speech stage's listeners can wait while another
-# engine lane steps urgent work (`can_yield`, engine.core). The yielding lane looks again
-# every few ms and goes on as soon as a listener is down to this: one step of its own
-# (tens of ms) and a client's jitter buffer (about 200 ms) still fit. 1 s was measured
-# too: interruptions come early in an answer, when listeners seldom have that much.
-YIELD_RUNWAY_S = 0.5
 
 
 @dataclass

@@ -42,7 +42,7 @@ from duplex.playback import words_before
 from engine.clauses import split_clauses
 from engine.models import vits
 from engine.phonemes import get_phonemizer, phoneme_ids
-from engine.stage import YIELD_RUNWAY_S, StageOutput
+from engine.stage import StageOutput
 
 __all__ = [
     "AHEAD_S",
@@ -408,17 +408,6 @@ class TtsStage:
 
     def has_work(self) -> bool:
         return any(s.busy() for s in self._streams.values())
-
-    def can_yield(self) -> bool:
-        """Whether its work can wait for another lane's urgent step: every request with
-        text to speak is heard and has YIELD_RUNWAY_S of audio in hand, and none waits
-        only for its finished output."""
-        now = self._clock()
-        return all(
-            s.speakable() and s.first_at is not None and s.deadline() - now > YIELD_RUNWAY_S
-            for s in self._streams.values()
-            if s.busy()
-        )
 
     def step(self) -> list[StageOutput]:
         # Requests with their final text all spoken only need their finished output.

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine.stage import YIELD_RUNWAY_S, StageOutput
+from engine.stage import StageOutput
 from engine.tts import (
     AHEAD_S,
     FIRST_CHUNK_FRAMES,
@@ -164,16 +164,3 @@ def test_every_request_finishes_with_all_its_audio() -> None:
         clock.now += 0.05
     assert sorted(finished) == sorted(texts)
     assert frames == {rid: FRAMES_PER_CHAR * len(t) for rid, t in texts.items()}
-
-
-def test_it_can_wait_for_another_lane_only_while_every_listener_has_audio_in_hand() -> None:
-    tts, _, clock = stage()
-    assert tts.can_yield()  # nothing to do
-    tts.add("a", TtsRequest())
-    tts.feed("a", "x" * 400)
-    assert not tts.can_yield()  # unheard: its listener waits for the first chunk
-    while (tts.runway("a") or 0.0) <= YIELD_RUNWAY_S:
-        tts.step()
-    assert tts.can_yield()
-    clock.now += tts.runway("a") or 0.0  # its audio played down to nothing
-    assert not tts.can_yield()

@@ -17,7 +17,7 @@ from mlx_lm.models import llama
 
 from engine.core import EngineCore
 from engine.llm import AHEAD_S, PREFILL_AGEING_TOKENS_PER_S, LlmInput, LlmStage
-from engine.stage import YIELD_RUNWAY_S, StageOutput
+from engine.stage import StageOutput
 from tests.test_llm_stage import EOS, ByteTokenizer, greedy, prompt, tiny_model
 
 
@@ -74,22 +74,6 @@ def test_a_waiting_prompt_is_never_deferred(model: llama.Model) -> None:
     assert stage.deferrable()
     stage.add("new", LlmInput(prompt_token_ids=prompt(30, 9), sampling_params=greedy(4)))
     assert not stage.deferrable()
-
-
-def test_decode_can_wait_for_another_lane_while_every_row_has_speech_in_hand(
-    model: llama.Model,
-) -> None:
-    stage, clock = paced_stage(model)
-    start(stage, "a", "b")
-    stage.set_runway("a", YIELD_RUNWAY_S + 2)
-    assert not stage.can_yield()  # b has told nothing: its listener may be waiting
-    stage.set_runway("b", YIELD_RUNWAY_S + 1)
-    assert stage.can_yield()
-    clock.now += 1.5  # b's speech has run down under YIELD_RUNWAY_S
-    assert not stage.can_yield()
-    stage.set_runway("b", YIELD_RUNWAY_S + 1)
-    stage.add("new", LlmInput(prompt_token_ids=prompt(30, 9), sampling_params=greedy(4)))
-    assert not stage.can_yield()  # a prompt waits: a listener waits for its first words
 
 
 def test_runway_for_a_finished_request_is_ignored(model: llama.Model) -> None:

@@ -8,8 +8,10 @@ prompt, same run; plus cold (convert) and cached model start times.
 Prefill tok/s is prompt tokens over the time to the first token; decode tok/s is the
 tokens after the first over the time they took. Each figure is the best of `--rounds`
 runs, because other processes on a small machine only ever make a run slower.
-Load times are `registry.prepare` + the engine's `load` in this process (imports done);
-`process_start_s_cached` is a whole fresh interpreter doing the same.
+Load times are `registry.prepare` + the stage's `from_path` (the engine's `load` and the
+weights' compact twins) in this process (imports done); `process_start_s_cached` is a
+whole fresh interpreter doing the same. `decode_tok_s_fp32_weights` is the same stage
+with its compact twins left unread (`engine.gemv_forward`), alternating with it.
 """
 
 from __future__ import annotations
@@ -32,9 +34,8 @@ import engine  # noqa: E402,F401 - first, so MLX picks up the optimised BLAS
 import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 
-from engine import registry  # noqa: E402
+from engine import gemv_forward, registry  # noqa: E402
 from engine.llm import LlmInput, LlmStage  # noqa: E402
-from engine.models.llama import load  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -53,21 +54,21 @@ MESSAGES = [
 ]
 
 
-def timed_load(precision: str) -> tuple[float, Path, Any, Any]:
+def timed_load(precision: str) -> tuple[float, Path, LlmStage]:
     start = time.perf_counter()
     path = registry.prepare(MODEL, precision=precision, progress=False)
-    model, tokenizer = load(path)
-    return time.perf_counter() - start, path, model, tokenizer
+    stage = LlmStage.from_path(path)
+    return time.perf_counter() - start, path, stage
 
 
 def process_start_s(precision: str) -> float:
-    """A fresh interpreter: imports, cached `prepare` and the engine's `load`, all timed."""
+    """A fresh interpreter: imports, cached `prepare` and the stage's load, all timed."""
     code = (
         "import time; t = time.perf_counter()\n"
         "import engine\n"
         "from engine import registry\n"
-        "from engine.models.llama import load\n"
-        f"load(registry.prepare({MODEL!r}, precision={precision!r}))\n"
+        "from engine.llm import LlmStage\n"
+        f"LlmStage.from_path(registry.prepare({MODEL!r}, precision={precision!r}))\n"
         "print(time.perf_counter() - t)\n"
     )
     root = Path(__file__).resolve().parent.parent
@@ -116,18 +117,24 @@ def best(runs: list[dict[str, float]], key: str) -> float:
 def measure(precision: str, max_tokens: int, rounds: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="duplex-gateway-bench-") as cache:
         os.environ[registry.CACHE_ENV] = cache
-        load_cold, path, _, _ = timed_load(precision)
-        load_cached, _, model, tokenizer = timed_load(precision)
+        load_cold, path, _ = timed_load(precision)
+        load_cached, _, stage = timed_load(precision)
         start_cached = process_start_s(precision)
         plain_model = mlx_lm.load(str(path))[0]  # mlx-lm's own model class, same weights
-        stage = LlmStage(model, tokenizer)
+        tokenizer = stage.tokenizer
         run_stage(stage, 8)  # warm-up: first calls compile and allocate
         run_mlx_lm(plain_model, tokenizer, 8)
-        ours, plain = [], []
+        ours, fp32, plain = [], [], []
+        twins = gemv_forward.live_twins() > 0
         for _ in range(rounds):
             ours.append(run_stage(stage, max_tokens))
+            if twins:
+                gemv_forward.use_twins(False)
+                fp32.append(run_stage(stage, max_tokens))
+                gemv_forward.use_twins(True)
             plain.append(run_mlx_lm(plain_model, tokenizer, max_tokens))
     decode = best(ours, "decode_tok_s")
+    fp32_decode = best(fp32, "decode_tok_s") if fp32 else decode
     mlx_decode = best(plain, "decode_tok_s")
     return {
         "model": path.name,
@@ -140,6 +147,9 @@ def measure(precision: str, max_tokens: int, rounds: int) -> dict[str, Any]:
         "mlx_lm_prefill_tok_s": round(best(plain, "prefill_tok_s"), 1),
         "mlx_lm_decode_tok_s": round(mlx_decode, 2),
         "decode_ratio": round(decode / mlx_decode, 3),
+        "compact_twins": gemv_forward.live_twins(),
+        "decode_tok_s_fp32_weights": round(fp32_decode, 2),
+        "twin_speedup": round(decode / fp32_decode, 3),
         "load_s_cold": round(load_cold, 2),
         "load_s_cached": round(load_cached, 3),
         "process_start_s_cached": round(start_cached, 2),
@@ -166,6 +176,10 @@ def main() -> None:
         f"{result['mlx_lm_decode_tok_s']:13.2f}"
     )
     print(f"decode ratio (engine / mlx-lm): {result['decode_ratio']}")
+    print(
+        f"{result['compact_twins']} compact weight twins; without them "
+        f"{result['decode_tok_s_fp32_weights']} tok/s (speedup {result['twin_speedup']})"
+    )
     print(f"load: cold (convert) {result['load_s_cold']} s, cached {result['load_s_cached']} s")
     print(f"fresh process, cached model, imports included: {result['process_start_s_cached']} s")
 

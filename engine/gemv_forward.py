@@ -8,6 +8,12 @@ attention products (see the C file). The library is compiled once for this CPU w
 system's C compiler into the engine cache and must be loaded before the BLAS itself
 (`engine.blas` does both). Without a compiler, or with `DUPLEX_GATEWAY_GEMV_FORWARD=0`,
 nothing changes: MLX calls the BLAS's sgemm directly.
+
+`compress` gives the weight matrices of a loaded model compact twins where their values
+are exactly groups of 4-bit or 8-bit integers times a scale (a model dequantized from
+GGUF, such as the embedded LLM): few-row products then read an eighth or a quarter of
+the bytes and rebuild the same fp32 weights in registers, so decode steps get faster
+and their results stay bit for bit the same.
 """
 
 from __future__ import annotations
@@ -20,11 +26,27 @@ import platform
 import shutil
 import subprocess
 import uuid
+import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 from engine.paths import cache_dir
 
-__all__ = ["ENV", "enable", "is_active", "load"]
+if TYPE_CHECKING:  # this module is imported before mlx.core (engine.blas)
+    import mlx.core as mx
+    import mlx.nn as nn
+
+__all__ = [
+    "ENV",
+    "compress",
+    "enable",
+    "is_active",
+    "live_twins",
+    "load",
+    "twin",
+    "twin_products",
+    "use_twins",
+]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +68,7 @@ def load(blas_path: str) -> bool:
     if built is None:
         return False
     lib = ctypes.CDLL(str(built), mode=ctypes.RTLD_GLOBAL)
+    lib.gemv_forward_twin_products.restype = ctypes.c_long
     if not lib.gemv_forward_bind(blas_path.encode()):
         log.warning("%s lacks cblas_sgemv or cblas_sgemm; few-row products use sgemm", blas_path)
         return False
@@ -65,6 +88,64 @@ def enable(on: bool) -> bool:
     return bool(_lib.gemv_forward_enable(int(on)))
 
 
+def twin(weight: mx.array) -> int | None:
+    """Give the fp32 matrix `weight` a compact twin; returns its bits per weight (4 or 8),
+    or None when its values are not exactly such groups or the forwarder is off. The
+    twin is found by the matrix's address, so it goes when `weight` does."""
+    import mlx.core as mx
+    import numpy as np
+
+    if _lib is None or weight.ndim != 2 or weight.shape[1] % 32 or weight.dtype != mx.float32:
+        return None
+    rows, cols = weight.shape
+    view = np.asarray(memoryview(cast(Any, weight)))  # MLX's buffer: the address sgemm gets
+    if not view.flags.c_contiguous:
+        return None
+    address = ctypes.c_void_p(view.ctypes.data)
+    for bits in (4, 8):
+        made = _lib.gemv_forward_twin(address, rows, cols, bits)
+        if made == 1:
+            # Before the array's buffer can hold other numbers, the twin goes.
+            weakref.finalize(weight, _lib.gemv_forward_untwin, address)
+            return bits
+        if made < 0:
+            log.warning("no room for more compact weights: the rest stay fp32")
+            return None
+    return None
+
+
+def compress(model: nn.Module) -> dict[int, int]:
+    """Twin every fp32 matrix of `model` that has an exact compact form (`twin`);
+    returns how many got each width."""
+    from mlx.utils import tree_flatten
+
+    made: dict[int, int] = {}
+    leaves = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
+    for _, weight in leaves:
+        bits = twin(weight) if weight.ndim == 2 else None
+        if bits is not None:
+            made[bits] = made.get(bits, 0) + 1
+    return made
+
+
+def use_twins(on: bool) -> bool:
+    """Read the twins or leave them unread (for side-by-side timing); returns the
+    previous setting. Raises RuntimeError when the forwarder is not loaded."""
+    if _lib is None:
+        raise RuntimeError("the few-row forwarder is not loaded")
+    return bool(_lib.gemv_forward_use_twins(int(on)))
+
+
+def live_twins() -> int:
+    """How many matrices have a twin now."""
+    return int(_lib.gemv_forward_live_twins()) if _lib is not None else 0
+
+
+def twin_products() -> int:
+    """How many products have read a twin in this process (0 when the forwarder is off)."""
+    return int(_lib.gemv_forward_twin_products()) if _lib is not None else 0
+
+
 def _built() -> Path | None:
     """The compiled library in the cache, built now if needed; None without a compiler."""
     source = SOURCE.read_bytes()
@@ -79,7 +160,8 @@ def _built() -> Path | None:
         return None
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
-    cmd = [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-pthread", "-o", str(tmp)]
+    cmd = [compiler, "-O3", "-march=native", "-Wno-psabi", "-shared", "-fPIC", "-pthread"]
+    cmd += ["-o", str(tmp)]
     cmd += [str(SOURCE), "-ldl"]
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)

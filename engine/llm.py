@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
+from engine import gemv_forward
 from engine.context import ContextFitter, ContextLimits
 from engine.detokenizer import StreamingDetokenizer
 from engine.prompt_cache import PromptCache, common_prefix_length
@@ -54,6 +56,8 @@ from engine.stage import StageOutput
 from engine.tool_calls import CallReader, template_messages
 
 __all__ = ["AHEAD_S", "PREFILL_AGEING_TOKENS_PER_S", "LlmInput", "LlmStage", "SHARED_PREFIX_KEY"]
+
+log = logging.getLogger(__name__)
 
 # The prompt-cache key of the system-prompt prefix every new session copies; the NUL
 # keeps it apart from any session key.
@@ -180,6 +184,11 @@ class LlmStage:
         from engine.models.llama import load
 
         model, tokenizer = load(path)
+        # Weights dequantized from 4- and 8-bit blocks (the embedded model's) get their
+        # compact twins: decode steps read a fraction of the bytes, with equal results.
+        compact = gemv_forward.compress(model)
+        if compact:
+            log.info("LLM weights with compact twins: %s", compact)
         return cls(model, tokenizer, **limits)
 
     def _fitter(self, limits: ContextLimits) -> ContextFitter:

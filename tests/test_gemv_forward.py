@@ -228,3 +228,117 @@ def test_a_failing_build_leaves_no_partial_file(
     assert gemv_forward._built() is None
     assert "failed" in caplog.text
     assert list((tmp_path / "native").iterdir()) == []
+
+
+# Matrices whose values are exactly 4-bit or 8-bit groups times a scale (plus an offset)
+# get a compact twin; products that read it equal those over the fp32 weights bit for
+# bit, for every row count and over the thread pool. Other matrices get none, and a
+# freed matrix's twin goes with it.
+TWINS = """
+    import gc, json
+    import engine
+    import mlx.core as mx
+    import numpy as np
+    from engine import gemv_forward
+
+    rng = np.random.default_rng(0)
+    def grouped(rows, cols, bits):
+        groups = (rows, cols // 32)
+        scale = rng.random(groups).astype(np.float16).astype(np.float32) / 8
+        if bits == 4:
+            q = rng.integers(0, 16, (rows, cols)).astype(np.float32)
+            q[:, ::32], q[:, 1::32] = 0, 15  # each group spans the whole range
+            offset = -7.5 * scale  # around zero, as a Q4_1 block's minimum
+        else:
+            q = rng.integers(-127, 128, (rows, cols)).astype(np.float32)
+            q[:, ::32] = 127
+            offset = np.zeros(groups, np.float32)
+        w = q * np.repeat(scale, 32, axis=1) + np.repeat(offset, 32, axis=1)
+        return mx.array(w.astype(np.float32))
+
+    W4, W8, Wbig = grouped(300, 576, 4), grouped(200, 64, 8), grouped(2000, 1536, 4)
+    plain = mx.array(rng.standard_normal((300, 576)).astype(np.float32))
+    bits = [gemv_forward.twin(w) for w in (W4, W8, Wbig, plain)]
+    live = gemv_forward.live_twins()
+    equal = {}
+    before = gemv_forward.twin_products()
+    for name, w in {"4": W4, "8": W8, "big": Wbig}.items():
+        for rows in range(1, 9):
+            x = mx.array(rng.standard_normal((rows, w.shape[1])).astype(np.float32))
+            gemv_forward.use_twins(True)
+            twin = np.array(x @ w.T)
+            gemv_forward.use_twins(False)
+            fp32 = np.array(x @ w.T)
+            gemv_forward.use_twins(True)
+            equal[f"{name} x{rows}"] = bool(np.array_equal(twin, fp32))
+    used = gemv_forward.twin_products() - before
+    del W4, W8, Wbig, w  # the loop variable holds the last one
+    gc.collect()
+    print(json.dumps({"bits": bits, "live": live, "equal": equal, "used": used,
+                      "after_free": gemv_forward.live_twins()}))
+"""
+
+
+def test_compact_twins_give_the_same_products_and_go_with_their_matrix(tmp_path: Path) -> None:
+    result = run_python(TWINS, DUPLEX_GATEWAY_CACHE=str(tmp_path))
+    if not LINUX:  # no forwarder: no twins, and the products are plain sgemm's
+        assert result["bits"] == [None] * 4 and result["used"] == 0
+        return
+    assert result["bits"] == [4, 8, 4, None]
+    assert result["live"] == 3
+    assert all(result["equal"].values()), result["equal"]
+    assert result["used"] == 3 * 8  # every product above read its twin
+    assert result["after_free"] == 0
+
+
+# The embedded LLM, dequantized from GGUF blocks, gets a twin for every matrix, and its
+# decode steps give the same logits with the twins as without.
+LLM_TWINS = """
+    import json
+    import engine
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
+    from engine import gemv_forward, registry
+    from engine.llm import LlmStage
+
+    stage = LlmStage.from_path(registry.prepare("smollm2-135m-instruct", progress=False))
+    model, tokenizer = stage.model, stage.tokenizer
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+    )
+
+    def decode(rows):
+        cache = make_prompt_cache(model)
+        logits = model(mx.array([prompt] * rows), cache=cache)
+        steps, tokens = [], []
+        for _ in range(8):
+            token = mx.argmax(logits[:, -1], axis=-1)
+            tokens.append(token[0].item())
+            logits = model(token[:, None], cache=cache)
+            steps.append(np.array(logits))
+        return steps, tokenizer.decode(tokens)
+
+    used = gemv_forward.twin_products()
+    twins, answer = decode(1)
+    twins4, _ = decode(4)
+    used = gemv_forward.twin_products() - used
+    gemv_forward.use_twins(False)
+    fp32, plain = decode(1)
+    fp32_4, _ = decode(4)
+    same = all(np.array_equal(a, b) for a, b in zip(twins + twins4, fp32 + fp32_4))
+    print(json.dumps({"live": gemv_forward.live_twins(), "used": used, "same": same,
+                      "answer": answer, "plain": plain}))
+"""
+
+
+@pytest.mark.models
+def test_the_embedded_llm_decodes_the_same_from_its_compact_twins() -> None:
+    result = run_python(LLM_TWINS)
+    if not LINUX:
+        assert result["live"] == 0 and result["same"]
+        return
+    assert result["live"] == 211  # 30 layers x 7 matrices, and the tied embedding
+    assert result["used"] > 0 and result["same"]
+    assert result["answer"] == result["plain"] and "Paris" in result["answer"]

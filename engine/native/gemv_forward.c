@@ -20,13 +20,18 @@
  */
 #define _GNU_SOURCE /* sched_getaffinity */
 #include <dlfcn.h>
+#include <math.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 enum { MAX_ROWS = 8, MAX_THREADS = 8, LANES = 16 };
@@ -73,6 +78,7 @@ struct product {
   float alpha, beta;
   const float *a, *b;
   float *c;
+  const struct twin *twin; /* b's compressed copy, or NULL */
 };
 
 /* BLAS leaves c unread when beta is 0, but a NaN already there could survive 0 * c. */
@@ -120,7 +126,226 @@ few_rows_range(const struct product *p, int rows, int n0, int n1) {
   }
 }
 
+/* --- compressed twins: the same weights in a quarter or an eighth of the bytes ------
+ *
+ * A decode step is bound by the weights it reads, not by its arithmetic. Weights that
+ * are exactly `scale * q + offset` per group of 32 (q a 4-bit or 8-bit integer: what a
+ * model dequantized from GGUF's Q4_1 and Q8_0 blocks holds) get a twin in that form,
+ * found by the fp32 matrix's address; few-row products read the twin and rebuild each
+ * weight, bit for bit, in registers. The sums run in the same order as over the fp32
+ * weights, so a product's result is the same either way, only sooner. */
+
+enum { GROUP = 32, MAX_TWINS = 2048 };
+
+struct twin {
+  const float *w; /* the fp32 matrix it stands for: MLX's argument b */
+  int n, k, bits;
+  /* A group's q: 4 bits, byte j holds weight j (low nibble) and j + 16 (high); 8 bits,
+   * one signed byte each. */
+  uint8_t *q;
+  float *scale, *offset; /* per group */
+};
+
+static struct twin twins[MAX_TWINS];
+static atomic_int twin_count;
+static atomic_long twin_products;
+static int use_twins = 1;
+
+typedef uint8_t bytes16 __attribute__((vector_size(16), aligned(1)));
+typedef int8_t signed16 __attribute__((vector_size(16), aligned(1)));
+typedef int32_t ints __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+/* The weights 16 * half .. 16 * half + 15 of a group as floats, the one way both the
+ * check and the products compute them. (Bytes widen to ints before floats: a direct
+ * conversion is done lane by lane.) */
+static inline __attribute__((always_inline)) lanes rebuild(const uint8_t *q, int bits, int half,
+                                                           float scale, float offset) {
+  ints values;
+#if defined(__AVX512F__)
+  __m128i b = _mm_loadu_si128((const __m128i *)(q + (bits == 8 ? 16 * half : 0)));
+  if (bits == 4)
+    values = (ints)_mm512_cvtepu8_epi32(
+        _mm_and_si128(half ? _mm_srli_epi16(b, 4) : b, _mm_set1_epi8(15)));
+  else
+    values = (ints)_mm512_cvtepi8_epi32(b);
+#elif defined(__AVX2__)
+  __m128i b = _mm_loadu_si128((const __m128i *)(q + (bits == 8 ? 16 * half : 0)));
+  if (bits == 4) b = _mm_and_si128(half ? _mm_srli_epi16(b, 4) : b, _mm_set1_epi8(15));
+  __m256i first = bits == 4 ? _mm256_cvtepu8_epi32(b) : _mm256_cvtepi8_epi32(b);
+  __m128i rest = _mm_srli_si128(b, 8);
+  __m256i second = bits == 4 ? _mm256_cvtepu8_epi32(rest) : _mm256_cvtepi8_epi32(rest);
+  __builtin_memcpy(&values, &first, sizeof first);
+  __builtin_memcpy((char *)&values + sizeof first, &second, sizeof second);
+#else
+  if (bits == 4) {
+    bytes16 b = *(const bytes16 *)q;
+    values = __builtin_convertvector(half ? b >> 4 : b & 15, ints);
+  } else {
+    values = __builtin_convertvector(*(const signed16 *)(q + 16 * half), ints);
+  }
+#endif
+  return __builtin_convertvector(values, lanes) * scale + offset;
+}
+
+/* One group's q, scale and offset for `w`; 0 when w is not exactly of that form. */
+static int compress_group(const float *w, int bits, uint8_t *q, float *scale, float *offset) {
+  float lo = w[0], hi = w[0];
+  for (int i = 1; i < GROUP; i++) {
+    lo = w[i] < lo ? w[i] : lo;
+    hi = w[i] > hi ? w[i] : hi;
+  }
+  float s, o;
+  if (bits == 4) { /* unsigned q in 0..15 from the group's least weight up */
+    s = (hi - lo) / 15.0f;
+    o = lo;
+  } else { /* signed q in -127..127 around zero */
+    float top = fabsf(lo) > fabsf(hi) ? fabsf(lo) : fabsf(hi);
+    s = top / 127.0f;
+    o = 0.0f;
+  }
+  int qs[GROUP];
+  for (int i = 0; i < GROUP; i++) {
+    float v = s == 0.0f ? 0.0f : rintf((w[i] - o) / s);
+    if (!(v >= (bits == 4 ? 0.0f : -127.0f) && v <= (bits == 4 ? 15.0f : 127.0f))) return 0;
+    qs[i] = (int)v;
+  }
+  if (bits == 4)
+    for (int j = 0; j < GROUP / 2; j++) q[j] = (uint8_t)(qs[j] | qs[j + GROUP / 2] << 4);
+  else
+    for (int j = 0; j < GROUP; j++) q[j] = (uint8_t)(int8_t)qs[j];
+  for (int half = 0; half < 2; half++) {
+    lanes back = rebuild(q, bits, half, s, o);
+    for (int i = 0; i < LANES; i++)
+      if (back[i] != w[half * LANES + i]) return 0;
+  }
+  *scale = s;
+  *offset = o;
+  return 1;
+}
+
+static pthread_mutex_t twins_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void free_twin(struct twin *t) {
+  free(t->q);
+  free(t->scale);
+  free(t->offset);
+}
+
+/* Make the twin of the n x k matrix `w` (row-major, contiguous) in `bits` bits.
+ * 1: made; 0: w is not exactly of that form (nothing changes); -1: no room. Call it
+ * before the products that should use it, and `gemv_forward_untwin` before `w` is
+ * freed: its address may then hold other numbers. */
+int gemv_forward_twin(const float *w, int n, int k, int bits) {
+  if ((bits != 4 && bits != 8) || n <= 0 || k <= 0 || k % GROUP != 0) return 0;
+  size_t groups = (size_t)n * (k / GROUP);
+  struct twin t = {w, n, k, bits, NULL, NULL, NULL};
+  t.q = aligned_alloc(64, (groups * GROUP * bits / 8 + 63) / 64 * 64);
+  t.scale = malloc(groups * sizeof(float));
+  t.offset = malloc(groups * sizeof(float));
+  int made = t.q != NULL && t.scale != NULL && t.offset != NULL ? 1 : -1;
+  for (size_t g = 0; made == 1 && g < groups; g++)
+    made = compress_group(w + g * GROUP, bits, t.q + g * GROUP * bits / 8, t.scale + g,
+                          t.offset + g);
+  pthread_mutex_lock(&twins_lock);
+  int slot = 0, count = atomic_load(&twin_count);
+  while (slot < count && twins[slot].w != NULL) slot++; /* a freed slot, or the next one */
+  if (made == 1 && slot == MAX_TWINS) made = -1;
+  if (made == 1) {
+    /* The key goes in last: a product that finds it finds the rest. */
+    const float *key = t.w;
+    t.w = NULL;
+    twins[slot] = t;
+    atomic_store(&twin_count, slot == count ? count + 1 : count);
+    __atomic_store_n(&twins[slot].w, key, __ATOMIC_RELEASE);
+  }
+  pthread_mutex_unlock(&twins_lock);
+  if (made != 1) free_twin(&t);
+  return made;
+}
+
+/* Forget the twin of `w` (a matrix about to be freed); 0 when it had none. */
+int gemv_forward_untwin(const float *w) {
+  int found = 0;
+  pthread_mutex_lock(&twins_lock);
+  for (int i = 0; i < atomic_load(&twin_count) && !found; i++)
+    if (twins[i].w == w) {
+      __atomic_store_n(&twins[i].w, NULL, __ATOMIC_RELEASE);
+      free_twin(&twins[i]);
+      found = 1;
+    }
+  pthread_mutex_unlock(&twins_lock);
+  return found;
+}
+
+/* 0 leaves the twins unread (for side-by-side timing); returns the old setting. */
+int gemv_forward_use_twins(int on) {
+  int old = use_twins;
+  use_twins = on;
+  return old;
+}
+
+/* Matrices with a twin now, and products that read one so far (for tests, benches). */
+int gemv_forward_live_twins(void) {
+  int live = 0, count = atomic_load(&twin_count);
+  for (int i = 0; i < count; i++) live += __atomic_load_n(&twins[i].w, __ATOMIC_ACQUIRE) != NULL;
+  return live;
+}
+
+long gemv_forward_twin_products(void) { return atomic_load(&twin_products); }
+
+static const struct twin *twin_of(const float *b, int n, int k, int ldb) {
+  int count = use_twins ? atomic_load(&twin_count) : 0;
+  for (int i = 0; i < count; i++)
+    if (__atomic_load_n(&twins[i].w, __ATOMIC_ACQUIRE) == b)
+      return twins[i].n == n && twins[i].k == k && ldb == k ? &twins[i] : NULL;
+  return NULL;
+}
+
+/* As few_rows_range, over the twin: the same weights, the same order of sums. */
+static inline __attribute__((always_inline)) void
+twin_rows_range(const struct product *p, int rows, int n0, int n1) {
+  const struct twin *t = p->twin;
+  const int k = p->k, groups = k / GROUP, row_bytes = k * t->bits / 8;
+  for (int n = n0; n < n1; n++) {
+    const uint8_t *q = t->q + (size_t)n * row_bytes;
+    const float *scale = t->scale + (size_t)n * groups, *offset = t->offset + (size_t)n * groups;
+    lanes acc[MAX_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = (lanes){0};
+    for (int g = 0; g < groups; g++) {
+      const uint8_t *gq = q + (size_t)g * GROUP * t->bits / 8;
+      __builtin_prefetch(gq + 512, 0, 3);
+      for (int half = 0; half < 2; half++) {
+        lanes wv = rebuild(gq, t->bits, half, scale[g], offset[g]);
+        const int i = g * GROUP + half * LANES;
+        for (int r = 0; r < rows; r++)
+          acc[r] += wv * *(const lanes *)(p->a + (size_t)r * p->lda + i);
+      }
+    }
+    for (int r = 0; r < rows; r++) {
+      float *out = p->c + (size_t)r * p->ldc + n;
+      *out = scaled(p, sum_lanes(acc[r]), out);
+    }
+  }
+}
+
+static void twin_rows(const struct product *p, int n0, int n1) {
+  switch (p->m) {
+  case 1: twin_rows_range(p, 1, n0, n1); break;
+  case 2: twin_rows_range(p, 2, n0, n1); break;
+  case 3: twin_rows_range(p, 3, n0, n1); break;
+  case 4: twin_rows_range(p, 4, n0, n1); break;
+  case 5: twin_rows_range(p, 5, n0, n1); break;
+  case 6: twin_rows_range(p, 6, n0, n1); break;
+  case 7: twin_rows_range(p, 7, n0, n1); break;
+  default: twin_rows_range(p, 8, n0, n1); break;
+  }
+}
+
 static void few_rows(const struct product *p, int n0, int n1) {
+  if (p->twin != NULL) {
+    twin_rows(p, n0, n1);
+    return;
+  }
   switch (p->m) {
   case 1: few_rows_range(p, 1, n0, n1); break;
   case 2: few_rows_range(p, 2, n0, n1); break;
@@ -284,11 +509,14 @@ static int few_rows_product(int ta, int tb, int m, int n, int k, float alpha, co
   float *copy;
   const float *rows = rows_of(ta, m, k, a, &lda, &copy);
   if (rows == NULL) return 0;
-  struct product p = {m, n, k, lda, ldb, ldc, alpha, beta, rows, b, c};
-  if (tb == TRANS)
+  struct product p = {m, n, k, lda, ldb, ldc, alpha, beta, rows, b, c, NULL};
+  if (tb == TRANS) {
+    p.twin = twin_of(b, n, k, ldb);
+    if (p.twin != NULL) atomic_fetch_add_explicit(&twin_products, 1, memory_order_relaxed);
     few_rows_split(&p);
-  else
+  } else {
     few_rows_plain(&p);
+  }
   free(copy);
   return 1;
 }

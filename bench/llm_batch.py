@@ -31,7 +31,7 @@ import mlx_lm
 from mlx_lm import batch_generate
 from mlx_lm.generate import generation_stream
 
-from engine import registry
+from engine import gemv_forward, registry
 from engine.core import AsyncEngine, EngineCore, exit_process
 from engine.llm import LlmInput, LlmStage
 from engine.models.llama import load
@@ -246,6 +246,7 @@ def main() -> None:
 
     path = registry.prepare("smollm2-135m-instruct")
     model, tok = load(path)  # the engine's model file, as the gateway runs it
+    gemv_forward.compress(model)  # and its weights' compact twins (`LlmStage.from_path`)
     plain = mlx_lm.load(str(path))[0]  # mlx-lm's own, for its batch_generate
     stage_throughput(model, tok, 2, 4)  # warm up kernels and allocator
     once = {n: stage_throughput(model, tok, n, args.max_tokens) for n in (4, 16)}

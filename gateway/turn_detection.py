@@ -5,10 +5,10 @@ pauses that may become a stop) on the session clock.
 semantic_vad uses the same detector with the eagerness's longest wait as its silence:
 when a silence reaches `semantic_words_after_ms`, the ASR stage transcribes the speech
 before it (the pause that prepares the answer goes out with those words); at
-`semantic_score_after_ms`, the engine's turn-end model scores the speech heard so far
-(its last 8 s). The turn ends at the start of that silence if the score is
-`semantic_complete_threshold` or more and the words do not stop on one that cannot end
-an English sentence ("for", "the", "and"...).
+`semantic_score_after_ms`, once those words are in, the engine's turn-end model scores
+the speech heard so far (its last 8 s). The turn ends at the start of that silence if
+the score is `semantic_complete_threshold` or more and the words do not stop on one
+that cannot end an English sentence ("for", "the", "and"...).
 The model hears prosody, the words catch what prosody misses (synthetic voices fool
 the model both ways). Speech coming back first makes the decision moot.
 
@@ -370,6 +370,11 @@ class EngineSpeechSource:
             return
         if self._turn_score is not None and not self._turn_score.done():
             return  # one scoring at a time: the next once this one has answered
+        words = self._words_of(silent_since)
+        if words is not None and not words.done():
+            # The words first: the answer is prepared from them, so they are on the way
+            # to its first audio, and a score taken beside them would slow them down.
+            return
         rescore = self._turns.semantic_rescore_ms
         self._next_score = (silent_since, self._next_score[1] + rescore if rescore else 10**9)
         clip = self._audio.clip(speech_start_ms, detector.position_ms)
@@ -506,7 +511,9 @@ class EngineSpeechSource:
         request_id = f"{self._session_id}.turnwords{next(self._serial)}"
         request = AsrRequest(clip, logprobs=True)  # how sure it is of the end
         words = self._result("asr", request_id, request)
-        words.add_done_callback(lambda done: self._words_in(done, silence_ms, detector))
+        words.add_done_callback(
+            lambda done: self._words_in(done, silence_ms, detector, speech_start_ms)
+        )
         self._silence_words = (silence_ms, words)
 
     def _words_of(self, silence_ms: int) -> asyncio.Task[Any] | None:
@@ -521,12 +528,17 @@ class EngineSpeechSource:
         return self._semantic and self._turns.semantic_words and not self._watch_words
 
     def _words_in(
-        self, words: asyncio.Task[Any], silence_ms: int, detector: SpeechDetector
+        self,
+        words: asyncio.Task[Any],
+        silence_ms: int,
+        detector: SpeechDetector,
+        speech_start_ms: int,
     ) -> None:
-        if not words.cancelled():
-            self._announce_pause(
-                silence_ms, None if words.exception() else words.result(), detector
-            )
+        if words.cancelled():
+            return
+        self._announce_pause(silence_ms, None if words.exception() else words.result(), detector)
+        if detector.silent_since_ms == silence_ms:  # a score that waited for them is due
+            self._follow_silence(detector, speech_start_ms, self._stream_start_ms)
 
     def _announce_pause(
         self, silence_ms: int, heard: Transcription | None, detector: SpeechDetector

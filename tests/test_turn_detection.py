@@ -231,15 +231,23 @@ class ScriptedEngine:
         self.vad: asyncio.Queue[StageOutput] = asyncio.Queue()
         self.requests: list[tuple[str, int]] = []
         self.fed = 0
+        self.asr_asked = asyncio.Event()
+        self.vad_idle = asyncio.Event()
+        self.words_ready: asyncio.Event | None = None  # set: transcripts wait for it
 
     async def stream(
         self, stage: str, request_id: str, inputs: object
     ) -> AsyncIterator[StageOutput]:
         if stage == "vad":
             while True:
+                if self.vad.empty():
+                    self.vad_idle.set()  # every pushed probability has been acted on
                 yield await self.vad.get()
         if isinstance(inputs, AsrRequest):  # the words before a silence, and how sure
             self.requests.append((stage, len(inputs.audio)))
+            self.asr_asked.set()
+            if self.words_ready is not None:
+                await self.words_ready.wait()
             scores = [-0.1, *self.ending] if inputs.logprobs else []
             heard = Transcription(self.transcript, [0] * len(scores), 0, 1, 0.0, scores)
             yield StageOutput(request_id, heard, finished=True)
@@ -263,6 +271,7 @@ class ScriptedEngine:
         return {}
 
     def push(self, *probabilities: float) -> None:
+        self.vad_idle.clear()
         self.vad.put_nowait(StageOutput("vad", np.array(probabilities, np.float32)))
 
 
@@ -307,6 +316,24 @@ async def test_the_words_and_the_pause_come_before_the_score() -> None:
     engine.push(*[0.0] * 3)  # 192 ms: scored, with the words already in
     (event,) = await decisions(source, 1)
     assert (event.kind, event.ms) == ("stopped", 640)
+    assert [stage for stage, _ in engine.requests] == ["asr", "turn"]
+    await source.close()
+
+
+async def test_the_score_waits_for_the_words() -> None:
+    # The answer is prepared from the words: a score beside them would only slow them.
+    engine = ScriptedEngine(score=0.9, transcript="What is the capital of France?")
+    engine.words_ready = asyncio.Event()
+    source = semantic_source(engine)
+    engine.push(*[0.9] * 20, *[0.0] * 8)  # 256 ms of silence: a score is due at 160
+    (started,) = await decisions(source, 1)
+    await engine.vad_idle.wait()
+    await engine.asr_asked.wait()  # the transcript is on its way, the silence all heard
+    assert not source.scoring and [stage for stage, _ in engine.requests] == ["asr"]
+    engine.words_ready.set()
+    paused, stopped = await decisions(source, 2)
+    assert paused.words == "What is the capital of France?"
+    assert (stopped.kind, stopped.ms) == ("stopped", 640)
     assert [stage for stage, _ in engine.requests] == ["asr", "turn"]
     await source.close()
 

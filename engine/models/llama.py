@@ -10,9 +10,11 @@ Three things differ from mlx-lm, measured by `bench/elementwise.py` and
   - Attention multiplies each key/value head by its whole group of query heads at once
     (one product of `group x length` rows instead of one per query head), so a decode
     step of B sequences makes B x kv_heads small products, not B x heads.
-  - The rotary angles are computed once per forward and shared by every layer, instead of
-    once per layer for queries and again for keys. At one stream a decode step is mostly
-    per-op overhead, and RoPE was a tenth of its ops.
+  - At one stream a decode step is mostly per-op overhead, so it makes fewer ops: the
+    rotary angles are computed once per forward and shared by every layer; queries and
+    keys rotate together, as `x * cos + roll(x) * sin` (mlx-lm's non-traditional rope
+    in half the ops of slicing the halves apart); and the query, key and value
+    projections are one product, with weights joined at load (`Model.sanitize`).
 Llama models with sliding-window layers, scaled or interleaved RoPE load with mlx-lm's
 own class.
 """
@@ -37,6 +39,7 @@ __all__ = [
     "exp",
     "load",
     "is_supported",
+    "join_qkv",
     "rotary_angles",
     "rotate",
     "silu",
@@ -80,22 +83,23 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any) ->
 def rotary_angles(
     offset: int | mx.array, length: int, head_dim: int, base: float
 ) -> tuple[mx.array, mx.array]:
-    """cos and sin of the RoPE angles of `length` positions from `offset`: (length, D/2),
-    or (B, 1, length, D/2) for a batch whose rows start at the offsets in a (B,) array."""
+    """The RoPE factors of `length` positions from `offset`, as `rotate` takes them: cos
+    and sin of each angle, (length, D), or (B, 1, length, D) for a batch whose rows start
+    at the offsets in a (B,) array; the first half of sin is negated."""
     inverse = base ** (-mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim)
     if isinstance(offset, mx.array):
         positions = (offset[:, None] + mx.arange(length))[:, None, :, None]
     else:
         positions = mx.arange(offset, offset + length)[:, None]
     angles = positions.astype(mx.float32) * inverse
-    return mx.cos(angles), mx.sin(angles)
+    cos, sin = mx.cos(angles), mx.sin(angles)
+    return mx.concatenate([cos, cos], axis=-1), mx.concatenate([-sin, sin], axis=-1)
 
 
 def rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """RoPE with the two halves of each head as the pairs (mlx-lm's non-traditional)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    """RoPE with the two halves of each head as the pairs (mlx-lm's non-traditional):
+    (x1, x2) becomes (x1 cos - x2 sin, x2 cos + x1 sin), each rounded as written so."""
+    return x * cos + mx.roll(x, x.shape[-1] // 2, axis=-1) * sin
 
 
 def _grouped(mask: mx.array, kv_heads: int, group: int) -> mx.array:
@@ -115,25 +119,18 @@ class Attention(nn.Module):
         self.n_kv_heads = args.num_key_value_heads or self.n_heads  # None: no grouping
         self.head_dim = args.head_dim or dim // self.n_heads
         self.scale = self.head_dim**-0.5
-        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        heads = self.n_heads + 2 * self.n_kv_heads
+        self.qkv_proj = nn.Linear(dim, heads * self.head_dim, bias=bias)  # q, k, v rows
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
 
     def __call__(
         self, x: mx.array, angles: tuple[mx.array, mx.array], mask: Any, cache: Any
     ) -> mx.array:
         b, length, _ = x.shape
-
-        def heads(proj: nn.Linear, n: int) -> mx.array:
-            return proj(x).reshape(b, length, n, -1).transpose(0, 2, 1, 3)
-
-        q, k, v = (
-            heads(self.q_proj, self.n_heads),
-            heads(self.k_proj, self.n_kv_heads),
-            heads(self.v_proj, self.n_kv_heads),
-        )
-        q, k = rotate(q, *angles), rotate(k, *angles)
+        qkv = self.qkv_proj(x).reshape(b, length, -1, self.head_dim).transpose(0, 2, 1, 3)
+        rotated = self.n_heads + self.n_kv_heads
+        qk = rotate(qkv[:, :rotated], *angles)
+        q, k, v = qk[:, : self.n_heads], qk[:, self.n_heads :], qkv[:, rotated:]
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         out = attention(q, k, v, self.scale, mask)
@@ -210,7 +207,20 @@ class Model(nn.Module):
         weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
         if self.args.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
-        return weights
+        return join_qkv(weights)
+
+
+def join_qkv(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """q_proj, k_proj and v_proj of each layer as one qkv_proj, rows in that order: the
+    same weights (and 4-bit scales and biases, which run along rows), one product."""
+    joined = dict(weights)
+    for name in [n for n in weights if ".self_attn.q_proj." in n]:
+        prefix, kind = name.split(".self_attn.q_proj.")
+        parts = [f"{prefix}.self_attn.{p}_proj.{kind}" for p in "qkv"]
+        joined[f"{prefix}.self_attn.qkv_proj.{kind}"] = mx.concatenate(
+            [joined.pop(part) for part in parts], axis=0
+        )
+    return joined
 
 
 def is_supported(config: dict[str, Any]) -> bool:

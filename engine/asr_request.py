@@ -7,12 +7,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["NOT_SCORED", "SURE_LOGPROB", "AsrRequest", "Transcription"]
+__all__ = ["NOT_SCORED", "SENTENCE_ENDS", "SURE_LOGPROB", "AsrRequest", "Transcription"]
 
 NOT_SCORED = float("nan")  # the log-probability reported for a forced token
 # A token Whisper gives less than this (p = 0.37) it is unsure of: the mishearings two
 # live guesses share, and the words it makes up to complete a cut phrase, mostly are.
 SURE_LOGPROB = -1.0
+# What Whisper ends a sentence with; it closes each whole sentence it hears with one.
+SENTENCE_ENDS = (".", "?", "!")
 
 
 @dataclass(frozen=True, eq=False)

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.asr_request import SURE_LOGPROB, AsrRequest, Transcription
+from engine.asr_request import SENTENCE_ENDS, SURE_LOGPROB, AsrRequest, Transcription
 
 __all__ = ["LiveDelta", "LiveTranscript"]
 
@@ -57,7 +57,6 @@ MIN_SEAL_SPAN_S = 0.3  # the least audio to look for a quiet point in
 RETRY_SEAL_S = 1.0  # more audio before another try after a seal that failed
 PROMPT_CHARS = 600  # previous text given to Whisper (it keeps at most 223 tokens anyway)
 QUIET_FRAME = SAMPLE_RATE // 50  # 20 ms
-SENTENCE_ENDS = (".", "?", "!")
 # Whisper guesses wildly on the first fraction of a second of speech: an utterance's
 # guesses count only from this much audio on (the gateway's 300 ms of padding included).
 MIN_AGREE_S = 0.7

@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Sequence
 
-from engine.asr_request import SURE_LOGPROB
+from engine.asr_request import SENTENCE_ENDS, SURE_LOGPROB
 
 __all__ = [
     "BACKCHANNELS",
@@ -88,16 +88,13 @@ def ends_unsure(logprobs: Sequence[float]) -> bool:
     return any(score < SURE_LOGPROB for score in logprobs[-ENDING_TOKENS:])
 
 
-# Whisper closes every whole sentence with a stop; in a day of `bench/turns.py` runs every
-# transcript of a whole sentence had one, while cut phrases sometimes had none ("I think
-# the best way to get there is", called complete by the turn-end model at 0.6).
-SENTENCE_ENDS = (".", "?", "!")
-
-
-# How sure Whisper is of that stop says how sure it is that the sentence is over: at even
-# odds or less, it is in doubt. In `bench/turn_endings.py` the stops of whole sentences
-# scored -0.08 to -0.62, those Whisper put after a cut phrase it completed ("I think the
-# best way to get married.", "... to get there is.") -0.89.
+# Whisper closes every whole sentence with a stop (SENTENCE_ENDS); in a day of
+# `bench/turns.py` runs every transcript of a whole sentence had one, while cut phrases
+# sometimes had none ("I think the best way to get there is", called complete by the
+# turn-end model at 0.6). How sure Whisper is of that stop says how sure it is that the
+# sentence is over: at even odds or less, it is in doubt. In `bench/turn_endings.py` the
+# stops of whole sentences scored -0.08 to -0.62, those Whisper put after a cut phrase it
+# completed ("I think the best way to get married.", "... to get there is.") -0.89.
 SURE_STOP_LOGPROB = math.log(0.5)
 
 

@@ -99,7 +99,7 @@ def rotary_angles(
 def rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     """RoPE with the two halves of each head as the pairs (mlx-lm's non-traditional):
     (x1, x2) becomes (x1 cos - x2 sin, x2 cos + x1 sin), each rounded as written so."""
-    return x * cos + mx.roll(x, x.shape[-1] // 2, axis=-1) * sin
+    return x * cos + mx.roll(x, x.shape[-1] // 2, -1) * sin
 
 
 def _grouped(mask: mx.array, kv_heads: int, group: int) -> mx.array:

@@ -328,33 +328,25 @@ twin_rows_range(const struct product *p, int rows, int n0, int n1) {
   }
 }
 
-static void twin_rows(const struct product *p, int n0, int n1) {
-  switch (p->m) {
-  case 1: twin_rows_range(p, 1, n0, n1); break;
-  case 2: twin_rows_range(p, 2, n0, n1); break;
-  case 3: twin_rows_range(p, 3, n0, n1); break;
-  case 4: twin_rows_range(p, 4, n0, n1); break;
-  case 5: twin_rows_range(p, 5, n0, n1); break;
-  case 6: twin_rows_range(p, 6, n0, n1); break;
-  case 7: twin_rows_range(p, 7, n0, n1); break;
-  default: twin_rows_range(p, 8, n0, n1); break;
-  }
+/* Weight rows [n0, n1) against `rows` rows of a, from the twin if b has one. */
+static inline __attribute__((always_inline)) void
+rows_range(const struct product *p, int rows, int n0, int n1) {
+  if (p->twin != NULL)
+    twin_rows_range(p, rows, n0, n1);
+  else
+    few_rows_range(p, rows, n0, n1);
 }
 
 static void few_rows(const struct product *p, int n0, int n1) {
-  if (p->twin != NULL) {
-    twin_rows(p, n0, n1);
-    return;
-  }
   switch (p->m) {
-  case 1: few_rows_range(p, 1, n0, n1); break;
-  case 2: few_rows_range(p, 2, n0, n1); break;
-  case 3: few_rows_range(p, 3, n0, n1); break;
-  case 4: few_rows_range(p, 4, n0, n1); break;
-  case 5: few_rows_range(p, 5, n0, n1); break;
-  case 6: few_rows_range(p, 6, n0, n1); break;
-  case 7: few_rows_range(p, 7, n0, n1); break;
-  default: few_rows_range(p, 8, n0, n1); break;
+  case 1: rows_range(p, 1, n0, n1); break;
+  case 2: rows_range(p, 2, n0, n1); break;
+  case 3: rows_range(p, 3, n0, n1); break;
+  case 4: rows_range(p, 4, n0, n1); break;
+  case 5: rows_range(p, 5, n0, n1); break;
+  case 6: rows_range(p, 6, n0, n1); break;
+  case 7: rows_range(p, 7, n0, n1); break;
+  default: rows_range(p, 8, n0, n1); break;
   }
 }
 

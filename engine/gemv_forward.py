@@ -11,9 +11,9 @@ nothing changes: MLX calls the BLAS's sgemm directly.
 
 `compress` gives the weight matrices of a loaded model compact twins where their values
 are exactly groups of 4-bit or 8-bit integers times a scale (a model dequantized from
-GGUF, such as the embedded LLM): few-row products then read an eighth or a quarter of
-the bytes and rebuild the same fp32 weights in registers, so decode steps get faster
-and their results stay bit for bit the same.
+GGUF, such as the embedded LLM): few-row products then read about a fifth (4-bit) or a
+third (8-bit) of the bytes, scales included, and rebuild the same fp32 weights in
+registers, so decode steps get faster and their results stay bit for bit the same.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def compress(model: nn.Module) -> dict[int, int]:
     made: dict[int, int] = {}
     leaves = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
     for _, weight in leaves:
-        bits = twin(weight) if weight.ndim == 2 else None
+        bits = twin(weight)
         if bits is not None:
             made[bits] = made.get(bits, 0) + 1
     return made

@@ -534,8 +534,8 @@ class EngineSpeechSource:
         detector: SpeechDetector,
         speech_start_ms: int,
     ) -> None:
-        if words.cancelled():
-            return
+        if words.cancelled() or self._words_of(silence_ms) is not words:
+            return  # the stream it was asked for closed since (a done task ignores cancel)
         self._announce_pause(silence_ms, None if words.exception() else words.result(), detector)
         if detector.silent_since_ms == silence_ms:  # a score that waited for them is due
             self._follow_silence(detector, speech_start_ms, self._stream_start_ms)

@@ -611,3 +611,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # `stage_costs` ran MLX on a worker thread: skip its C++ teardown, which can abort.
+    from engine.core import exit_process
+
+    exit_process(0)

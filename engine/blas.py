@@ -28,6 +28,13 @@ CANDIDATES = (
     "/usr/lib64/libopenblas.so.0",
 )
 FIX = "apt-get install libopenblas0-pthread"
+# After each call, OpenBLAS's worker threads spin (sched_yield) for 2**28 cycles, about a
+# tenth of a second, before they sleep. The VAD runs a small product every few tens of
+# milliseconds while any session streams, so the worker never slept: with 20 silent
+# sessions it burned a whole core of two (gateway at 132% CPU, 37% with this). 2**4
+# cycles, the least OpenBLAS takes, puts it to sleep at once; waking it costs
+# microseconds per product. An operator's own setting wins.
+SPIN_ENV, SPIN_LOG2_CYCLES = "OPENBLAS_THREAD_TIMEOUT", "4"
 # A library path to load instead of the candidates, or "none" to keep the reference BLAS.
 ENV = "DUPLEX_GATEWAY_BLAS"
 
@@ -53,6 +60,8 @@ def ensure_fast_blas() -> str | None:
     if override == "none":
         log.info("%s=none: MLX keeps its reference BLAS", ENV)
         return None
+    # Read by OpenBLAS when it is loaded, so set before the first candidate is opened.
+    os.environ.setdefault(SPIN_ENV, SPIN_LOG2_CYCLES)
     # An explicit path is the only candidate, so a wrong one is reported, not papered over.
     for path in [override] if override else CANDIDATES:
         if os.path.exists(path):

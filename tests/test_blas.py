@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+ENV = "DUPLEX_GATEWAY_BLAS"
 
 
 def run_python(code: str, blas_env: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -119,3 +120,53 @@ def test_mlx_matmul_matches_numpy_with_the_active_blas() -> None:
     out = run_python(code)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) < 1e-3
+
+
+IDLE_WORKER = """
+    import json, os, resource, time
+    import engine
+    import mlx.core as mx
+
+    # Products as small as the VAD's, a few tens of milliseconds apart, for one second.
+    a = mx.random.normal((256, 256))
+    mx.eval(a @ a)
+    def cpu_s():
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    start_cpu, start = cpu_s(), time.monotonic()
+    while time.monotonic() - start < 1.0:
+        mx.eval(a @ a)
+        time.sleep(0.03)
+    print(json.dumps({"cpu_s": cpu_s() - start_cpu, "wall_s": time.monotonic() - start,
+                      "timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT")}))
+"""
+
+
+def idle_worker_cpu(extra_env: dict[str, str]) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", ENV)}
+    env.update(PYTHONPATH=str(ROOT), **extra_env)
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(IDLE_WORKER)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_blas_workers_sleep_between_small_products() -> None:
+    """OpenBLAS's workers spin for a tenth of a second after each call by default, so
+    products a few tens of ms apart (the VAD's, while sessions stream) kept one busy
+    without end. The engine has them sleep at once: the process then uses a small
+    fraction of a core, where the default spin takes about a whole one."""
+    if not sys.platform.startswith("linux"):
+        return  # no OpenBLAS is loaded elsewhere
+    quiet = idle_worker_cpu({})
+    assert quiet["timeout"] == "4"
+    spinning = idle_worker_cpu({"OPENBLAS_THREAD_TIMEOUT": "28"})  # OpenBLAS's default
+    assert spinning["timeout"] == "28"  # an operator's own setting wins
+    assert quiet["cpu_s"] < 0.5 * quiet["wall_s"], quiet
+    assert spinning["cpu_s"] > quiet["cpu_s"], (quiet, spinning)

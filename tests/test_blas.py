@@ -17,11 +17,14 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV = "DUPLEX_GATEWAY_BLAS"
 
 
-def run_python(code: str, blas_env: str | None = None) -> subprocess.CompletedProcess[str]:
+def run_python(
+    code: str, blas_env: str | None = None, spin_env: str | None = None
+) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("DUPLEX_GATEWAY_BLAS", None)
-    if blas_env is not None:
-        env["DUPLEX_GATEWAY_BLAS"] = blas_env
+    for name, value in ((ENV, blas_env), ("OPENBLAS_THREAD_TIMEOUT", spin_env)):
+        env.pop(name, None)
+        if value is not None:
+            env[name] = value
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         env=env,
@@ -142,17 +145,8 @@ IDLE_WORKER = """
 """
 
 
-def idle_worker_cpu(extra_env: dict[str, str]) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", ENV)}
-    env.update(PYTHONPATH=str(ROOT), **extra_env)
-    out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(IDLE_WORKER)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def idle_worker_cpu(spin_env: str | None = None) -> dict:
+    out = run_python(IDLE_WORKER, spin_env=spin_env)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -164,9 +158,9 @@ def test_blas_workers_sleep_between_small_products() -> None:
     fraction of a core, where the default spin takes about a whole one."""
     if not sys.platform.startswith("linux"):
         return  # no OpenBLAS is loaded elsewhere
-    quiet = idle_worker_cpu({})
+    quiet = idle_worker_cpu()
     assert quiet["timeout"] == "4"
-    spinning = idle_worker_cpu({"OPENBLAS_THREAD_TIMEOUT": "28"})  # OpenBLAS's default
+    spinning = idle_worker_cpu("28")  # OpenBLAS's default
     assert spinning["timeout"] == "28"  # an operator's own setting wins
     assert quiet["cpu_s"] < 0.5 * quiet["wall_s"], quiet
     assert spinning["cpu_s"] > quiet["cpu_s"], (quiet, spinning)

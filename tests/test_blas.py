@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = "DUPLEX_GATEWAY_BLAS"
@@ -65,10 +66,15 @@ PROBE = """
 """
 
 
-def probe(blas_env: str | None = None) -> dict:
-    out = run_python(PROBE, blas_env)
+def json_of(code: str, blas_env: str | None = None, spin_env: str | None = None) -> Any:
+    """The JSON value `code` prints last, run in a fresh interpreter that must succeed."""
+    out = run_python(code, blas_env, spin_env)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def probe(blas_env: str | None = None) -> dict:
+    return json_of(PROBE, blas_env)
 
 
 def test_engine_loads_an_optimised_blas_into_the_process() -> None:
@@ -120,9 +126,7 @@ def test_mlx_matmul_matches_numpy_with_the_active_blas() -> None:
         out = np.array(mx.array(a) @ mx.array(b))
         print(json.dumps(float(np.abs(out - a @ b).max())))
     """
-    out = run_python(code)
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.strip().splitlines()[-1]) < 1e-3
+    assert json_of(code) < 1e-3
 
 
 IDLE_WORKER = """
@@ -145,12 +149,6 @@ IDLE_WORKER = """
 """
 
 
-def idle_worker_cpu(spin_env: str | None = None) -> dict:
-    out = run_python(IDLE_WORKER, spin_env=spin_env)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def test_blas_workers_sleep_between_small_products() -> None:
     """OpenBLAS's workers spin for a tenth of a second after each call by default, so
     products a few tens of ms apart (the VAD's, while sessions stream) kept one busy
@@ -158,9 +156,9 @@ def test_blas_workers_sleep_between_small_products() -> None:
     fraction of a core, where the default spin takes about a whole one."""
     if not sys.platform.startswith("linux"):
         return  # no OpenBLAS is loaded elsewhere
-    quiet = idle_worker_cpu()
+    quiet = json_of(IDLE_WORKER)
     assert quiet["timeout"] == "4"
-    spinning = idle_worker_cpu("28")  # OpenBLAS's default
+    spinning = json_of(IDLE_WORKER, spin_env="28")  # OpenBLAS's default
     assert spinning["timeout"] == "28"  # an operator's own setting wins
     assert quiet["cpu_s"] < 0.5 * quiet["wall_s"], quiet
     assert spinning["cpu_s"] > quiet["cpu_s"], (quiet, spinning)

@@ -110,6 +110,7 @@ class SpeechDetector:
         self._chunks = 0  # chunks seen: the stream clock
         self._start_ms = 0  # the reported start of the speech under way
         self._voiced = 0  # chunks at or above threshold in the speech under way
+        self._onset = 0  # chunk index of the speech under way's first voiced chunk
         self._speeches = 0
         self._confirmed = False
         self._speaking = False
@@ -159,6 +160,12 @@ class SpeechDetector:
         return self._ms(self._voiced) if self._speaking else 0
 
     @property
+    def heard_ms(self) -> int:
+        """How long ago the speech under way began (its first chunk at or above threshold),
+        voiced or not since: consonants such as the "x" of "excuse" dip below it."""
+        return self._ms(self._chunks - self._onset) if self._speaking else 0
+
+    @property
     def speech_number(self) -> int:
         """Counts the speeches started so far: tells a late answer about one from the next."""
         return self._speeches
@@ -199,6 +206,7 @@ class SpeechDetector:
             self._speaking = True
             self._silence_start = None
             self._voiced = 1
+            self._onset = index
             self._speeches += 1
             self._confirmed = False
             self._start_ms = max(0, self._ms(index) - self.prefix_padding_ms)

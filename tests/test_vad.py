@@ -573,6 +573,16 @@ def test_detector_hysteresis() -> None:
     assert det.speaking
 
 
+def test_detector_counts_how_long_the_speech_lasted_and_how_much_was_voiced() -> None:
+    det = _detector()
+    det.push([0.1, 0.9, 0.4, 0.4, 0.9])  # started at the second chunk; two chunks between
+    assert (det.heard_ms, det.voiced_ms) == (4 * 32, 2 * 32)
+    det.push([0.1] * 3)  # stopped: no speech under way
+    assert (det.heard_ms, det.voiced_ms) == (0, 0)
+    det.push([0.9])  # the next speech counts from its own start
+    assert (det.heard_ms, det.voiced_ms) == (32, 32)
+
+
 def test_detector_finds_two_utterances() -> None:
     probs = [0.0] * 5 + [0.9] * 10 + [0.0] * 10 + [0.8] * 5 + [0.0] * 4
     events = _detector().push(probs)

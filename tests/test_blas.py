@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +19,19 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV = "DUPLEX_GATEWAY_BLAS"
 
 
+# OpenBLAS's own variables: unset in each check unless it sets them.
+OPENBLAS_ENV = ("OPENBLAS_THREAD_TIMEOUT", "OPENBLAS_NUM_THREADS")
+
+
 def run_python(
-    code: str, blas_env: str | None = None, spin_env: str | None = None
+    code: str, blas_env: str | None = None, openblas: Mapping[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    for name, value in ((ENV, blas_env), ("OPENBLAS_THREAD_TIMEOUT", spin_env)):
+    for name in (ENV, *OPENBLAS_ENV):
         env.pop(name, None)
-        if value is not None:
-            env[name] = value
+    if blas_env is not None:
+        env[ENV] = blas_env
+    env.update(openblas or {})
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         env=env,
@@ -66,9 +72,11 @@ PROBE = """
 """
 
 
-def json_of(code: str, blas_env: str | None = None, spin_env: str | None = None) -> Any:
+def json_of(
+    code: str, blas_env: str | None = None, openblas: Mapping[str, str] | None = None
+) -> Any:
     """The JSON value `code` prints last, run in a fresh interpreter that must succeed."""
-    out = run_python(code, blas_env, spin_env)
+    out = run_python(code, blas_env, openblas)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -156,9 +164,27 @@ def test_blas_workers_sleep_between_small_products() -> None:
     fraction of a core, where the default spin takes about a whole one."""
     if not sys.platform.startswith("linux"):
         return  # no OpenBLAS is loaded elsewhere
-    quiet = json_of(IDLE_WORKER)
+    # Two threads per product, as an operator may set: the engine's default has no worker.
+    two = {"OPENBLAS_NUM_THREADS": "2"}
+    quiet = json_of(IDLE_WORKER, openblas=two)
     assert quiet["timeout"] == "4"
-    spinning = json_of(IDLE_WORKER, spin_env="28")  # OpenBLAS's default
+    spinning = json_of(IDLE_WORKER, openblas={**two, "OPENBLAS_THREAD_TIMEOUT": "28"})
     assert spinning["timeout"] == "28"  # an operator's own setting wins
     assert quiet["cpu_s"] < 0.5 * quiet["wall_s"], quiet
     assert spinning["cpu_s"] > quiet["cpu_s"], (quiet, spinning)
+
+
+THREADS = """
+    import ctypes, json
+    import engine
+    print(json.dumps(ctypes.CDLL(None).openblas_get_num_threads()))
+"""
+
+
+def test_blas_runs_each_product_on_one_thread() -> None:
+    """The engine's threads run side by side: a product split over every core waited for
+    the part whose core another engine thread held. An operator's own setting wins."""
+    if not sys.platform.startswith("linux"):
+        return  # no OpenBLAS is loaded elsewhere
+    assert json_of(THREADS) == 1
+    assert json_of(THREADS, openblas={"OPENBLAS_NUM_THREADS": "2"}) == 2

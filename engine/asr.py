@@ -67,7 +67,6 @@ class _Job:
     prefix: list[int] = field(default_factory=list)
     logprobs: bool = False
     partial: bool = False
-    min_window_s: float = MIN_WINDOW_S
     attempts: int = 0
     tokens: list[int] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
@@ -196,9 +195,6 @@ class Transcriber:
             raise ValueError(f"ASR prefix is longer than {self.max_tokens} tokens")
         if not isinstance(request.prompt, str):
             raise ValueError("ASR prompt must be a string")
-        window = request.min_window_s
-        if window is not None and not 0 < window <= whisper.CHUNK_SECONDS:
-            raise ValueError("ASR min_window_s must be within (0, 30] seconds")
         return replace(request, audio=_check_audio(request.audio))
 
     # --- attempts ---
@@ -215,9 +211,6 @@ class Transcriber:
                 prefix=list(request.prefix) if i == 0 else [],
                 logprobs=request.logprobs,
                 partial=request.partial,
-                min_window_s=(
-                    self.min_window_s if request.min_window_s is None else request.min_window_s
-                ),
             )
             for i, part in enumerate(parts)
         ]
@@ -250,7 +243,7 @@ class Transcriber:
             # minimum: its words are committed, and a short window mishears the first
             # ones ("for me then" for "The meeting").
             pad = PARTIAL_PAD_S if job.partial else first
-            return _bucket(max(job.duration_s + pad, job.min_window_s))
+            return _bucket(max(job.duration_s + pad, self.min_window_s))
 
         return [
             first_rung,

@@ -26,7 +26,6 @@ class AsrRequest:
     prompt: str = ""  # previous text, given to Whisper after <|startofprev|>
     logprobs: bool = False  # report each token's log-probability
     partial: bool = False  # live work: after every final request, in one try
-    min_window_s: float | None = None  # the encoder's least window (None: the stage's)
 
 
 @dataclass

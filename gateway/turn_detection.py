@@ -78,12 +78,6 @@ MAX_UNHEARD_SAMPLES = 12 * 16_000
 # Appended audio waiting to be fed, beyond which the client's frames wait unread: about
 # 4 MB, heard by the VAD in a fraction of a second (bench/vad.py).
 MAX_QUEUED_SAMPLES = 60 * 16_000
-# Whisper's least window for the words of speech over an answer (a few hundred ms): half
-# the stage's 4 s, so the encoder takes half as long. On eSpeak NG's backchannels and
-# interruptions, cut where they are checked, it confirmed the same checks (10 of 140
-# backchannel checks against 9, 71 of 80 interruption checks against 70) in 89 ms
-# instead of 128 (median).
-WORDS_CHECK_WINDOW_S = 2.0
 # Audio kept for the turn-end model: its 8 s window plus what the VAD may not yet have
 # heard.
 KEEP_FOR_SCORING_SAMPLES = 8 * 16_000 + MAX_UNHEARD_SAMPLES
@@ -424,8 +418,7 @@ class EngineSpeechSource:
         self, request_id: str, clip: np.ndarray, detector: SpeechDetector, speech: int
     ) -> None:
         asked = time.monotonic()
-        request = AsrRequest(clip, min_window_s=WORDS_CHECK_WINDOW_S)
-        words = self._result("asr", request_id, request)
+        words = self._result("asr", request_id, AsrRequest(clip))
         try:
             heard: Transcription | None = await words
         finally:

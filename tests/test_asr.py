@@ -28,7 +28,6 @@ from engine.asr import (
     repeated_tail,
     split_long_audio,
 )
-from engine.asr_request import AsrRequest
 from engine.models import whisper, whisper_ct2
 
 RATE = 16000
@@ -327,20 +326,6 @@ def test_empty_and_too_short_audio_give_empty_text(transcriber: Transcriber) -> 
     for audio in [np.zeros(0, np.float32), np.full(int(MIN_SECONDS * RATE) - 1, 0.2, np.float32)]:
         result = transcriber.transcribe_detailed(audio)
         assert (result.text, result.attempts) == ("", 0)
-
-
-@pytest.mark.models
-def test_a_request_may_ask_for_a_shorter_least_window(transcriber: Transcriber) -> None:
-    audio = read_16k(ALSA / "Front_Center.wav")[: RATE // 2]  # "front", as a words check
-    usual, short = transcriber.transcribe_requests(
-        [AsrRequest(audio), AsrRequest(audio, min_window_s=2.0)]
-    )
-    assert usual.window_frames == 4 * whisper.FRAMES_PER_SECOND
-    assert short.window_frames == 2 * whisper.FRAMES_PER_SECOND
-    assert normalise(short.text)[:1] == normalise(usual.text)[:1] == ["front"]
-    for bad in (0.0, -1.0, 31.0):
-        with pytest.raises(ValueError, match="min_window_s"):
-            transcriber.transcribe_requests([AsrRequest(audio, min_window_s=bad)])
 
 
 @pytest.mark.models

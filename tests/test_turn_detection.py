@@ -26,7 +26,7 @@ from gateway.backend import ResponseDone, ResponseOutput, SpeechEvent
 from gateway.config import GatewayConfig, TurnSettings
 from gateway.realtime import RealtimeSession
 from gateway.session_config import TurnDetection
-from gateway.turn_detection import WORDS_CHECK_WINDOW_S, EngineSpeechSource
+from gateway.turn_detection import EngineSpeechSource
 from gateway.turn_words import ends_unsure, is_backchannel, sounds_unfinished, sounds_unsure
 from tests.helpers import wait_until
 
@@ -230,7 +230,6 @@ class ScriptedEngine:
         self.ending = ending  # the log-probabilities of the transcript's last tokens
         self.vad: asyncio.Queue[StageOutput] = asyncio.Queue()
         self.requests: list[tuple[str, int]] = []
-        self.windows: list[float | None] = []  # each transcript's least encoder window
         self.fed = 0
         self.asr_asked = asyncio.Event()
         self.vad_idle = asyncio.Event()
@@ -246,7 +245,6 @@ class ScriptedEngine:
                 yield await self.vad.get()
         if isinstance(inputs, AsrRequest):  # the words before a silence, and how sure
             self.requests.append((stage, len(inputs.audio)))
-            self.windows.append(inputs.min_window_s)
             self.asr_asked.set()
             if self.words_ready is not None:
                 await self.words_ready.wait()
@@ -434,7 +432,6 @@ async def test_words_are_checked_once_the_speech_lasted_long_enough_voiced_or_no
     (confirmed,) = await decisions(source, 1)
     assert confirmed.kind == "confirmed"
     assert engine.requests == [("asr", 256 * 16)]
-    assert engine.windows == [WORDS_CHECK_WINDOW_S]  # a short window: a few hundred ms
     await source.close()
 
 

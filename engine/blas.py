@@ -35,13 +35,6 @@ FIX = "apt-get install libopenblas0-pthread"
 # cycles, the least OpenBLAS takes, puts it to sleep at once; waking it costs
 # microseconds per product. An operator's own setting wins.
 SPIN_ENV, SPIN_LOG2_CYCLES = "OPENBLAS_THREAD_TIMEOUT", "4"
-# One thread per product. The engine runs VAD, ASR, turn-end and TTS/LLM threads side by
-# side, so a product split over every core waits at its end for a part whose core
-# another engine thread holds. With one thread each (bench/RESULTS.md, load): the worst
-# stall with three and four speakers halved, and one speaker's first audio came sooner,
-# though `bench/tts.py` alone, with the machine to itself, runs a quarter slower. An
-# operator's own setting wins.
-THREADS_ENV, THREADS = "OPENBLAS_NUM_THREADS", "1"
 # A library path to load instead of the candidates, or "none" to keep the reference BLAS.
 ENV = "DUPLEX_GATEWAY_BLAS"
 
@@ -69,7 +62,6 @@ def ensure_fast_blas() -> str | None:
         return None
     # Read by OpenBLAS when it is loaded, so set before the first candidate is opened.
     os.environ.setdefault(SPIN_ENV, SPIN_LOG2_CYCLES)
-    os.environ.setdefault(THREADS_ENV, THREADS)
     # An explicit path is the only candidate, so a wrong one is reported, not papered over.
     for path in [override] if override else CANDIDATES:
         if os.path.exists(path):

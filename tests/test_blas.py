@@ -164,27 +164,9 @@ def test_blas_workers_sleep_between_small_products() -> None:
     fraction of a core, where the default spin takes about a whole one."""
     if not sys.platform.startswith("linux"):
         return  # no OpenBLAS is loaded elsewhere
-    # Two threads per product, as an operator may set: the engine's default has no worker.
-    two = {"OPENBLAS_NUM_THREADS": "2"}
-    quiet = json_of(IDLE_WORKER, openblas=two)
+    quiet = json_of(IDLE_WORKER)
     assert quiet["timeout"] == "4"
-    spinning = json_of(IDLE_WORKER, openblas={**two, "OPENBLAS_THREAD_TIMEOUT": "28"})
+    spinning = json_of(IDLE_WORKER, openblas={"OPENBLAS_THREAD_TIMEOUT": "28"})
     assert spinning["timeout"] == "28"  # an operator's own setting wins
     assert quiet["cpu_s"] < 0.5 * quiet["wall_s"], quiet
     assert spinning["cpu_s"] > quiet["cpu_s"], (quiet, spinning)
-
-
-THREADS = """
-    import ctypes, json
-    import engine
-    print(json.dumps(ctypes.CDLL(None).openblas_get_num_threads()))
-"""
-
-
-def test_blas_runs_each_product_on_one_thread() -> None:
-    """The engine's threads run side by side: a product split over every core waited for
-    the part whose core another engine thread held. An operator's own setting wins."""
-    if not sys.platform.startswith("linux"):
-        return  # no OpenBLAS is loaded elsewhere
-    assert json_of(THREADS) == 1
-    assert json_of(THREADS, openblas={"OPENBLAS_NUM_THREADS": "2"}) == 2

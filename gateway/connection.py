@@ -189,18 +189,23 @@ class RealtimeConnection:
     # -- outputs ------------------------------------------------------------------------
 
     def _pump(self) -> None:
-        """Feed the backend's events to the core, move the core's events to the send
-        queue and its actions to the backend, until nothing more is decided: a cancel's
+        """Move the core's events to the send queue and carry out its actions, then feed
+        the backend's events to the core, until nothing more is decided.
+
+        What the core decided goes out and down before the backend's next events come
+        in: a barge-in cancels its response below (the duplex fence drops the outputs
+        still queued for it) before any of those outputs can reach the core. A cancel's
         `ResponseDone` is ready as soon as the cancel is carried out, so its
         `response.done` goes out in the same step as the event that caused it."""
         while True:
-            for backend_event in self.session.take_events():
-                self.core.receive_response_event(backend_event)
             self._send_events(self.core.events_to_send())
             actions = self.core.actions()
-            if not actions:
-                break
             self._dispatch(actions)
+            backend_events = self.session.take_events()
+            for backend_event in backend_events:
+                self.core.receive_response_event(backend_event)
+            if not actions and not backend_events:
+                break
         if len(self._queue) > self.config.limits.send_queue_events:
             self.metrics.send_overflows.inc()
             self._queue.clear()

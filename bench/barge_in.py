@@ -1,6 +1,8 @@
 """Barge-in stop time at the client: from `input_audio_buffer.speech_started` to the
-cancelled `response.done`, and the audio deltas of cancelled responses that still arrive
-after their `response.done` (must be 0).
+cancelled `response.done`; the audio deltas of cancelled responses that still arrive
+after their `response.done` (must be 0), and the response deltas that arrive between
+`speech_started` and the cancelled `response.done` (must be 0 too: the cancel is
+carried out before anything more of the response reaches the client).
 
     .venv/bin/python bench/barge_in.py [--url ws://HOST:PORT/v1 | --config PROFILE.yaml]
                                        [--trials 20] [--json]
@@ -45,6 +47,7 @@ class Trials:
         self.cancel_ms: list[float] = []
         self.cancelled: set[str] = set()
         self.stale = 0
+        self.after_speech_started = 0
         self.finished_first = 0
 
     def see(self, event: dict) -> None:
@@ -75,15 +78,19 @@ async def quiet(ws: ClientConnection, trials: Trials, seconds: float = 1.0) -> N
 
 async def until_response_done(ws: ClientConnection, trials: Trials) -> None:
     started = None
+    deltas = 0  # response deltas since speech_started
     while True:
         event = await next_event(ws, trials)
         if event["type"] == "input_audio_buffer.speech_started" and started is None:
             started = time.monotonic()
+        elif event["type"].startswith("response.") and event["type"].endswith(".delta"):
+            deltas += started is not None
         elif event["type"] == "response.done":
             response = event["response"]
             if response["status"] == "cancelled" and started is not None:
                 trials.cancel_ms.append((time.monotonic() - started) * 1000)
                 trials.cancelled.add(response["id"])
+                trials.after_speech_started += deltas
             else:
                 trials.finished_first += 1
             return
@@ -134,6 +141,7 @@ async def run(url: str, count: int) -> dict[str, float]:
         "cancel_ms_p50": round(percentile(trials.cancel_ms, 50), 1),
         "cancel_ms_p95": round(percentile(trials.cancel_ms, 95), 1),
         "stale_audio_deltas": trials.stale,
+        "deltas_after_speech_started": trials.after_speech_started,
     }
 
 

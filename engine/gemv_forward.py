@@ -18,6 +18,7 @@ registers, so decode steps get faster and their results stay bit for bit the sam
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -25,6 +26,7 @@ import os
 import platform
 import shutil
 import subprocess
+import time
 import uuid
 import weakref
 from pathlib import Path
@@ -52,6 +54,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native") / "gemv_forward.c"
 ENV = "DUPLEX_GATEWAY_GEMV_FORWARD"
+# Builds not loaded for this long are deleted from the cache (30 days).
+PRUNE_AFTER_S = 30 * 24 * 3600
 
 _lib: ctypes.CDLL | None = None
 
@@ -67,11 +71,14 @@ def load(blas_path: str) -> bool:
     built = _built()
     if built is None:
         return False
-    lib = ctypes.CDLL(str(built), mode=ctypes.RTLD_GLOBAL)
+    # Bound first, in the local scope: until it knows the BLAS's routines its
+    # cblas_sgemm has nothing to forward to, so it must not answer MLX's calls.
+    lib = ctypes.CDLL(str(built))
     lib.gemv_forward_twin_products.restype = ctypes.c_long
     if not lib.gemv_forward_bind(blas_path.encode()):
         log.warning("%s lacks cblas_sgemv or cblas_sgemm; few-row products use sgemm", blas_path)
         return False
+    ctypes.CDLL(str(built), mode=ctypes.RTLD_GLOBAL)  # the same library, now global
     _lib = lib
     return True
 
@@ -147,12 +154,20 @@ def twin_products() -> int:
 
 
 def _built() -> Path | None:
-    """The compiled library in the cache, built now if needed; None without a compiler."""
-    source = SOURCE.read_bytes()
+    """The compiled library of `SOURCE` in the cache, built now if needed; None without
+    a compiler.
+
+    Its name is its content's hash: checkouts of different versions share one cache,
+    and each finds its own build there, never one another's. A build is written under a
+    temporary name and renamed into place, so a process never loads a partial one."""
+    source = SOURCE
+    code = source.read_bytes()
     # Built for this CPU's instruction set: a cache moved to another machine rebuilds.
-    key = hashlib.sha256(source + platform.machine().encode() + _cpu_flags()).hexdigest()[:16]
+    key = hashlib.sha256(code + platform.machine().encode() + _cpu_flags()).hexdigest()[:16]
     target = cache_dir() / "native" / f"gemv_forward-{key}.so"
     if target.exists():
+        with contextlib.suppress(OSError):
+            os.utime(target)  # in use: not pruned (`_prune`)
         return target
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
@@ -162,25 +177,29 @@ def _built() -> Path | None:
     tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
     cmd = [compiler, "-O3", "-march=native", "-Wno-psabi", "-shared", "-fPIC", "-pthread"]
     cmd += ["-o", str(tmp)]
-    cmd += [str(SOURCE), "-ldl"]
+    cmd += [str(source), "-ldl"]
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        log.warning("building %s failed (%s); few-row products use sgemm", SOURCE.name, detail)
+        log.warning("building %s failed (%s); few-row products use sgemm", source.name, detail)
         tmp.unlink(missing_ok=True)
         return None
     os.replace(tmp, target)  # atomic: another process may be building the same file
-    _remove_superseded(target)
+    _prune(target.parent)
     return target
 
 
-def _remove_superseded(current: Path) -> None:
-    """Drop builds of earlier sources (or another CPU's), so upgrades do not pile them up.
-    A process that still has one loaded keeps its mapping."""
-    for old in current.parent.glob("gemv_forward-*.so"):
-        if old != current:
-            old.unlink(missing_ok=True)
+def _prune(folder: Path) -> None:
+    """Drop builds no process has loaded for `PRUNE_AFTER_S`, so upgrades do not pile
+    them up. A build in use is refreshed each time it is loaded, and a process that
+    still has one mapped keeps its mapping."""
+    cutoff = time.time() - PRUNE_AFTER_S
+    # The hidden ones are what builds that were stopped half-way left behind.
+    for old in [*folder.glob("gemv_forward-*.so"), *folder.glob(".gemv_forward-*.so.*")]:
+        with contextlib.suppress(OSError):  # another process pruned it first
+            if old.stat().st_mtime < cutoff:
+                old.unlink()
 
 
 def _cpu_flags() -> bytes:

@@ -4,14 +4,18 @@ check that depends on load order runs in a fresh interpreter, as in test_blas.py
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from engine import gemv_forward
@@ -193,20 +197,107 @@ def test_the_forwarder_answers_first_and_can_be_turned_off(tmp_path: Path) -> No
     assert not off["active"] and "gemv_forward-" not in off["owner"]
 
 
-def test_a_new_build_replaces_the_builds_of_earlier_sources(
+def test_builds_of_other_sources_stay_and_only_long_unused_ones_go(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("DUPLEX_GATEWAY_CACHE", str(tmp_path))
     native = tmp_path / "native"
     native.mkdir()
-    stale = native / "gemv_forward-0123456789abcdef.so"
-    stale.write_bytes(b"an earlier build")
+    unused = native / "gemv_forward-0123456789abcdef.so"
+    unused.write_bytes(b"a build no process loaded for a long time")
+    month = time.time() - 31 * 24 * 3600
+    os.utime(unused, (month, month))
     unrelated = native / "other.so"
     unrelated.write_bytes(b"not ours")
+    # Two checkouts of different versions share the cache: each keeps its build.
+    mine = gemv_forward._built()
+    other = tmp_path / "other_version.c"
+    other.write_bytes(gemv_forward.SOURCE.read_bytes() + b"\n/* another version */\n")
+    with monkeypatch.context() as patch:
+        patch.setattr(gemv_forward, "SOURCE", other)
+        theirs = gemv_forward._built()
+        assert gemv_forward._built() == theirs  # cached from now on
+    assert mine is not None and theirs is not None and mine != theirs
+    assert mine.exists() and theirs.exists()
+    assert not unused.exists() and unrelated.exists()
+    assert gemv_forward._built() == mine
+    assert sorted(p.name for p in native.iterdir()) == sorted([mine.name, theirs.name, "other.so"])
+
+
+def _blas_path() -> str:
+    from engine.blas import CANDIDATES
+
+    found = [path for path in CANDIDATES if os.path.exists(path)]
+    assert found, "install the Debian package libopenblas0-pthread"
+    return found[0]
+
+
+def test_a_product_of_no_rows_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not LINUX:
+        return  # nothing is built or loaded elsewhere
+    monkeypatch.setenv("DUPLEX_GATEWAY_CACHE", str(tmp_path))
     built = gemv_forward._built()
-    assert built is not None and built.exists()
-    assert not stale.exists() and unrelated.exists()
-    assert gemv_forward._built() == built  # cached from now on
+    assert built is not None
+    lib = ctypes.CDLL(str(built))  # local: this process's MLX never calls it
+    assert lib.gemv_forward_bind(_blas_path().encode())
+    n = k = 64
+    a = np.ones((8, k), np.float32)
+    b = np.ones((n, k), np.float32)
+    c = np.full((8, n), 7.0, np.float32)
+
+    def ptr(x: np.ndarray) -> ctypes.c_void_p:
+        return ctypes.c_void_p(x.ctypes.data)
+
+    lib.cblas_sgemm.argtypes = [ctypes.c_int] * 6 + [
+        ctypes.c_float,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_float,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ]
+    for rows in (0, -1):
+        lib.cblas_sgemm(101, 111, 112, rows, n, k, 1.0, ptr(a), k, ptr(b), k, 0.0, ptr(c), n)
+    assert (c == 7.0).all()
+
+
+# A BLAS the forwarder cannot bind to (no library, or one without cblas_sgemm) leaves
+# MLX's own sgemm answering: the products are right, not a call through a null pointer.
+UNBOUND = """
+    import json
+    import engine
+    import mlx.core as mx
+    from engine import gemv_forward
+
+    a, b = mx.ones((4, 64)), mx.ones((64, 64))
+    print(json.dumps({"active": gemv_forward.is_active(), "sum": (a @ b).sum().item()}))
+"""
+
+
+@pytest.mark.parametrize("library", ["empty file", "libm"])
+def test_a_blas_it_cannot_bind_to_leaves_products_to_mlx(tmp_path: Path, library: str) -> None:
+    if library == "empty file":
+        path = tmp_path / "libblas.so.3"
+        path.write_bytes(b"")
+    elif LINUX:
+        path = Path(_mapped(ctypes.util.find_library("m") or "libm.so.6"))
+    else:
+        return  # no BLAS is loaded but the system's elsewhere
+    result = run_python(UNBOUND, DUPLEX_GATEWAY_CACHE=str(tmp_path), DUPLEX_GATEWAY_BLAS=str(path))
+    assert result == {"active": False, "sum": 4 * 64 * 64}
+
+
+def _mapped(name: str) -> str:
+    """The path of the library `name` as this process mapped it."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 5 and Path(fields[5]).name == name:
+            return fields[5]
+    raise AssertionError(f"{name} is not mapped")
 
 
 def test_without_a_compiler_nothing_is_built(

@@ -26,6 +26,7 @@
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
 #include <unistd.h>
@@ -521,8 +522,15 @@ static void clear(float *y, int n, int inc) {
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha,
                  const float *a, int lda, const float *b, int ldb, float beta, float *c,
                  int ldc) {
+  if (real_sgemm == NULL) {
+    /* Only a library that bound is made global (engine/gemv_forward.py): reaching here
+     * unbound is a loading bug, and there is no product to forward to. */
+    fputs("gemv_forward: cblas_sgemm called before binding to a BLAS\n", stderr);
+    abort();
+  }
   int usable = enabled && real_sgemv != NULL && order == ROW_MAJOR && k > 0;
-  int few = usable && m <= MAX_ROWS && (tb == TRANS || (long)n * k < MIN_SPLIT_WEIGHTS);
+  int few = usable && m >= 1 && m <= MAX_ROWS &&
+            (tb == TRANS || (long)n * k < MIN_SPLIT_WEIGHTS);
   if (few && few_rows_product(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)) return;
   if (usable && m == 1 && n > 1) {
     /* c (1 x n) = alpha * op(a) (1 x k) . b (k x n) + beta * c */

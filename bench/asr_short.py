@@ -27,7 +27,11 @@ import numpy as np  # noqa: E402
 import soundfile as sf  # noqa: E402
 import soxr  # noqa: E402
 
-from engine import registry  # noqa: E402  (before mlx: selects the fast BLAS)
+import engine  # noqa: E402
+
+engine.setup()  # before anything imports mlx: the optimised BLAS
+
+from engine import registry  # noqa: E402
 from engine.asr import Transcriber, load_transcriber  # noqa: E402
 
 RATE = 16000

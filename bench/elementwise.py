@@ -18,13 +18,14 @@ import statistics
 import time
 from collections.abc import Callable
 
-import engine  # noqa: F401 - first, so MLX picks up the optimised BLAS
+import engine
 
-# isort: split
-import mlx.core as mx
-import numpy as np
+engine.setup()  # before anything imports mlx: the optimised BLAS
 
-from engine.models import llama
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from engine.models import llama  # noqa: E402
 
 
 def median_us(fn: Callable[[], object], rounds: int) -> float:

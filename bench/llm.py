@@ -28,9 +28,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import engine  # noqa: E402,F401 - first, so MLX picks up the optimised BLAS
+import engine  # noqa: E402
 
-# isort: split
+engine.setup()  # before anything imports mlx: the optimised BLAS
+
 import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 
@@ -66,6 +67,7 @@ def process_start_s(precision: str) -> float:
     code = (
         "import time; t = time.perf_counter()\n"
         "import engine\n"
+        "engine.setup()\n"
         "from engine import registry\n"
         "from engine.llm import LlmStage\n"
         f"LlmStage.from_path(registry.prepare({MODEL!r}, precision={precision!r}))\n"

@@ -23,19 +23,20 @@ import statistics
 import time
 from typing import Any
 
-import engine  # noqa: F401 - first, so MLX picks up the optimised BLAS
+import engine
 
-# isort: split
-import mlx.core as mx
-import mlx_lm
-from mlx_lm import batch_generate
-from mlx_lm.generate import generation_stream
+engine.setup()  # before anything imports mlx: the optimised BLAS
 
-from engine import gemv_forward, registry
-from engine.core import AsyncEngine, EngineCore, exit_process
-from engine.llm import LlmInput, LlmStage
-from engine.models.llama import load
-from engine.request import SamplingParams
+import mlx.core as mx  # noqa: E402
+import mlx_lm  # noqa: E402
+from mlx_lm import batch_generate  # noqa: E402
+from mlx_lm.generate import generation_stream  # noqa: E402
+
+from engine import gemv_forward, registry  # noqa: E402
+from engine.core import AsyncEngine, EngineCore, exit_process  # noqa: E402
+from engine.llm import LlmInput, LlmStage  # noqa: E402
+from engine.models.llama import load  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
 
 TOPICS = [
     "the ocean",

@@ -390,9 +390,9 @@ async def run(
 
 def stage_costs(config: Path | None) -> dict[str, float]:
     """Time each stage in this process, as the gateway builds it (module docstring)."""
-    import engine  # noqa: F401 - first, so MLX picks up the optimised BLAS
+    import engine
 
-    # isort: split
+    engine.setup()  # before anything imports mlx: the optimised BLAS
     import mlx.core as mx
 
     from engine.build import cache_system_prompt, load_stages, warm_up

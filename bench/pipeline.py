@@ -31,9 +31,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import engine  # noqa: E402,F401 - first, so MLX picks up the optimised BLAS
+import engine  # noqa: E402
 
-# isort: split
+engine.setup()  # before anything imports mlx: the optimised BLAS
+
 import numpy as np  # noqa: E402
 import soxr  # noqa: E402
 

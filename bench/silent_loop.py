@@ -23,12 +23,16 @@ import time
 import numpy as np
 import psutil
 
-from engine.core import AsyncEngine, EngineCore
-from engine.vad import SileroVad, VadStage
-from gateway.actions import ConfigureVad, FeedVad
-from gateway.config import GatewayConfig
-from gateway.realtime import RealtimeSession
-from gateway.turn_detection import EngineSpeechSource
+import engine
+
+engine.setup()  # before anything imports mlx: the optimised BLAS
+
+from engine.core import AsyncEngine, EngineCore  # noqa: E402
+from engine.vad import SileroVad, VadStage  # noqa: E402
+from gateway.actions import ConfigureVad, FeedVad  # noqa: E402
+from gateway.config import GatewayConfig  # noqa: E402
+from gateway.realtime import RealtimeSession  # noqa: E402
+from gateway.turn_detection import EngineSpeechSource  # noqa: E402
 
 FRAME_S = 0.02
 SILENT_FRAME = json.dumps(

@@ -20,7 +20,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import engine.blas  # noqa: E402,F401  (before MLX: it picks the BLAS)
+import engine  # noqa: E402
+
+engine.setup()  # before anything imports mlx: the optimised BLAS
 from engine import registry  # noqa: E402
 from engine.models import smart_turn  # noqa: E402
 from engine.turn_end import TurnEndModel  # noqa: E402

@@ -34,14 +34,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from engine.tts import TtsRequest, TtsStage, Voice, load_voice  # noqa: E402  (BLAS first)
+import engine  # noqa: E402
 
-# isort: split
+engine.setup()  # before anything imports mlx: the optimised BLAS
+
 import mlx.core as mx  # noqa: E402
 
 from engine import registry  # noqa: E402
 from engine.clauses import split_clauses  # noqa: E402
 from engine.models.piper_onnx import find_voice  # noqa: E402
+from engine.tts import TtsRequest, TtsStage, Voice, load_voice  # noqa: E402
 
 ANSWER = (
     "Sure, here is the forecast. Tomorrow will be sunny, with a light breeze from the west "

@@ -33,7 +33,11 @@ import turns  # noqa: E402  (its clips)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from engine import registry  # noqa: E402  (before mlx: selects the fast BLAS)
+import engine  # noqa: E402
+
+engine.setup()  # before anything imports mlx: the optimised BLAS
+
+from engine import registry  # noqa: E402
 from engine.asr import AsrRequest, Transcriber, load_transcriber  # noqa: E402
 from gateway.turn_words import ENDING_TOKENS, sounds_unfinished, sounds_unsure  # noqa: E402
 

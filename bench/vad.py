@@ -32,7 +32,11 @@ import numpy as np  # noqa: E402
 import soundfile as sf  # noqa: E402
 import soxr  # noqa: E402
 
-from engine import registry  # noqa: E402  (loads the fast BLAS before MLX)
+import engine  # noqa: E402
+
+engine.setup()  # before anything imports mlx: the optimised BLAS
+
+from engine import registry  # noqa: E402
 from engine.models import silero_onnx  # noqa: E402
 from engine.vad import SileroVad, VadStage  # noqa: E402
 

@@ -183,6 +183,9 @@ def _safe(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["models"]:
+        import engine
+
+        engine.setup()  # conversions run MLX
         from engine.registry import models_command
 
         return models_command(argv[1:])
@@ -250,6 +253,9 @@ async def _start_engine(
     profile: dict[str, Any], config: GatewayConfig, source: str
 ) -> tuple[EngineBackend, str]:
     """Build the engine from the profile (preparing models first) and wrap it."""
+    import engine
+
+    engine.setup()  # before the engine's modules import MLX
     from duplex.manager import DuplexSessionManager
     from engine.build import build_engine
     from engine.config import parse_config

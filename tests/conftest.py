@@ -29,6 +29,12 @@ from __future__ import annotations
 
 import pytest
 
+import engine
+
+# Test modules run models and tiny MLX models in this process: MLX gets the optimised
+# BLAS, as in the gateway, before any of them imports it.
+engine.setup()
+
 _exit_status = 0
 
 

@@ -7,15 +7,11 @@ import struct
 import subprocess
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 import soundfile as sf
 import soxr
-
-import engine  # noqa: F401  (loads the fast BLAS before MLX)
-
-# isort: split
-import mlx.core as mx
 
 from engine import registry
 from engine.asr import (
@@ -197,7 +193,8 @@ def test_log_mel_rows_do_not_depend_on_how_many_are_computed() -> None:
     audio = (0.1 * rng.standard_normal(RATE * 2)).astype(np.float32)
     mel = whisper.log_mel_spectrogram(audio)
     assert mel.shape == ((len(audio) + whisper.N_SAMPLES) // whisper.HOP_LENGTH, 80)
-    assert mel.min() >= mel.max() - 2.0  # log range clamped to 8 decades, scaled by 1/4
+    # Log range clamped to 8 decades, scaled by 1/4 (up to float32 rounding of the two ends).
+    assert mel.min() >= mel.max() - 2.0 - 1e-6
     for n in (150, 202, 250, whisper.N_FRAMES):
         assert np.array_equal(whisper.log_mel_spectrogram(audio, n_frames=n), mel[:n])
 

@@ -16,7 +16,6 @@ import pytest
 import soundfile as sf
 import soxr
 
-import engine  # noqa: F401  (loads the fast BLAS before MLX)
 from bench.asr_short import compare, short_clips
 from engine import registry
 from engine.asr import AsrRequest, AsrStage, Transcriber, Transcription, load_transcriber

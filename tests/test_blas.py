@@ -39,6 +39,7 @@ def run_python(
 PROBE = """
     import ctypes, json, os
     import engine
+    engine.setup()
     import mlx.core as mx
     from engine.blas import active_blas
 
@@ -101,6 +102,7 @@ def test_reference_blas_is_kept_when_disabled() -> None:
 def test_missing_blas_warns_once_naming_the_package() -> None:
     code = """
         import engine
+        engine.setup()
         import engine.blas
         import mlx.core as mx
         assert engine.blas.ensure_fast_blas() is None
@@ -118,6 +120,7 @@ def test_mlx_matmul_matches_numpy_with_the_active_blas() -> None:
     code = """
         import json
         import engine
+        engine.setup()
         import mlx.core as mx
         import numpy as np
         rng = np.random.default_rng(0)
@@ -132,6 +135,7 @@ def test_mlx_matmul_matches_numpy_with_the_active_blas() -> None:
 IDLE_WORKER = """
     import json, os, resource, time
     import engine
+    engine.setup()
     import mlx.core as mx
 
     # Products as small as the VAD's, a few tens of milliseconds apart, for one second.

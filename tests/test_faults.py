@@ -29,7 +29,6 @@ import yaml
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-import engine  # noqa: F401  (loads the BLAS before anything imports mlx)
 from duplex.manager import DuplexSessionManager
 from engine.build import load_stages, warm_up
 from engine.config import parse_config

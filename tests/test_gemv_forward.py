@@ -1,6 +1,8 @@
 """Few-row products go through the forwarder in front of the BLAS (its own kernels, or
 the BLAS's sgemv), with the same results as sgemm for every layout MLX hands over. Each
-check that depends on load order runs in a fresh interpreter, as in test_blas.py."""
+check that depends on load order runs in a fresh interpreter, as in test_blas.py. Checks
+of the built library use the model cache this test process set up (conftest.py), so the
+run builds it once; checks of building use a cache of their own."""
 
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ def run_python(code: str, **env: str) -> dict:
 PRODUCTS = """
     import json
     import engine
+    engine.setup()
     import mlx.core as mx
     import numpy as np
     from engine import gemv_forward
@@ -110,8 +113,8 @@ PRODUCTS = """
 LINUX = sys.platform.startswith("linux")
 
 
-def test_forwarded_products_match_sgemm_in_every_layout(tmp_path: Path) -> None:
-    result = run_python(PRODUCTS, DUPLEX_GATEWAY_CACHE=str(tmp_path))
+def test_forwarded_products_match_sgemm_in_every_layout() -> None:
+    result = run_python(PRODUCTS)
     # Linux: a C compiler (cc or gcc) builds the forwarder. macOS: MLX uses Accelerate
     # and nothing is loaded; the products must be right either way.
     assert result["active"] == LINUX
@@ -137,6 +140,7 @@ def _flat(values: object) -> list[float]:
 POOL = """
     import json, threading
     import engine
+    engine.setup()
     import mlx.core as mx
     import numpy as np
 
@@ -165,8 +169,8 @@ POOL = """
 """
 
 
-def test_rows_are_batch_invariant_and_concurrent_products_are_right(tmp_path: Path) -> None:
-    result = run_python(POOL, DUPLEX_GATEWAY_CACHE=str(tmp_path))
+def test_rows_are_batch_invariant_and_concurrent_products_are_right() -> None:
+    result = run_python(POOL)
     assert result["concurrent"]
     if LINUX:  # the forwarder's promise; other platforms' BLAS make none
         assert result["invariant"]
@@ -174,12 +178,18 @@ def test_rows_are_batch_invariant_and_concurrent_products_are_right(tmp_path: Pa
 
 def test_the_forwarder_answers_first_and_can_be_turned_off(tmp_path: Path) -> None:
     if not LINUX:
-        active = "import json, engine; print(json.dumps(engine.gemv_forward.is_active()))"
+        active = """
+            import json, engine
+            engine.setup()
+            from engine import gemv_forward
+            print(json.dumps(gemv_forward.is_active()))
+        """
         assert run_python(active, DUPLEX_GATEWAY_CACHE=str(tmp_path)) is False
         return
     probe = """
         import ctypes, json, os
         import engine
+        engine.setup()
         from engine import gemv_forward
         addr = ctypes.cast(ctypes.CDLL(None).cblas_sgemm, ctypes.c_void_p).value
         owner = None
@@ -232,15 +242,12 @@ def _blas_path() -> str:
     return found[0]
 
 
-def test_a_product_of_no_rows_writes_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_product_of_no_rows_writes_nothing() -> None:
     if not LINUX:
         return  # nothing is built or loaded elsewhere
-    monkeypatch.setenv("DUPLEX_GATEWAY_CACHE", str(tmp_path))
     built = gemv_forward._built()
     assert built is not None
-    lib = ctypes.CDLL(str(built))  # local: this process's MLX never calls it
+    lib = ctypes.CDLL(str(built))  # the forwarder under this process's MLX: bound again, alike
     assert lib.gemv_forward_bind(_blas_path().encode())
     n = k = 64
     a = np.ones((8, k), np.float32)
@@ -270,6 +277,7 @@ def test_a_product_of_no_rows_writes_nothing(
 UNBOUND = """
     import json
     import engine
+    engine.setup()
     import mlx.core as mx
     from engine import gemv_forward
 
@@ -287,7 +295,7 @@ def test_a_blas_it_cannot_bind_to_leaves_products_to_mlx(tmp_path: Path, library
         path = Path(_mapped(ctypes.util.find_library("m") or "libm.so.6"))
     else:
         return  # no BLAS is loaded but the system's elsewhere
-    result = run_python(UNBOUND, DUPLEX_GATEWAY_CACHE=str(tmp_path), DUPLEX_GATEWAY_BLAS=str(path))
+    result = run_python(UNBOUND, DUPLEX_GATEWAY_BLAS=str(path))
     assert result == {"active": False, "sum": 4 * 64 * 64}
 
 
@@ -328,6 +336,7 @@ def test_a_failing_build_leaves_no_partial_file(
 TWINS = """
     import gc, json
     import engine
+    engine.setup()
     import mlx.core as mx
     import numpy as np
     from engine import gemv_forward
@@ -370,8 +379,8 @@ TWINS = """
 """
 
 
-def test_compact_twins_give_the_same_products_and_go_with_their_matrix(tmp_path: Path) -> None:
-    result = run_python(TWINS, DUPLEX_GATEWAY_CACHE=str(tmp_path))
+def test_compact_twins_give_the_same_products_and_go_with_their_matrix() -> None:
+    result = run_python(TWINS)
     if not LINUX:  # no forwarder: no twins, and the products are plain sgemm's
         assert result["bits"] == [None] * 4 and result["used"] == 0
         return
@@ -387,6 +396,7 @@ def test_compact_twins_give_the_same_products_and_go_with_their_matrix(tmp_path:
 LLM_TWINS = """
     import json
     import engine
+    engine.setup()
     import mlx.core as mx
     import numpy as np
     from mlx.utils import tree_flatten

@@ -8,9 +8,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import engine  # noqa: F401 - first, so MLX picks up the optimised BLAS
-
-# isort: split
 import mlx.core as mx
 import mlx_lm
 import numpy as np

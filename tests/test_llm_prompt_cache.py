@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import engine  # noqa: F401 - first, so MLX picks up the optimised BLAS
-
-# isort: split
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 

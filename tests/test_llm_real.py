@@ -5,9 +5,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import engine  # noqa: F401 - first, so MLX picks up the optimised BLAS
-
-# isort: split
 import pytest
 
 from engine import registry

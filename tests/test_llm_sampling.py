@@ -5,9 +5,6 @@ from __future__ import annotations
 import math
 import random
 
-import engine  # noqa: F401 - first, so MLX picks up the optimised BLAS
-
-# isort: split
 import mlx.core as mx
 import pytest
 

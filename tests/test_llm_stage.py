@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import engine  # noqa: F401 - first, so MLX picks up the optimised BLAS
-
-# isort: split
 import mlx.core as mx
 import pytest
 from mlx_lm.models import llama

@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-import engine  # noqa: F401  (BLAS before MLX, for the whole test session)
 from engine import registry
 from engine.phonemes import PhonemeError, Phonemizer, get_phonemizer, phoneme_ids
 

@@ -167,7 +167,7 @@ def mlx_server() -> Iterator[str]:
     model_dir = prepare("smollm2-135m-instruct", precision="fp32", progress=False)
     port = _free_port()
     # Import the engine package first so the server's MLX uses the fast BLAS too.
-    code = "import engine, sys; from mlx_lm.server import main; sys.exit(main())"
+    code = "import engine, sys; engine.setup(); from mlx_lm.server import main; sys.exit(main())"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "--model", str(model_dir), "--host", "127.0.0.1"]

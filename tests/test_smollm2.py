@@ -6,9 +6,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import engine  # noqa: F401 - first, so MLX picks up the optimised BLAS
-
-# isort: split
 import mlx.core as mx
 import mlx_lm
 import numpy as np

@@ -1,5 +1,6 @@
 """Function calls below the gateway: the local call format and its reader, the grammar
-mask on the real SmolLM2 tokenizer, the remote stage's forwarding and delta mapping,
+mask (on a small byte-level tokenizer built here, and on the real SmolLM2 tokenizer from
+the model cache), the remote stage's forwarding and delta mapping,
 and the orchestrator's call outputs, which are never spoken."""
 
 from __future__ import annotations
@@ -99,16 +100,45 @@ def test_the_template_shows_tools_calls_and_results() -> None:
     assert template_messages(messages, [])[0] == {"role": "system", "content": "Be brief."}
 
 
-# ---- the grammar mask on the real tokenizer ---------------------------------------------
+# ---- the grammar mask on a real tokenizer ----------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def grammar() -> Any:
+def small_tokenizer() -> Any:
+    """A byte-level BPE tokenizer of the same kind as SmolLM2's (multi-character tokens,
+    any text encodable), trained here on call texts: no model cache needed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = [
+        call_text("get_weather", '{"city": "Rome", "unit": "celsius"}'),
+        call_text("get_time", "{}"),
+        "Sure, the weather in Oslo is fine today.",
+    ]
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(corpus * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>")
+
+
+@pytest.fixture(
+    scope="module",
+    params=["small", pytest.param("smollm2", marks=pytest.mark.models)],
+)
+def grammar(request: pytest.FixtureRequest) -> Any:
     from transformers import AutoTokenizer
 
     from engine.grammar import CallGrammar
 
-    tokenizer = AutoTokenizer.from_pretrained(str(cache_dir() / "smollm2-135m-instruct-fp32"))
+    if request.param == "small":
+        tokenizer = small_tokenizer()
+    else:  # the embedded LLM's, from the model cache
+        tokenizer = AutoTokenizer.from_pretrained(str(cache_dir() / "smollm2-135m-instruct-fp32"))
     return tokenizer, CallGrammar(tokenizer, [tokenizer.eos_token_id])
 
 

@@ -144,7 +144,7 @@ def tool_model_dir(root: Path) -> Path:
 def tool_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     model = tool_model_dir(tmp_path_factory.mktemp("tool-model"))
     port = free_port()
-    code = "import engine, sys; from mlx_lm.server import main; sys.exit(main())"
+    code = "import engine, sys; engine.setup(); from mlx_lm.server import main; sys.exit(main())"
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "--model", str(model), "--host", "127.0.0.1"]
         + ["--port", str(port)],

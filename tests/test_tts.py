@@ -7,14 +7,10 @@ import json
 import re
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 import soxr
-
-import engine  # noqa: F401  (loads the fast BLAS before MLX)
-
-# isort: split
-import mlx.core as mx
 from mlx.utils import tree_map
 
 from duplex.playback import words_before

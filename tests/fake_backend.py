@@ -1,19 +1,24 @@
-"""Stand-ins for the gateway's `Backend` and `SpeechSource` where no engine runs: a test
-subclasses `IdleBackend` with the sessions it needs, and `NoSpeech` hears nothing.
-`RecordsListening` is the live-transcription part of a backend session that
-transcribes nothing live: it records what it was told."""
+"""Stand-ins for the gateway's `Backend` and `SpeechSource` where no engine runs.
+
+`ScriptedSession` is the one fake `BackendSession`: it records what the connection asks
+of it and runs each started turn through the test's `Reply` script (none: the test puts
+the events itself). A test subclasses `IdleBackend` with the sessions it needs, and
+`NoSpeech` hears nothing. `RecordsListening` is the live-transcription part of a backend
+session that transcribes nothing live: it records what it was told."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import numpy as np
 
-from gateway.backend import LiveTranscription, SpeechEvent
+from duplex.turn import TurnRequest
+from gateway.backend import LiveTranscription, ResponseDone, SessionEvent, SpeechEvent
 from gateway.session_config import TurnDetection
 
-__all__ = ["IdleBackend", "NoSpeech", "RecordsListening"]
+__all__ = ["IdleBackend", "NoSpeech", "RecordsListening", "Reply", "ScriptedSession"]
 
 
 class RecordsListening:
@@ -36,6 +41,91 @@ class RecordsListening:
 
     def utterance_ended(self, utterance_id: str) -> None:
         self.utterances.append(("ended", utterance_id))
+
+
+Reply = Callable[["ScriptedSession", str, TurnRequest], Awaitable[None]]
+"""A turn's script: `reply(session, response_id, turn)` runs as a task from `start` and
+puts the turn's outputs and its `ResponseDone` with `session.put`."""
+
+
+class ScriptedSession(RecordsListening):
+    """A backend session whose turns follow `reply` (module docstring).
+
+    Like the duplex fence, `cancel` ends a running turn at once with its cancelled
+    `ResponseDone` (its script is cancelled), and nothing of that turn follows it.
+    Records: `turns` (every started turn, by response id, in order), `cancelled`
+    (`(response_id, reason)` pairs), `prepared` (the turn prepared now) and `adopted`
+    (conversation turns that took over the prepared one). `closed`, when given, is set
+    once the session is closed.
+    """
+
+    def __init__(self, reply: Reply | None = None, *, closed: asyncio.Event | None = None) -> None:
+        super().__init__()
+        self.reply = reply
+        self.closed = closed
+        self.is_closed = False
+        self.queue: deque[SessionEvent] = deque()
+        self.arrived = asyncio.Event()
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.turns: dict[str, TurnRequest] = {}
+        self.cancelled: list[tuple[str, str]] = []
+        self.prepared: TurnRequest | None = None
+        self.adopted: list[str] = []
+        self._running: set[str] = set()
+
+    def start(self, response_id: str, turn: TurnRequest, *, conversation: bool) -> None:
+        self.turns[response_id] = turn
+        self._running.add(response_id)
+        if conversation:
+            if turn == self.prepared:
+                self.adopted.append(response_id)
+            self.prepared = None
+        if self.reply is not None:
+            self.tasks[response_id] = asyncio.create_task(self.reply(self, response_id, turn))
+
+    def put(self, event: SessionEvent) -> None:
+        """Queue one event for the connection (a script's outputs, or the test's)."""
+        if isinstance(event, ResponseDone):
+            self._running.discard(event.response_id)
+        self.queue.append(event)
+        self.arrived.set()
+
+    def prepare(self, turn: TurnRequest) -> None:
+        self.prepared = turn
+
+    def discard_prepared(self) -> None:
+        self.prepared = None
+
+    def cancel(self, response_id: str, *, reason: str) -> None:
+        self.cancelled.append((response_id, reason))
+        task = self.tasks.get(response_id)
+        if task is not None:
+            task.cancel()
+        if response_id in self._running:
+            self.put(ResponseDone(response_id, "cancelled", reason=reason))
+
+    async def ended(self, response_id: str) -> None:
+        """Return once the turn's script has stopped: nothing more of it can come."""
+        await asyncio.wait([self.tasks[response_id]])
+
+    def take_events(self) -> list[SessionEvent]:
+        events = list(self.queue)
+        self.queue.clear()
+        return events
+
+    async def wait_events(self) -> bool:
+        while not self.queue and not self.is_closed:
+            self.arrived.clear()
+            await self.arrived.wait()
+        return bool(self.queue)
+
+    async def close(self) -> None:
+        for task in self.tasks.values():
+            task.cancel()
+        self.is_closed = True
+        self.arrived.set()
+        if self.closed is not None:
+            self.closed.set()
 
 
 class IdleBackend:

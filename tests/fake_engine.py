@@ -3,7 +3,6 @@ the orchestrator through the duplex stage port with them."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from engine.orchestrator import DuplexOrchestrator
 from engine.request import RequestOutput
 from engine.stage import StageOutput
 from engine.tts import AudioChunk, TtsRequest
+from tests.helpers import wait_until
 
 __all__ = [
     "BLOCK",
@@ -353,10 +353,7 @@ class Harness:
         return any(o.finished for o in self.of(rid))
 
     async def until(self, predicate: Callable[[], bool]) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while not predicate():
-            assert time.monotonic() < deadline, "timed out"
-            await asyncio.sleep(0.002)
+        await wait_until(predicate, WAIT_S, "the harness's condition", interval=0.002)
 
     async def idle(self) -> None:
         await self.until(lambda: sum(self.engine.pending().values()) == 0)

@@ -7,14 +7,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import re
-import subprocess
-import tempfile
 from typing import Any
 
-import numpy as np
-import soundfile as sf
-import soxr
 from openai import AsyncOpenAI
+
+from tests.helpers import espeak, pcm16
 
 __all__ = ["FRAME_MS", "RATE", "client", "silence", "speech", "stream", "until", "words"]
 
@@ -28,11 +25,7 @@ def client(base: str) -> AsyncOpenAI:
 
 def speech(text: str, voice: str = "en-us") -> bytes:
     """PCM16 24 kHz of eSpeak NG saying `text` (SSML allowed)."""
-    with tempfile.NamedTemporaryFile(suffix=".wav") as wav:
-        subprocess.run(["espeak-ng", "-m", "-v", voice, "-w", wav.name, text], check=True)
-        audio, rate = sf.read(wav.name, dtype="float32")
-    pcm = soxr.resample(audio, rate, RATE)
-    return (np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes()
+    return pcm16(espeak(text, RATE, "-m", "-v", voice))
 
 
 def silence(ms: int) -> bytes:

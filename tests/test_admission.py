@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import urllib.request
-from collections import deque
 from typing import Any
 
 import numpy as np
@@ -18,12 +17,12 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from duplex.turn import Stage, TurnRequest
 from gateway.admission import BUSY_CODE, Admission, AdmittedSession
-from gateway.backend import LiveTranscription, ResponseDone, ResponseOutput, SessionEvent
+from gateway.backend import ResponseDone, ResponseOutput
 from gateway.config import CapacitySettings, GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.runway import Runway
 from gateway.server import GatewayServer
-from tests.fake_backend import IdleBackend, NoSpeech
+from tests.fake_backend import IdleBackend, NoSpeech, Reply, ScriptedSession
 from tests.helpers import wait_until
 
 VOICE_RATE = 16_000
@@ -181,58 +180,14 @@ async def test_no_queue_refuses_at_once() -> None:
 # -- a session through admission -------------------------------------------------------
 
 
-class Inner:
-    """A backend session that records starts and cancels; the test puts its events."""
-
-    def __init__(self) -> None:
-        self.started: list[str] = []
-        self.cancelled: list[str] = []
-        self.queue: deque[SessionEvent] = deque()
-        self.arrived = asyncio.Event()
-        self.closed = False
-
-    def start(self, response_id: str, turn: TurnRequest, *, conversation: bool) -> None:
-        self.started.append(response_id)
-
-    def cancel(self, response_id: str, *, reason: str) -> None:
-        self.cancelled.append(response_id)
-        self.put(ResponseDone(response_id, "cancelled", reason=reason))
-
-    def put(self, event: SessionEvent) -> None:
-        self.queue.append(event)
-        self.arrived.set()
-
-    def prepare(self, turn: TurnRequest) -> None: ...
-    def discard_prepared(self) -> None: ...
-    def listen(self, options: LiveTranscription | None) -> None: ...
-    def hear(self, samples: np.ndarray) -> None: ...
-    def utterance_started(self, utterance_id: str, start_ms: float) -> None: ...
-    def utterance_ended(self, utterance_id: str) -> None: ...
-
-    def take_events(self) -> list[SessionEvent]:
-        events = list(self.queue)
-        self.queue.clear()
-        return events
-
-    async def wait_events(self) -> bool:
-        while not self.queue and not self.closed:
-            self.arrived.clear()
-            await self.arrived.wait()
-        return bool(self.queue)
-
-    async def close(self) -> None:
-        self.closed = True
-        self.arrived.set()
-
-
 async def test_a_session_queues_cancels_and_is_refused_through_admission() -> None:
     adm, _ = admission(max_speaking=1, max_queued=2, max_wait_s=0.01)
-    first, second = Inner(), Inner()
+    first, second = ScriptedSession(), ScriptedSession()
     one, two = AdmittedSession(first, adm), AdmittedSession(second, adm)
     one.start("a", SPOKEN, conversation=True)
     two.start("b", SPOKEN, conversation=True)
     two.start("t", TEXT_ONLY, conversation=False)  # text is never held back
-    assert first.started == ["a"] and second.started == ["t"] and adm.queued == 1
+    assert list(first.turns) == ["a"] and list(second.turns) == ["t"] and adm.queued == 1
 
     two.cancel("b", reason="client_cancelled")  # waiting: out of the queue, done at once
     assert adm.queued == 0 and second.cancelled == []
@@ -251,13 +206,13 @@ async def test_a_session_queues_cancels_and_is_refused_through_admission() -> No
 
 async def test_closing_a_session_takes_its_responses_out() -> None:
     adm, _ = admission(max_speaking=1)
-    first, second = Inner(), Inner()
+    first, second = ScriptedSession(), ScriptedSession()
     one, two = AdmittedSession(first, adm), AdmittedSession(second, adm)
     one.start("a", SPOKEN, conversation=True)
     two.start("b", SPOKEN, conversation=True)
     await two.close()
     assert adm.queued == 0
-    two_after = AdmittedSession(Inner(), adm)
+    two_after = AdmittedSession(ScriptedSession(), adm)
     two_after.start("c", SPOKEN, conversation=True)
     await one.close()  # its running response ends with it: the next one starts
     assert adm.speaking == 1 and adm.queued == 0
@@ -266,36 +221,15 @@ async def test_closing_a_session_takes_its_responses_out() -> None:
 # -- through the server ----------------------------------------------------------------
 
 
-class HeldSpeaker:
+def held_speaker(release: asyncio.Event) -> Reply:
     """Each response speaks 0.2 s at once, then is done only when the test says so."""
 
-    def __init__(self, release: asyncio.Event) -> None:
-        self.release = release
-        self.inner = Inner()
-        self.tasks: list[asyncio.Task[None]] = []
+    async def reply(session: ScriptedSession, response_id: str, turn: TurnRequest) -> None:
+        session.put(audio(response_id, 0.2))
+        await release.wait()
+        session.put(ResponseDone(response_id, "completed"))
 
-    def start(self, response_id: str, turn: TurnRequest, *, conversation: bool) -> None:
-        self.tasks.append(asyncio.create_task(self._run(response_id)))
-
-    async def _run(self, response_id: str) -> None:
-        self.inner.put(audio(response_id, 0.2))
-        await self.release.wait()
-        self.inner.put(ResponseDone(response_id, "completed"))
-
-    def cancel(self, response_id: str, *, reason: str) -> None: ...
-    def prepare(self, turn: TurnRequest) -> None: ...
-    def discard_prepared(self) -> None: ...
-
-    def take_events(self) -> list[SessionEvent]:
-        return self.inner.take_events()
-
-    async def wait_events(self) -> bool:
-        return await self.inner.wait_events()
-
-    async def close(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        await self.inner.close()
+    return reply
 
 
 class HeldBackend(IdleBackend):
@@ -303,8 +237,8 @@ class HeldBackend(IdleBackend):
         super().__init__()
         self.release = asyncio.Event()
 
-    def open_session(self, session_id: str) -> HeldSpeaker:
-        return HeldSpeaker(self.release)
+    def open_session(self, session_id: str) -> ScriptedSession:
+        return ScriptedSession(held_speaker(self.release))
 
     def open_speech(self, session_id: str) -> NoSpeech:
         return NoSpeech()

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import re
 import struct
-import subprocess
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-import soundfile as sf
-import soxr
 
 from engine import registry
 from engine.asr import (
@@ -25,6 +22,7 @@ from engine.asr import (
     split_long_audio,
 )
 from engine.models import whisper, whisper_ct2
+from tests.helpers import espeak, read_audio
 
 RATE = 16000
 ALSA = Path("/usr/share/sounds/alsa")
@@ -58,10 +56,7 @@ def word_errors(ref: list[str], hyp: list[str]) -> int:
 
 
 def read_16k(path: Path) -> np.ndarray:
-    audio, rate = sf.read(str(path), dtype="float32")
-    if audio.ndim > 1:
-        audio = audio.mean(axis=1)
-    return soxr.resample(audio, rate, RATE).astype(np.float32)
+    return read_audio(path, RATE)
 
 
 # ---------------------------------------------------------------- fixtures
@@ -93,16 +88,8 @@ def naive(model_dir: Path) -> Transcriber:
 
 
 @pytest.fixture(scope="session")
-def espeak_clips(tmp_path_factory: pytest.TempPathFactory) -> list[np.ndarray]:
-    folder = tmp_path_factory.mktemp("espeak")
-    clips = []
-    for i, sentence in enumerate(SENTENCES):
-        wav = folder / f"{i}.wav"
-        subprocess.run(
-            ["espeak-ng", "-v", "en-us", "-s", "150", "-w", str(wav), sentence], check=True
-        )
-        clips.append(read_16k(wav))
-    return clips
+def espeak_clips() -> list[np.ndarray]:
+    return [espeak(sentence, RATE, "-v", "en-us", "-s", "150") for sentence in SENTENCES]
 
 
 @pytest.fixture(scope="session")

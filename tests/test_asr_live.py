@@ -6,20 +6,17 @@ from __future__ import annotations
 
 import math
 import re
-import subprocess
-import tempfile
 from itertools import count
 from pathlib import Path
 
 import numpy as np
 import pytest
-import soundfile as sf
-import soxr
 
 from bench.asr_short import compare, short_clips
 from engine import registry
 from engine.asr import AsrRequest, AsrStage, Transcriber, Transcription, load_transcriber
 from engine.live_transcript import LiveDelta, LiveTranscript
+from tests.helpers import espeak
 
 pytestmark = pytest.mark.models
 
@@ -34,11 +31,7 @@ SENTENCES = [
 
 
 def speak(text: str) -> np.ndarray:
-    with tempfile.TemporaryDirectory() as tmp:
-        wav = Path(tmp) / "speech.wav"
-        subprocess.run(["espeak-ng", "-v", "en-us", "-s", "150", "-w", str(wav), text], check=True)
-        audio, rate = sf.read(str(wav), dtype="float32")
-    return soxr.resample(audio, rate, RATE).astype(np.float32)
+    return espeak(text, RATE, "-v", "en-us", "-s", "150")
 
 
 def words(text: str) -> list[str]:

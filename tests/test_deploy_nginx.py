@@ -17,7 +17,6 @@ import shlex
 import signal
 import socket
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ from openai import AsyncOpenAI
 from websockets.exceptions import ConnectionClosed
 
 from gateway.server import DRAIN_REASON
-from tests.helpers import ROOT, GatewayProcess, free_port, running_gateway
+from tests.helpers import ROOT, GatewayProcess, free_port, running_gateway, wait_until_blocking
 
 pytestmark = pytest.mark.models
 
@@ -74,11 +73,12 @@ def running_nginx(conf: str, prefix: Path) -> Iterator[int]:
     cmd = nginx_command(prefix, path)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while not accepts(port):
+
+        def listening() -> bool:
             assert proc.poll() is None, f"nginx exited: {proc.communicate()[0]}"
-            assert time.monotonic() < deadline, "nginx did not listen in 30 s"
-            time.sleep(0.05)
+            return accepts(port)
+
+        wait_until_blocking(listening, 30, "nginx to listen", interval=0.05)
         yield port
     finally:
         proc.send_signal(signal.SIGQUIT)  # nginx's graceful stop

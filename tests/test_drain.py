@@ -13,7 +13,6 @@ import json
 import signal
 import urllib.error
 import urllib.request
-from collections import deque
 from typing import Any
 
 import pytest
@@ -21,60 +20,22 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from duplex.turn import TurnRequest
-from gateway.backend import ResponseDone, ResponseEvent, ResponseOutput
+from gateway.backend import ResponseDone, ResponseOutput
 from gateway.config import GatewayConfig
 from gateway.server import DRAIN_REASON, DRAIN_TIMEOUT_REASON, GatewayServer
-from tests.fake_backend import IdleBackend, NoSpeech
+from tests.fake_backend import IdleBackend, NoSpeech, Reply, ScriptedSession
 from tests.helpers import running_gateway, wait_until
 
 
-class HeldSession:
+def held(release: asyncio.Event) -> Reply:
     """Each response says "Hello" at once and is done only after `release`."""
 
-    def __init__(self, release: asyncio.Event) -> None:
-        self.release = release
-        self.queue: deque[ResponseEvent] = deque()
-        self.arrived = asyncio.Event()
-        self.closed = False
-        self.tasks: list[asyncio.Task[None]] = []
+    async def reply(session: ScriptedSession, response_id: str, turn: TurnRequest) -> None:
+        session.put(ResponseOutput(response_id, "text", text="Hello"))
+        await release.wait()
+        session.put(ResponseDone(response_id, "completed"))
 
-    def start(self, response_id: str, turn: TurnRequest, *, conversation: bool) -> None:
-        self.tasks.append(asyncio.create_task(self._run(response_id)))
-
-    async def _run(self, response_id: str) -> None:
-        self._put(ResponseOutput(response_id, "text", text="Hello"))
-        await self.release.wait()
-        self._put(ResponseDone(response_id, "completed"))
-
-    def _put(self, event: ResponseEvent) -> None:
-        self.queue.append(event)
-        self.arrived.set()
-
-    def prepare(self, turn: TurnRequest) -> None:
-        """Works nothing ahead: every turn starts when it is started."""
-
-    def discard_prepared(self) -> None:
-        """Nothing was prepared."""
-
-    def cancel(self, response_id: str, *, reason: str) -> None:
-        """The drain waits for answers to finish: these tests cancel none."""
-
-    def take_events(self) -> list[ResponseEvent]:
-        events = list(self.queue)
-        self.queue.clear()
-        return events
-
-    async def wait_events(self) -> bool:
-        while not self.queue and not self.closed:
-            self.arrived.clear()
-            await self.arrived.wait()
-        return bool(self.queue)
-
-    async def close(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        self.closed = True
-        self.arrived.set()
+    return reply
 
 
 class HeldBackend(IdleBackend):
@@ -82,8 +43,8 @@ class HeldBackend(IdleBackend):
         super().__init__()
         self.release = asyncio.Event()
 
-    def open_session(self, session_id: str) -> HeldSession:
-        return HeldSession(self.release)
+    def open_session(self, session_id: str) -> ScriptedSession:
+        return ScriptedSession(held(self.release))
 
     def open_speech(self, session_id: str) -> NoSpeech:
         return NoSpeech()

@@ -40,7 +40,7 @@ from engine.stage import Stage, StageOutput
 from gateway.config import GatewayConfig, SessionLimits, load_profile
 from gateway.engine_backend import EngineBackend
 from gateway.server import GatewayServer
-from tests.helpers import free_port, share_carriers
+from tests.helpers import free_port, share_carriers, wait_until
 
 pytestmark = pytest.mark.models
 
@@ -170,12 +170,15 @@ async def wait_for(
 ) -> tuple[dict[str, Any], float]:
     """Poll the gateway's snapshot until `check` holds; (snapshot, seconds it took)."""
     start = time.monotonic()
-    while True:
-        snap = await gw.arun(gw.snapshot)
-        elapsed = time.monotonic() - start
-        if check(snap) or elapsed > timeout:
-            return snap, elapsed
-        await asyncio.sleep(0.02)
+    snap: dict[str, Any] = {}
+
+    async def holds() -> bool:
+        snap.clear()
+        snap.update(await gw.arun(gw.snapshot))
+        return check(snap)
+
+    await wait_until(holds, timeout, lambda: f"the gateway's state; last: {snap}", interval=0.02)
+    return snap, time.monotonic() - start
 
 
 def _nothing_running(snap: dict[str, Any]) -> bool:

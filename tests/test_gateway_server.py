@@ -13,7 +13,6 @@ import logging
 import socket
 import urllib.error
 import urllib.request
-from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,105 +24,40 @@ from websockets.typing import Origin, Subprotocol
 
 from duplex.turn import Stage, TurnRequest
 from engine.speech_detector import SpeechDetector, SpeechPaused, SpeechResumed, SpeechStarted
-from gateway.backend import ResponseDone, ResponseEvent, ResponseOutput, SpeechEvent
+from gateway.backend import ResponseDone, ResponseOutput, SpeechEvent
 from gateway.config import GatewayConfig
 from gateway.server import GatewayServer
 from gateway.session_config import TurnDetection
-from tests.fake_backend import IdleBackend, RecordsListening
+from tests.fake_backend import IdleBackend, Reply, ScriptedSession
 
 INPUT_RATE = 24000  # the client's PCM16
 OUTPUT_RATE = 22050  # the fake engine's speech, as float32 like the real one
 USAGE = {"prompt_tokens": 5, "completion_tokens": 4, "cached_tokens": 0}
 
 
-class FakeSession(RecordsListening):
-    """Stands in for the duplex session: replies with `words`, one text delta and (for a
-    spoken reply) one `chunk_ms` audio chunk per word, `delay` seconds of compute apart.
+def speaks(words: list[str], chunk_ms: int, delay: float) -> Reply:
+    """Replies with `words`: one text delta and (for a spoken reply) one `chunk_ms` audio
+    chunk per word, `delay` seconds of compute apart."""
 
-    Like the duplex fence, `cancel` ends a running turn at once with its cancelled
-    `ResponseDone`, and nothing of that turn follows it.
-    """
-
-    def __init__(
-        self, words: list[str], chunk_ms: int, delay: float, closed: asyncio.Event
-    ) -> None:
-        super().__init__()
-        self.words = words
-        self.chunk_ms = chunk_ms
-        self.delay = delay
-        self.closed = closed
-        self.queue: deque[ResponseEvent] = deque()
-        self.arrived = asyncio.Event()
-        self.is_closed = False
-        self.tasks: dict[str, asyncio.Task[None]] = {}
-        self.turns: dict[str, TurnRequest] = {}  # every started turn, by response id
-        self.cancelled: list[tuple[str, str]] = []
-        self.prepared: TurnRequest | None = None
-        self.adopted: list[str] = []  # conversation turns that took over the prepared one
-
-    def start(self, response_id: str, turn: TurnRequest, *, conversation: bool) -> None:
-        self.turns[response_id] = turn
-        if conversation:
-            if turn == self.prepared:
-                self.adopted.append(response_id)
-            self.prepared = None
-        self.tasks[response_id] = asyncio.create_task(self._run(response_id, turn))
-
-    async def _run(self, response_id: str, turn: TurnRequest) -> None:
+    async def reply(session: ScriptedSession, response_id: str, turn: TurnRequest) -> None:
         if turn.entry is Stage.ASR:
-            self._put(ResponseOutput(response_id, "transcript", text="fake transcript"))
+            session.put(ResponseOutput(response_id, "transcript", text="fake transcript"))
         if turn.final is not Stage.ASR:
-            for word in self.words:
-                await asyncio.sleep(self.delay)
-                self._put(ResponseOutput(response_id, "text", text=word + " "))
+            for word in words:
+                await asyncio.sleep(delay)
+                session.put(ResponseOutput(response_id, "text", text=word + " "))
                 if turn.final is Stage.TTS:
-                    self._put(self._speech(response_id, word))
-        self._put(ResponseDone(response_id, "completed", usage=USAGE))
+                    session.put(speech(response_id, word, chunk_ms))
+        session.put(ResponseDone(response_id, "completed", usage=USAGE))
 
-    def _speech(self, response_id: str, word: str) -> ResponseOutput:
-        samples = np.full(OUTPUT_RATE * self.chunk_ms // 1000, 0.1, dtype="<f4")
-        return ResponseOutput(
-            response_id, "audio", text=word, audio=samples.tobytes(), sample_rate=OUTPUT_RATE
-        )
+    return reply
 
-    def prepare(self, turn: TurnRequest) -> None:
-        self.prepared = turn
 
-    def discard_prepared(self) -> None:
-        self.prepared = None
-
-    def cancel(self, response_id: str, *, reason: str) -> None:
-        self.cancelled.append((response_id, reason))
-        task = self.tasks.get(response_id)
-        if task is not None and not task.done():
-            task.cancel()
-            self._put(ResponseDone(response_id, "cancelled", reason=reason))
-
-    async def ended(self, response_id: str) -> None:
-        """Return once the turn's work has stopped: nothing more of it can come."""
-        await asyncio.wait([self.tasks[response_id]])
-
-    def _put(self, event: ResponseEvent) -> None:
-        self.queue.append(event)
-        self.arrived.set()
-
-    def take_events(self) -> list[ResponseEvent]:
-        events = list(self.queue)
-        self.queue.clear()
-        return events
-
-    async def wait_events(self) -> bool:
-        while not self.queue and not self.is_closed:
-            self.arrived.clear()
-            await self.arrived.wait()
-        return bool(self.queue)
-
-    async def close(self) -> None:
-        for task in self.tasks.values():
-            task.cancel()
-        self.is_closed = True
-        self.arrived.set()
-        self.closed.set()
+def speech(response_id: str, word: str, chunk_ms: int) -> ResponseOutput:
+    samples = np.full(OUTPUT_RATE * chunk_ms // 1000, 0.1, dtype="<f4")
+    return ResponseOutput(
+        response_id, "audio", text=word, audio=samples.tobytes(), sample_rate=OUTPUT_RATE
+    )
 
 
 class EnergySpeech:
@@ -191,11 +125,12 @@ class FakeBackend(IdleBackend):
         self.words = words or ["Hello", "there", "friend"]
         self.chunk_ms = chunk_ms
         self.delay = delay
-        self.sessions: list[FakeSession] = []
+        self.sessions: list[ScriptedSession] = []
         self.session_closed = asyncio.Event()  # set once any session is released
 
-    def open_session(self, session_id: str) -> FakeSession:
-        session = FakeSession(self.words, self.chunk_ms, self.delay, self.session_closed)
+    def open_session(self, session_id: str) -> ScriptedSession:
+        reply = speaks(self.words, self.chunk_ms, self.delay)
+        session = ScriptedSession(reply, closed=self.session_closed)
         self.sessions.append(session)
         return session
 

@@ -13,19 +13,17 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 from openai import AsyncOpenAI
 
 from engine.paths import CACHE_ENV, cache_dir
 from gateway.cli import llm_override, local_llm_ref, served_name
-from tests.helpers import ROOT, free_port, running_gateway
+from tests.helpers import ROOT, free_port, running_gateway, wait_until_serving
 
 PROFILE = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
 
@@ -191,7 +189,7 @@ def mlx_lm_server(
             stderr=out,
         )
     try:
-        wait_ready(proc, f"http://127.0.0.1:{port}", log)
+        wait_until_serving(proc, f"http://127.0.0.1:{port}/v1/models", 300, log.read_text)
         yield f"http://127.0.0.1:{port}/v1", log
     finally:
         proc.terminate()
@@ -200,18 +198,6 @@ def mlx_lm_server(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def wait_ready(proc: subprocess.Popen[bytes], base: str, log: Path) -> None:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "mlx_lm.server exited:\n" + log.read_text()[-2000:]
-        try:
-            if httpx.get(base + "/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    raise AssertionError("mlx_lm.server did not start in 300 s:\n" + log.read_text()[-2000:])
 
 
 @pytest.mark.models

@@ -138,14 +138,14 @@ async def test_real_gateway_exports_engine_pending_and_loop_lag() -> None:
         # The probe observes every 0.1 s: wait for its next sample (the session above may
         # have come and gone within one interval).
         before = lag(idle, "_count")
-        deadline = time.monotonic() + 60
-        while True:
-            samples = await asyncio.to_thread(scrape, gw.port)
-            count = lag(samples, "_count")
-            if count > before or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.05)
-        assert count > before
+        samples: Samples = {}
+
+        async def sampled() -> bool:
+            samples.update(await asyncio.to_thread(scrape, gw.port))
+            return lag(samples, "_count") > before
+
+        await wait_until(sampled, 60, "a lag sample of the busy loop", interval=0.05)
+        count = lag(samples, "_count")
         assert lag(samples, "_bucket", "+Inf") == count
         assert math.isfinite(lag(samples, "_sum")) and lag(samples, "_sum") >= 0
 
@@ -154,10 +154,11 @@ async def until_pending(
     port: int, ready: Callable[[dict[str, float]], bool], timeout: float = 60
 ) -> dict[str, float]:
     """Scrape until `ready(pending)` holds; the last pending counts."""
-    deadline = time.monotonic() + timeout
-    while True:
-        counts = pending(await asyncio.to_thread(scrape, port))
-        if ready(counts) or time.monotonic() > deadline:
-            assert ready(counts), counts
-            return counts
-        await asyncio.sleep(0.2)
+    counts: dict[str, float] = {}
+
+    async def holds() -> bool:
+        counts.update(pending(await asyncio.to_thread(scrape, port)))
+        return ready(counts)
+
+    await wait_until(holds, timeout, lambda: f"pending requests; last: {counts}", interval=0.2)
+    return counts

@@ -18,10 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-import soundfile as sf
-import soxr
 from openai import AsyncOpenAI
 from pydantic import ValidationError
 
@@ -29,7 +26,7 @@ from gateway.config import GatewayConfig
 from gateway.realtime import RealtimeSession
 from gateway.server import GatewayServer
 from tests.fake_backend import IdleBackend
-from tests.helpers import RATE, GatewayProcess, running_gateway
+from tests.helpers import RATE, GatewayProcess, pcm16, read_audio, running_gateway
 
 RECORDING = Path("/usr/share/sounds/alsa/Front_Center.wav")
 
@@ -147,9 +144,7 @@ def client(gw: GatewayProcess) -> AsyncOpenAI:
 
 
 def recording_pcm() -> bytes:
-    data, rate = sf.read(RECORDING, dtype="float32")
-    pcm = soxr.resample(data if data.ndim == 1 else data.mean(axis=1), rate, RATE)
-    return (np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes()
+    return pcm16(read_audio(RECORDING, RATE))
 
 
 async def until(conn: Any, *kinds: str, timeout: float = 180) -> list[Any]:

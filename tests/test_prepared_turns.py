@@ -12,10 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-import soundfile as sf
-import soxr
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
@@ -26,7 +23,7 @@ from duplex.turn import Stage, TurnRequest
 from engine.config import parse_config
 from tests.fake_engine import Harness, audio, turn
 from tests.fakes import FakeStagePort
-from tests.helpers import running_gateway
+from tests.helpers import pcm16, read_audio, running_gateway
 
 
 @pytest.fixture
@@ -244,9 +241,7 @@ RECORDING = Path("/usr/share/sounds/alsa/Front_Center.wav")
 
 
 def _recording_pcm24k() -> bytes:
-    data, rate = sf.read(RECORDING, dtype="float32")
-    pcm = soxr.resample(data, rate, 24000)
-    return (np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes()
+    return pcm16(read_audio(RECORDING, 24000))
 
 
 async def _stream(ws: Any, pcm: bytes) -> None:

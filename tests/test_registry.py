@@ -18,7 +18,7 @@ import pytest
 import engine.registry as registry
 from engine import device
 from engine.registry import ConversionError, ModelSourceError, ModelSpec
-from tests.helpers import share_carriers
+from tests.helpers import lock_contention_code, share_carriers
 
 ROOT = Path(__file__).resolve().parent.parent
 CALLS: list[dict] = []
@@ -148,21 +148,22 @@ def test_changed_source_or_converter_version_is_redone(
 
 def test_two_processes_convert_once(cache: Path, tmp_path: Path, source: Path) -> None:
     counter = tmp_path / "calls.txt"
-    code = f"""
-        import time
+    code = lock_contention_code(tmp_path / "contended", "slow.lock") + textwrap.dedent(
+        f"""
         import engine.registry as registry
 
         def slow(source_dir, out_dir, progress):
             with open("{counter}", "a") as fh:
                 fh.write("x")
-            time.sleep(1.5)  # a conversion long enough for the other process to reach the lock
+            held_until_contended()  # the other process waits for this conversion
             (out_dir / "done.txt").write_text("ok")
 
         registry.register(registry.ModelSpec("slow", "vad", "path:{source}", "__main__:slow"))
         print(registry.prepare("slow", progress=False))
-    """
+        """
+    )
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-c", textwrap.dedent(code)]
+    cmd = [sys.executable, "-c", code]
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
     outputs = [p.communicate(timeout=120)[0].strip() for p in procs]
     assert [p.returncode for p in procs] == [0, 0]

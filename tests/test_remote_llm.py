@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +28,7 @@ from engine.orchestrator import DuplexOrchestrator
 from engine.remote_llm import RemoteLlm, chat_body
 from engine.request import SamplingParams
 from engine.stage import StageOutput
-from tests.helpers import wait_until
+from tests.helpers import free_port, wait_until, wait_until_serving
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -136,7 +134,7 @@ async def test_http_error_becomes_an_error_output() -> None:
 
 
 async def test_unreachable_server_becomes_an_error_output() -> None:
-    llm = RemoteLlm(_config(f"http://127.0.0.1:{_free_port()}/v1", timeout_s=2.0))
+    llm = RemoteLlm(_config(f"http://127.0.0.1:{free_port()}/v1", timeout_s=2.0))
     outs = await _collect(llm)
     await llm.aclose()
     assert outs[-1].finished and outs[-1].error is not None and "ConnectError" in outs[-1].error
@@ -154,18 +152,12 @@ async def test_a_request_id_streams_once() -> None:
 # ---- against a real mlx_lm.server serving the embedded SmolLM2 -----------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def mlx_server() -> Iterator[str]:
     from engine.registry import prepare
 
     model_dir = prepare("smollm2-135m-instruct", precision="fp32", progress=False)
-    port = _free_port()
+    port = free_port()
     # Import the engine package first so the server's MLX uses the fast BLAS too.
     code = "import engine, sys; engine.setup(); from mlx_lm.server import main; sys.exit(main())"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -178,7 +170,12 @@ def mlx_server() -> Iterator[str]:
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(proc, base)
+        wait_until_serving(
+            proc,
+            base + "/v1/models",
+            120,
+            lambda: proc.stderr.read().decode() if proc.stderr else "",
+        )
         yield base + "/v1"
     finally:
         proc.terminate()
@@ -187,20 +184,6 @@ def mlx_server() -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def _wait_ready(proc: subprocess.Popen, base: str) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            err = proc.stderr.read().decode() if proc.stderr else ""
-            raise RuntimeError(f"mlx_lm.server exited: {err[-2000:]}")
-        try:
-            if httpx.get(base + "/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    raise RuntimeError("mlx_lm.server did not start in 120 s")
 
 
 @pytest.mark.models

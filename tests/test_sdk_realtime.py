@@ -14,14 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-import soundfile as sf
-import soxr
 import yaml
 from websockets.asyncio.client import connect
 
-from tests.helpers import ROOT, running_gateway
+from tests.helpers import ROOT, pcm16, read_audio, running_gateway
 from tests.realtime_client import client, until
 
 pytestmark = pytest.mark.models
@@ -48,11 +45,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def recording_pcm(path: Path = RECORDING) -> bytes:
-    data, rate = sf.read(path, dtype="float32")
-    if data.ndim > 1:
-        data = data.mean(axis=1)
-    pcm = soxr.resample(data, rate, RATE)
-    return (np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes()
+    return pcm16(read_audio(path, RATE))
 
 
 def silence(ms: int) -> bytes:

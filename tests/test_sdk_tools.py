@@ -8,19 +8,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
-import numpy as np
 import pytest
-import soundfile as sf
-import soxr
 import yaml
 
-from tests.helpers import ROOT, running_gateway
+from tests.helpers import ROOT, espeak, pcm16, running_gateway
 from tests.realtime_client import client, until
 
 pytestmark = pytest.mark.models
@@ -95,11 +90,7 @@ def text_in(events: list[Any]) -> str:
 def spoken(words: str) -> str:
     """`words` spoken by eSpeak NG (a voice independent of the gateway's), as base64
     PCM16 at 24 kHz."""
-    with tempfile.NamedTemporaryFile(suffix=".wav") as wav:
-        subprocess.run(["espeak-ng", "-w", wav.name, words], check=True)
-        data, rate = sf.read(wav.name, dtype="float32")
-    pcm = (np.clip(soxr.resample(data, rate, 24000), -1, 1) * 32767).astype("<i2")
-    return base64.b64encode(pcm.tobytes()).decode()
+    return base64.b64encode(pcm16(espeak(words, 24000))).decode()
 
 
 async def tool_loop(

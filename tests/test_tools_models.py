@@ -8,12 +8,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import jsonschema
 import pytest
 
@@ -22,7 +20,7 @@ from engine.llm import LlmInput, LlmStage
 from engine.paths import cache_dir
 from engine.remote_llm import RemoteLlm
 from engine.request import RequestOutput, SamplingParams
-from tests.helpers import ROOT, free_port
+from tests.helpers import ROOT, free_port, wait_until_serving
 
 pytestmark = pytest.mark.models
 
@@ -154,15 +152,7 @@ def tool_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, "mlx_lm.server exited"
-            assert time.monotonic() < deadline, "mlx_lm.server did not start"
-            try:
-                if httpx.get(base + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        wait_until_serving(proc, base + "/v1/models", 120)
         yield base + "/v1"
     finally:
         proc.terminate()

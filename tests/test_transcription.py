@@ -10,10 +10,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-import soundfile as sf
-import soxr
 from websockets.asyncio.client import connect
 
 from duplex.turn import Stage
@@ -23,7 +20,7 @@ from gateway.backend import ResponseDone, ResponseOutput
 from gateway.config import GatewayConfig
 from gateway.realtime import RealtimeSession
 from tests.fake_engine import Harness, audio, turn
-from tests.helpers import running_gateway, tone_b64
+from tests.helpers import pcm16, read_audio, running_gateway, tone_b64
 
 
 def starts(actions: list[Any]) -> list[StartResponse]:
@@ -177,9 +174,7 @@ def test_server_vad_without_create_response_transcribes_the_turn() -> None:
 
 
 def _recording() -> str:
-    data, rate = sf.read(RECORDING, dtype="float32")
-    pcm = (np.clip(soxr.resample(data, rate, 24000), -1, 1) * 32767).astype("<i2").tobytes()
-    return base64.b64encode(pcm).decode()
+    return base64.b64encode(pcm16(read_audio(RECORDING, 24000))).decode()
 
 
 async def _until(ws: Any, kind: str) -> dict[str, Any]:

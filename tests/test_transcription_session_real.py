@@ -9,17 +9,12 @@ look for them before `speech_stopped` need that path in the engine.
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
-import soundfile as sf
-import soxr
 
-from tests.helpers import running_gateway
+from tests.helpers import espeak, pcm16, running_gateway
 from tests.realtime_client import RATE, client, silence, stream, until, words
 
 pytestmark = pytest.mark.models
@@ -38,11 +33,7 @@ def gateway() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def sentence() -> bytes:
     """PCM16 24 kHz of eSpeak NG saying `SENTENCE`, between silences."""
-    with tempfile.NamedTemporaryFile(suffix=".wav") as wav:
-        subprocess.run(["espeak-ng", "-v", "en-us", "-w", wav.name, SENTENCE], check=True)
-        audio, rate = sf.read(wav.name, dtype="float32")
-    pcm = (np.clip(soxr.resample(audio, rate, RATE), -1, 1) * 32767).astype("<i2").tobytes()
-    return silence(300) + pcm + silence(1500)
+    return silence(300) + pcm16(espeak(SENTENCE, RATE, "-v", "en-us")) + silence(1500)
 
 
 async def transcribe(conn: Any, pcm: bytes) -> list[Any]:

@@ -365,9 +365,7 @@ async def test_an_unfinished_turn_waits(
     events = await decisions(source, 2)
     assert [e.kind for e in events] == ["started", "paused"]
     # Both answers are in once the speaker goes on; the turn did not end meanwhile.
-    async with asyncio.timeout(5):
-        while len(engine.requests) < 2:
-            await asyncio.sleep(0.001)
+    await wait_until(lambda: len(engine.requests) >= 2, 5, "both answers", interval=0.001)
     engine.push(*[0.9] * 5)
     (event,) = await decisions(source, 1)
     assert event.kind == "resumed"

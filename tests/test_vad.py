@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import soundfile as sf
 import soxr
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,7 +28,7 @@ from gateway.turn_detection import (
     MAX_UNHEARD_SAMPLES,
     EngineSpeechSource,
 )
-from tests.helpers import running_gateway
+from tests.helpers import read_audio, running_gateway
 
 RATE = 16000
 CHUNK = 512
@@ -60,10 +59,7 @@ def recordings() -> dict[str, np.ndarray]:
     assert ALSA, "alsa-utils recordings are missing from /usr/share/sounds/alsa"
     out = {}
     for path in ALSA:
-        audio, rate = sf.read(path, dtype="float32")
-        if audio.ndim > 1:
-            audio = audio.mean(axis=1)
-        out[Path(path).stem] = soxr.resample(audio, rate, RATE).astype(np.float32)
+        out[Path(path).stem] = read_audio(path, RATE)
     return out
 
 

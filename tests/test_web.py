@@ -15,19 +15,16 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile as sf
-import soxr
 import yaml
 from playwright.sync_api import Page, sync_playwright
 
-from tests.helpers import ROOT, running_gateway
+from tests.helpers import ROOT, espeak, read_audio, running_gateway, wait_until_blocking
 
 pytestmark = pytest.mark.models
 
@@ -39,20 +36,13 @@ CAPTIONED = "The children played in the park until the sun went down."
 RATE = 48000
 
 
-def _espeak(text: str, path: Path) -> np.ndarray:
-    subprocess.run(["espeak-ng", "-w", str(path), text], check=True)
-    audio, rate = sf.read(path, dtype="float32")
-    return soxr.resample(audio, rate, RATE)
-
-
 def _silence(seconds: float) -> np.ndarray:
     return np.zeros(int(RATE * seconds), np.float32)
 
 
 def _recording(name: str) -> np.ndarray:
     """An alsa-utils recording of a voice ("Front left"...), at the microphone's rate."""
-    audio, rate = sf.read(f"/usr/share/sounds/alsa/{name}.wav", dtype="float32")
-    return soxr.resample(audio, rate, RATE)
+    return read_audio(f"/usr/share/sounds/alsa/{name}.wav", RATE)
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +51,12 @@ def microphone_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
     audio = np.concatenate(
         [
             _silence(1.0),
-            _espeak(FIRST, folder / "first.wav"),
+            espeak(FIRST, RATE),
             # The answer starts playing in here; the second question cuts in while
             # it plays (and, with the long answers of `web_url`'s profile, while it is
             # still being generated).
             _silence(7.0),
-            _espeak(SECOND, folder / "second.wav"),
+            espeak(SECOND, RATE),
             _silence(60.0),
         ]
     )
@@ -95,7 +85,7 @@ def captions_microphone(tmp_path_factory: pytest.TempPathFactory) -> Path:
     phrases = ("Front_Center", "Front_Left", "Front_Right", "Side_Left")
     first = np.concatenate([np.concatenate([_recording(p), _silence(0.15)]) for p in phrases])
     audio = np.concatenate(
-        [_silence(1.0), first, _silence(2.5), _espeak(CAPTIONED, folder / "s.wav"), _silence(60)]
+        [_silence(1.0), first, _silence(2.5), espeak(CAPTIONED, RATE), _silence(60)]
     )
     path = folder / "microphone.wav"
     sf.write(path, audio, RATE, subtype="PCM_16")
@@ -107,13 +97,15 @@ def _demo(page: Page) -> dict:
 
 
 def _wait_for(page: Page, done, timeout: float) -> dict:
-    """The page's demo state once `done(state)` holds, else the last one seen after
-    `timeout` s; the callers assert on it, so a timeout fails with the state."""
-    deadline = time.monotonic() + timeout
-    state = _demo(page)
-    while time.monotonic() < deadline and not done(state):
-        time.sleep(0.25)
-        state = _demo(page)
+    """The page's demo state once `done(state)` holds; a timeout fails with the last one."""
+    state: dict = {}
+
+    def holds() -> bool:
+        state.clear()
+        state.update(_demo(page))
+        return bool(done(state))
+
+    wait_until_blocking(holds, timeout, lambda: f"the demo's state; last: {state}", interval=0.25)
     return state
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import soundfile as sf
 import yaml
 from playwright.sync_api import Page, sync_playwright
 
-from tests.helpers import ROOT, running_gateway
+from tests.helpers import ROOT, running_gateway, wait_until_blocking
 
 pytestmark = pytest.mark.models
 
@@ -45,11 +44,15 @@ def _demo(page: Page) -> dict:
 
 
 def _wait_for(page: Page, done, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    state = _demo(page)
-    while time.monotonic() < deadline and not done(state):
-        time.sleep(0.25)
-        state = _demo(page)
+    """The page's demo state once `done(state)` holds; a timeout fails with the last one."""
+    state: dict = {}
+
+    def holds() -> bool:
+        state.clear()
+        state.update(_demo(page))
+        return bool(done(state))
+
+    wait_until_blocking(holds, timeout, lambda: f"the demo's state; last: {state}", interval=0.25)
     return state
 
 

@@ -3,13 +3,11 @@ alsa-utils recordings, silence and noise, all 16 kHz float32 mono."""
 
 from __future__ import annotations
 
-import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
-import soundfile as sf
-import soxr
+
+from tests.helpers import espeak, read_audio
 
 RATE = 16_000
 ALSA_SOUNDS = Path("/usr/share/sounds/alsa")
@@ -23,18 +21,11 @@ SENTENCES = (
 
 
 def read_16k(path: Path) -> np.ndarray:
-    audio, rate = sf.read(str(path), dtype="float32")
-    if audio.ndim > 1:
-        audio = audio.mean(axis=1)
-    return soxr.resample(audio, rate, RATE).astype(np.float32)
+    return read_audio(path, RATE)
 
 
 def spoken(text: str, voice: str = "en-us", speed: int = 150) -> np.ndarray:
-    with tempfile.NamedTemporaryFile(suffix=".wav") as wav:
-        subprocess.run(
-            ["espeak-ng", "-v", voice, "-s", str(speed), "-w", wav.name, text], check=True
-        )
-        return read_16k(Path(wav.name))
+    return espeak(text, RATE, "-v", voice, "-s", str(speed))
 
 
 def cut(audio: np.ndarray, fraction: float = 0.6) -> np.ndarray:

@@ -142,8 +142,11 @@ class TurnRequest:
     configured system prompt. `voice` and `speed` apply to spoken replies only,
     `max_output_tokens`, `cache_key` (the conversation's prompt-cache key) and `truncate`
     (drop the oldest history when the prompt is over the engine's context limit, rather
-    than refuse the turn) to replies. `tools` and `tool_choice` say which functions the
-    reply may call (rule 4).
+    than refuse the turn) to replies; with `retention_ratio`, a prompt over its limit (the
+    engine's, or `post_instructions_tokens` after the system message) drops the oldest
+    history until that share of the limit is used. `temperature` replaces the LLM's
+    sampling temperature. `tools` and `tool_choice` say which functions the reply may
+    call (rule 4); `parallel_tool_calls` False allows at most one call.
     A transcription turn (`final=Stage.ASR`) takes `audio` alone.
 
     Speech-to-text options, for a turn with `audio`: `utterance` names the audio the
@@ -165,8 +168,12 @@ class TurnRequest:
     speed: float | None = None
     cache_key: str | None = None
     truncate: bool = True
+    retention_ratio: float | None = None
+    post_instructions_tokens: int | None = None
+    temperature: float | None = None
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = ToolChoice()
+    parallel_tool_calls: bool | None = None
     utterance: str | None = None
     transcription_prompt: str = ""
     logprobs: bool = False
@@ -218,8 +225,17 @@ class TurnRequest:
             raise ValueError(f"a {self.entry.name} turn cannot end at {self.final.name}")
         if self.final is Stage.ASR:
             reply_fields = (self.messages, self.max_output_tokens, self.voice, self.speed)
+            llm_fields = (
+                self.retention_ratio,
+                self.post_instructions_tokens,
+                self.temperature,
+                self.parallel_tool_calls,
+            )
             if any(reply_fields) or self.cache_key is not None or not self.truncate:
                 raise ValueError("a transcription turn takes audio alone")
+            if any(value is not None for value in llm_fields):
+                raise ValueError("a transcription turn takes audio alone")
+        self._check_sampling()
         if not isinstance(self.truncate, bool):
             raise ValueError(f"truncate must be a bool, got {self.truncate!r}")
         tokens = self.max_output_tokens
@@ -234,6 +250,24 @@ class TurnRequest:
             and MIN_SPEED <= speed <= MAX_SPEED
         ):
             raise ValueError(f"speed must be a number in [{MIN_SPEED}, {MAX_SPEED}], got {speed!r}")
+
+    def _check_sampling(self) -> None:
+        ratio, temperature = self.retention_ratio, self.temperature
+        if ratio is not None and not (_is_number(ratio) and 0.0 <= ratio <= 1.0):
+            raise ValueError(f"retention_ratio must be a number in [0, 1], got {ratio!r}")
+        if ratio is not None and not self.truncate:
+            raise ValueError("retention_ratio goes with truncate")
+        limit = self.post_instructions_tokens
+        if limit is not None and (type(limit) is not int or limit < 1 or ratio is None):
+            raise ValueError(
+                f"post_instructions_tokens must be a positive int with a retention_ratio, "
+                f"got {limit!r}"
+            )
+        if temperature is not None and not (_is_number(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+        parallel = self.parallel_tool_calls
+        if parallel is not None and not isinstance(parallel, bool):
+            raise ValueError(f"parallel_tool_calls must be a bool, got {parallel!r}")
 
     @property
     def entry(self) -> Stage:
@@ -253,3 +287,7 @@ class TurnRequest:
         if not isinstance(turn, TurnRequest) or len(prompt) != 1:
             raise ValueError("a turn prompt holds one TurnRequest under 'turn'")
         return turn
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

@@ -10,7 +10,11 @@ client cannot make the shared model prefill more than the profile allows:
 2. The whole templated prompt must fit `max_context_tokens`. With truncation on, the
    oldest history messages are dropped until it does (the instructions and the message
    being answered always stay); with truncation off, or when those two alone are too
-   long, the turn is refused.
+   long, the turn is refused. Retention-ratio truncation may set a lower limit of its
+   own on the tokens after the system message, and once over a limit drops history
+   until only `retention_ratio` of what the limit allows after the system message is
+   used: the following turns then grow from the same first message, and the cached
+   prompt holds, until the limit is reached again.
 
 Counting a huge text would itself stall the engine, so texts with more bytes than the
 limit times the longest token can hold are over it without being tokenized.
@@ -62,7 +66,13 @@ class ContextFitter:
         self._max_token_bytes = max(1, max_token_bytes)
 
     def fit(
-        self, messages: Sequence[Message], *, truncate: bool, count_prompt: CountPrompt
+        self,
+        messages: Sequence[Message],
+        *,
+        truncate: bool,
+        count_prompt: CountPrompt,
+        retention_ratio: float | None = None,
+        post_instructions_tokens: int | None = None,
     ) -> list[Message]:
         """`messages` checked (rule 1) and fitted (rule 2); raises ContextLimitError.
         `count_prompt` counts the tokens of the whole prompt these messages make (with
@@ -73,6 +83,8 @@ class ContextFitter:
         if messages[-1].get("role") in ("user", "tool"):
             self._check_message(messages[-1])
         limit = self.limits.max_context_tokens
+        if retention_ratio is not None and truncate:
+            return self._retain(messages, count_prompt, retention_ratio, post_instructions_tokens)
         if self._fits(messages, count_prompt):
             return messages
         if not truncate:
@@ -92,16 +104,43 @@ class ContextFitter:
             )
         return head + history[dropped:] + last
 
+    def _retain(
+        self,
+        messages: list[Message],
+        count_prompt: CountPrompt,
+        ratio: float,
+        post_instructions: int | None,
+    ) -> list[Message]:
+        keep_first = 1 if messages[0].get("role") == "system" else 0
+        head, history, last = messages[:keep_first], messages[keep_first:-1], messages[-1:]
+        limit = self.limits.max_context_tokens
+        instructions = count_prompt(head) if head else 0
+        if post_instructions is not None:
+            limit = min(limit, instructions + post_instructions)
+        if self._fits(messages, count_prompt, limit):
+            return messages
+        if not self._fits(head + last, count_prompt, limit):
+            raise ContextLimitError(
+                "context_length_exceeded",
+                f"the instructions and the last message alone are over the context limit "
+                f"({limit} tokens)",
+            )
+        target = max(instructions + int((limit - instructions) * ratio), count_prompt(head + last))
+        dropped = self._fewest_to_drop(head, history, last, count_prompt, target)
+        assert dropped is not None  # head + last alone fit the target
+        return head + history[dropped:] + last
+
     def _fewest_to_drop(
         self,
         head: list[Message],
         history: list[Message],
         last: list[Message],
         count_prompt: CountPrompt,
+        limit: int | None = None,
     ) -> int | None:
         # Fewer messages never make a longer prompt, so the count is found by bisection.
         def fits(dropped: int) -> bool:
-            return self._fits(head + history[dropped:] + last, count_prompt)
+            return self._fits(head + history[dropped:] + last, count_prompt, limit)
 
         if not fits(len(history)):
             return None
@@ -114,8 +153,10 @@ class ContextFitter:
                 low = middle
         return high
 
-    def _fits(self, messages: list[Message], count_prompt: CountPrompt) -> bool:
-        limit = self.limits.max_context_tokens
+    def _fits(
+        self, messages: list[Message], count_prompt: CountPrompt, limit: int | None = None
+    ) -> bool:
+        limit = self.limits.max_context_tokens if limit is None else limit
         size = sum(_bytes(m.get("content")) for m in messages)
         return size <= limit * self._max_token_bytes and count_prompt(messages) <= limit
 

@@ -81,11 +81,14 @@ class LlmInput:
     `cache_key` names the conversation whose KV is reused between turns (None: no
     reuse). `priority`: lower is admitted first, as in `Request.__lt__`. `truncate`:
     messages over the stage's context limit lose their oldest history instead of
-    failing the request (`engine.context`).
+    failing the request (`engine.context`); with `retention_ratio` they lose enough to
+    use that share of the limit (or of `post_instructions_tokens` after the system
+    message, when given).
     `messages`, `tools` and `tool_choice` are in the chat-completions shape: messages may
     carry `tool_calls` or be `tool` results; `tools` are `function` tools, and
     `tool_choice` is "auto", "none", "required" or `{"type": "function", "function":
-    {"name": ...}}`.
+    {"name": ...}}`. `parallel_tool_calls` goes to a remote server as it is; the local
+    model writes at most one call per reply whatever it says.
     """
 
     prompt_token_ids: list[int] | None = None
@@ -94,8 +97,11 @@ class LlmInput:
     cache_key: str | None = None
     priority: int = 0
     truncate: bool = True
+    retention_ratio: float | None = None
+    post_instructions_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool | None = None
 
     @property
     def offered_tools(self) -> list[dict[str, Any]]:
@@ -332,6 +338,8 @@ class LlmStage:
                     messages,
                     truncate=inputs.truncate,
                     count_prompt=lambda fitted: len(self._templated(fitted, tools)),
+                    retention_ratio=inputs.retention_ratio,
+                    post_instructions_tokens=inputs.post_instructions_tokens,
                 )
             ids = self._templated(messages, tools)
         else:

@@ -693,13 +693,18 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         params: SamplingParams = turn.params[LLM]
         if request.max_output_tokens is not None:
             params = dataclasses.replace(params, max_tokens=request.max_output_tokens)
+        if request.temperature is not None:
+            params = dataclasses.replace(params, temperature=request.temperature)
         return LlmInput(
             messages=messages,
             sampling_params=params,
             cache_key=request.cache_key,
             truncate=request.truncate,
+            retention_ratio=request.retention_ratio,
+            post_instructions_tokens=request.post_instructions_tokens,
             tools=[_chat_tool(t) for t in request.tools] or None,
             tool_choice=_chat_tool_choice(request.tool_choice),
+            parallel_tool_calls=request.parallel_tool_calls,
         )
 
     def _tts_request(self, turn: _Turn) -> Any:

@@ -156,6 +156,8 @@ def chat_body(model: str, inputs: LlmInput) -> dict[str, Any]:
     if inputs.tools:
         body["tools"] = inputs.tools
         body["tool_choice"] = inputs.tool_choice
+        if inputs.parallel_tool_calls is not None:
+            body["parallel_tool_calls"] = inputs.parallel_tool_calls
     return body
 
 

@@ -91,6 +91,21 @@ class Admission:
         lefts = (runway.left(now) for runway in self._speaking.values())
         return any(left is not None and left < floor for left in lefts)
 
+    def rate_limits(self) -> list[dict[str, float | int | str]]:
+        """The `rate_limits.updated` figures: spoken responses that may start now
+        ("requests": the limit is `max_speaking`; none remain while saturated), and
+        once none remain, the longest a new one would wait before it is refused."""
+        limit = self.settings.max_speaking
+        remaining = 0 if self.saturated() else limit - len(self._speaking)
+        return [
+            {
+                "name": "requests",
+                "limit": limit,
+                "remaining": remaining,
+                "reset_seconds": 0.0 if remaining else self.settings.max_wait_s,
+            }
+        ]
+
     def request(
         self, response_id: str, start: Callable[[], None], refuse: Callable[[str], None]
     ) -> None:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 __all__ = [
     "OPENAI_REALTIME_MODELS",
+    "OPENAI_VOICES",
     "CapacitySettings",
     "GatewayConfig",
     "SessionLimits",
@@ -27,6 +28,21 @@ OPENAI_REALTIME_MODELS = (
     "gpt-realtime*",
     "gpt-4o-realtime-preview*",
     "gpt-4o-mini-realtime-preview*",
+)
+# The voice names OpenAI's realtime models take, so that an app written for the service
+# (the Agents SDK asks for "ash", LiveKit's plugin for "alloy") runs unchanged. The
+# profile's `openai_voices` table says which of its own voices speaks each.
+OPENAI_VOICES = (
+    "alloy",
+    "ash",
+    "ballad",
+    "cedar",
+    "coral",
+    "echo",
+    "marin",
+    "sage",
+    "shimmer",
+    "verse",
 )
 
 
@@ -167,7 +183,15 @@ class GatewayConfig(BaseModel):
     # the event loop (Linux; gateway/priority.py), so that frames, pings and audio are
     # handled as soon as they come while the models keep every core busy. 0: equal.
     engine_nice: int = Field(default=5, ge=0, le=19)
+    # The profile's own voices (the CLI fills in the TTS stage's voice).
     voices: tuple[str, ...] = ("joe",)
+    # OpenAI voice name -> the profile voice that speaks it. A name of OPENAI_VOICES left
+    # out is spoken by the first of `voices`; other names may be added as aliases too.
+    # `session.voice` reports the name the client asked for.
+    openai_voices: dict[str, str] = Field(default_factory=dict)
+    # Stored prompts a session or response names by id (`prompt`): {id: {version: text}},
+    # `{{name}}` marking a variable (gateway/prompts.py); the last version is the default.
+    prompts: dict[str, dict[str, str]] = Field(default_factory=dict)
     # A new session's `instructions`; the CLI fills it from the profile's system prompt.
     default_instructions: str = ""
     transcription_languages: tuple[str, ...] = ("en",)
@@ -191,6 +215,29 @@ class GatewayConfig(BaseModel):
                 raise ValueError(f"{alias!r}: a name, or a prefix followed by one '*'")
         return aliases
 
+    @model_validator(mode="after")
+    def _voices_exist(self) -> GatewayConfig:
+        for name, voice in self.openai_voices.items():
+            if voice not in self.voices:
+                raise ValueError(
+                    f"openai_voices maps {name!r} to {voice!r}, which is not one of this "
+                    f"profile's voices ({', '.join(self.voices)})"
+                )
+        return self
+
+    def speaker(self, voice: str) -> str | None:
+        """The profile voice that speaks the voice a client asked for; None: unknown."""
+        if voice in self.voices:
+            return voice
+        if voice in self.openai_voices:
+            return self.openai_voices[voice]
+        return self.voices[0] if voice in OPENAI_VOICES else None
+
+    @property
+    def voice_names(self) -> tuple[str, ...]:
+        """Every voice name a client may ask for."""
+        return tuple(dict.fromkeys((*self.voices, *OPENAI_VOICES, *self.openai_voices)))
+
     @property
     def served_models(self) -> tuple[str, ...]:
         """Every name this profile answers to, patterns as written."""
@@ -209,4 +256,9 @@ def load_profile(path: Path) -> tuple[dict[str, Any], GatewayConfig]:
     data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a profile is a YAML mapping")
-    return data, GatewayConfig.model_validate(data.get("gateway") or {})
+    section = dict(data.get("gateway") or {})
+    # The voice table is checked against the voice the TTS stage speaks with.
+    voice = ((data.get("stages") or {}).get("tts") or {}).get("voice")
+    if isinstance(voice, str) and "voices" not in section:
+        section["voices"] = (voice,)
+    return data, GatewayConfig.model_validate(section)

@@ -16,6 +16,7 @@ import json
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from typing_extensions import assert_never
@@ -40,11 +41,14 @@ from gateway.actions import (
 from gateway.backend import Backend, SpeechEvent
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
+from gateway.protocol import TracingIn, new_id
 from gateway.realtime import RealtimeSession
 
 __all__ = ["RealtimeConnection", "SEND_OVERFLOW_CODE"]
 
 logger = logging.getLogger(__name__)
+# A traced session (`session.tracing`) logs a line here per response, at INFO.
+trace_logger = logging.getLogger("gateway.trace")
 
 SEND_OVERFLOW_CODE = 1008
 INTERNAL_ERROR_CODE = 1011
@@ -60,6 +64,7 @@ class RealtimeConnection:
         *,
         model: str,
         beta: bool,
+        rate_limits: Callable[[], list[dict[str, Any]]] | None = None,
     ) -> None:
         self.websocket = websocket
         self.config = config
@@ -75,6 +80,7 @@ class RealtimeConnection:
         self._created_at: dict[str, float] = {}
         self._running: set[str] = set()  # responses created and not yet done
         self._close_when_idle: CloseSession | None = None
+        self._rate_limits = rate_limits
 
     @property
     def session_id(self) -> str:
@@ -217,10 +223,23 @@ class RealtimeConnection:
         if self._done.is_set():
             return  # closing: nothing more is sent
         for event in events:
-            self._observe(event)
-            self._queue.append(json.dumps(event, separators=(",", ":")))
+            self._queue_event(event)
+            if event["type"] == "response.done" and self._rate_limits is not None:
+                # As the service does: the limits as they stand once a response is done.
+                limits = self._rate_limits()
+                self._queue_event(
+                    {
+                        "type": "rate_limits.updated",
+                        "event_id": new_id("event"),
+                        "rate_limits": limits,
+                    }
+                )
         if events:
             self._ready.set()
+
+    def _queue_event(self, event: dict[str, Any]) -> None:
+        self._observe(event)
+        self._queue.append(json.dumps(event, separators=(",", ":")))
 
     def _dispatch(self, actions: list[Action]) -> None:
         for action in actions:
@@ -283,6 +302,28 @@ class RealtimeConnection:
         details = response["status_details"] or {}
         if response["status"] == "cancelled" and details.get("reason") == "turn_detected":
             self.metrics.barge_ins.inc()
+        self._trace(response)
+
+    def _trace(self, response: dict[str, Any]) -> None:
+        """The session's trace: with `tracing` on, a log line per response, under its
+        workflow name and group ("auto": workflow "realtime", the session as group)."""
+        tracing = self.core.settings.tracing
+        if tracing is None:
+            return
+        given = tracing if isinstance(tracing, TracingIn) else TracingIn()
+        usage = response.get("usage") or {}
+        trace_logger.info(
+            "trace workflow=%s group=%s session=%s response=%s status=%s "
+            "input_tokens=%s output_tokens=%s metadata=%s",
+            given.workflow_name or "realtime",
+            given.group_id or self.session_id,
+            self.session_id,
+            response["id"],
+            response["status"],
+            usage.get("input_tokens"),
+            usage.get("output_tokens"),
+            json.dumps(given.metadata) if given.metadata else "{}",
+        )
 
     def _first_output(self, response_id: str) -> None:
         created = self._created_at.pop(response_id, None)

@@ -16,6 +16,7 @@ import string
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    ConfigDict,
     Field,
     StrictBool,
 )
@@ -47,6 +48,13 @@ __all__ = [
     "ItemIdIn",
     "ItemIn",
     "ItemReferenceIn",
+    "NoiseReductionIn",
+    "PromptIn",
+    "PromptTextIn",
+    "ReasoningIn",
+    "RetentionRatioIn",
+    "TracingIn",
+    "VoiceIdIn",
     "METADATA_MAX_KEYS",
     "METADATA_MAX_KEY_CHARS",
     "METADATA_MAX_VALUE_CHARS",
@@ -89,17 +97,92 @@ class FormatIn(StrictModel):
     rate: Annotated[int | None, integer(1)] = None
 
 
+class NoiseReductionIn(StrictModel):
+    """Input noise reduction: the input path's noise suppression, for a near or far
+    microphone."""
+
+    model_config = ConfigDict(frozen=True)
+
+    type: Literal["near_field", "far_field"]
+    strength: Annotated[float | None, number(0.0, 1.0)] = None
+
+
 class AudioInputIn(StrictModel):
     format: FormatIn | None = None
     transcription: TranscriptionIn | None = None
-    noise_reduction: dict[str, Any] | None = None
+    noise_reduction: NoiseReductionIn | None = None
     turn_detection: TurnDetectionIn | None = None
+
+
+class VoiceIdIn(StrictModel):
+    """A custom voice, by its id (`{"id": "voice_1234"}`)."""
+
+    id: str
 
 
 class AudioOutputIn(StrictModel):
     format: FormatIn | None = None
-    voice: str | None = None
+    voice: str | VoiceIdIn | None = None
     speed: Annotated[float | None, number(0.25, 1.5)] = None
+
+
+class TracingIn(StrictModel):
+    """Where a session's trace goes, under which workflow name and group."""
+
+    model_config = ConfigDict(frozen=True)
+
+    workflow_name: str | None = None
+    group_id: str | None = None
+    metadata: dict[str, Any] | None = None
+
+
+Tracing = Literal["auto"] | TracingIn | None
+
+
+class ReasoningIn(StrictModel):
+    model_config = ConfigDict(frozen=True)
+
+    effort: Literal["minimal", "low", "medium", "high", "xhigh"] | None = None
+
+
+class TokenLimitsIn(StrictModel):
+    post_instructions: Annotated[int | None, integer(1)] = None
+
+
+class RetentionRatioIn(StrictModel):
+    """Truncation that, once the conversation is over its limit, drops the oldest
+    messages until `retention_ratio` of the limit is used."""
+
+    model_config = ConfigDict(frozen=True)
+
+    type: Literal["retention_ratio"]
+    retention_ratio: Annotated[float, number(0.0, 1.0)]
+    token_limits: TokenLimitsIn | None = None
+
+
+Truncation = Literal["auto", "disabled"] | RetentionRatioIn
+
+
+class PromptTextIn(StrictModel):
+    type: Literal["input_text"]
+    text: str
+    prompt_cache_breakpoint: dict[str, Any] | None = None
+
+
+class PromptMediaIn(StrictModel):
+    """An image or file as a prompt variable's value; the LLM takes text only."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["input_image", "input_file"]
+
+
+class PromptIn(StrictModel):
+    """A stored prompt (kept in the profile), by id and version, with its variables."""
+
+    id: str
+    version: str | None = None
+    variables: dict[str, str | PromptTextIn | PromptMediaIn] | None = None
 
 
 class AudioIn(StrictModel):
@@ -123,10 +206,18 @@ class GASessionIn(_SharedSessionIn):
     output_modalities: list[Literal["text", "audio"]] | None = None
     audio: AudioIn | None = None
     max_output_tokens: TokenLimit = None
-    tracing: Any = None
-    prompt: Any = None
-    truncation: Any = None
+    tracing: Tracing = None
+    prompt: PromptIn | None = None
+    truncation: Truncation | None = None
     include: list[str] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    reasoning: ReasoningIn | None = None
+
+
+class ClientSecretIn(StrictModel):
+    """A beta session's ephemeral-key lifetime (`client_secret.expires_after`)."""
+
+    expires_after: dict[str, Any] | None = None
 
 
 class BetaSessionIn(_SharedSessionIn):
@@ -135,13 +226,14 @@ class BetaSessionIn(_SharedSessionIn):
     input_audio_format: str | None = None
     output_audio_format: str | None = None
     input_audio_transcription: TranscriptionIn | None = None
-    input_audio_noise_reduction: dict[str, Any] | None = None
+    input_audio_noise_reduction: NoiseReductionIn | None = None
     turn_detection: TurnDetectionIn | None = None
-    temperature: Annotated[float | None, number()] = None
+    temperature: Annotated[float | None, number(0.6, 1.2)] = None
     max_response_output_tokens: TokenLimit = None
     speed: Annotated[float | None, number(0.25, 1.5)] = None
-    tracing: Any = None
+    tracing: Tracing = None
     include: list[str] | None = None
+    client_secret: ClientSecretIn | None = None
 
 
 class TranscriptionAudioIn(StrictModel):
@@ -169,8 +261,9 @@ class BetaTranscriptionSessionIn(_TranscriptionSessionIn):
     input_audio_format: str | None = None
     input_audio_transcription: TranscriptionIn | None = None
     turn_detection: TurnDetectionIn | None = None
-    input_audio_noise_reduction: dict[str, Any] | None = None
+    input_audio_noise_reduction: NoiseReductionIn | None = None
     modalities: list[Literal["text", "audio"]] | None = None
+    client_secret: ClientSecretIn | None = None
 
 
 class ContentIn(StrictModel):
@@ -209,20 +302,22 @@ class _SharedResponseIn(StrictModel):
     conversation: Literal["auto", "none"] | str | None = None
     metadata: Metadata = None
     input: list[ItemIn | ItemReferenceIn] | None = None
-    prompt: Any = None
 
 
 class GAResponseIn(_SharedResponseIn):
     output_modalities: list[Literal["text", "audio"]] | None = None
     max_output_tokens: TokenLimit = None
     audio: AudioIn | None = None
+    prompt: PromptIn | None = None
+    parallel_tool_calls: StrictBool | None = None
+    reasoning: ReasoningIn | None = None
 
 
 class BetaResponseIn(_SharedResponseIn):
     modalities: list[Literal["text", "audio"]] | None = None
     voice: str | None = None
     output_audio_format: str | None = None
-    temperature: Annotated[float | None, number()] = None
+    temperature: Annotated[float | None, number(0.6, 1.2)] = None
     max_response_output_tokens: TokenLimit = None
 
 

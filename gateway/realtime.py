@@ -276,6 +276,13 @@ class RealtimeSession:
 
     def _greet(self) -> None:
         self._out.emit(self._session_event("created"), session=self._session_object())
+        if self.beta and not self.settings.transcription_only:
+            # Beta announces the session's one conversation, as the service does.
+            conversation = {
+                "id": self._responses.conversation_id,
+                "object": "realtime.conversation",
+            }
+            self._out.emit("conversation.created", conversation=conversation)
 
     def _session_event(self, what: str) -> str:
         # Beta names a transcription session's events apart; GA tells by session.type.
@@ -351,8 +358,7 @@ class RealtimeSession:
         return [self._items.get(e) if isinstance(e, str) else e for e in options.input]
 
     def _start_response(self, options: ResponseOptions, context: list[Item]) -> None:
-        limit = self.limits.max_context_messages
-        turn = response_turn(options, context, self.settings, max_context_messages=limit)
+        turn = response_turn(options, context, self.settings, config=self.config)
         answered = answered_item(context)
         transcribed = answered if answered is not None and turn.audio is not None else None
         if transcribed is not None:

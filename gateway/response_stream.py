@@ -76,7 +76,7 @@ class ResponseStream:
     ) -> None:
         self._out = outbox
         self._conversation = conversation
-        self._conversation_id = "conv_" + session_id.removeprefix("sess_")
+        self.conversation_id = "conv_" + session_id.removeprefix("sess_")
         self._chunk_ms = chunk_ms
         self._responses: dict[str, Response] = {}
         self.active_id: str | None = None
@@ -336,7 +336,7 @@ class ResponseStream:
             "status": response.status,
             "status_details": response.status_details,
             "output": [item.public() for item in response.outputs],
-            "conversation_id": None if options.out_of_band else self._conversation_id,
+            "conversation_id": None if options.out_of_band else self.conversation_id,
             "output_modalities": list(options.output_modalities),
             "max_output_tokens": "inf"
             if options.max_output_tokens is None

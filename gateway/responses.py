@@ -9,7 +9,8 @@ from duplex.turn import Tool, ToolChoice
 from gateway.audio import AudioFormat
 from gateway.config import GatewayConfig
 from gateway.conversation import Item
-from gateway.protocol import BetaResponseIn, GAResponseIn, ItemIn, ItemReferenceIn
+from gateway.prompts import StoredPrompt
+from gateway.protocol import BetaResponseIn, GAResponseIn, ItemIn, ItemReferenceIn, ReasoningIn
 from gateway.session_config import (
     SessionSettings,
     SettingError,
@@ -17,6 +18,9 @@ from gateway.session_config import (
     _ga_format,
     _max_tokens,
     _modalities,
+    check_voice,
+    stored_prompt,
+    voice_name,
 )
 from gateway.tools import ToolSettingError, check_choice, parse_tool_choice, parse_tools
 
@@ -36,6 +40,10 @@ class ResponseOptions:
     input: list[Item | str] | None = None
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = ToolChoice()
+    temperature: float | None = None
+    parallel_tool_calls: bool | None = None
+    prompt: StoredPrompt | None = None
+    reasoning: ReasoningIn | None = None
 
     @classmethod
     def from_session(cls, settings: SessionSettings) -> ResponseOptions:
@@ -47,7 +55,17 @@ class ResponseOptions:
             output_format=settings.output_format,
             tools=settings.tools,
             tool_choice=settings.tool_choice,
+            temperature=settings.temperature,
+            parallel_tool_calls=settings.parallel_tool_calls,
+            prompt=settings.prompt,
+            reasoning=settings.reasoning,
         )
+
+    @property
+    def system_text(self) -> str:
+        """The system message: the stored prompt's text, then the instructions."""
+        parts = (self.prompt.text if self.prompt else "", self.instructions)
+        return "\n\n".join(part for part in parts if part)
 
 
 def parse_response_options(
@@ -60,8 +78,6 @@ def parse_response_options(
     options = ResponseOptions.from_session(settings)
     changes: dict[str, Any] = {}
     changes.update(_tool_overrides(spec, options))
-    if spec.prompt is not None:
-        raise SettingError("stored prompts are not supported", "response.prompt")
     if spec.conversation not in (None, "auto", "none"):
         raise SettingError("conversation must be 'auto' or 'none'", "response.conversation")
     if spec.instructions is not None:
@@ -73,12 +89,10 @@ def parse_response_options(
     if isinstance(spec, BetaResponseIn):
         changes.update(_beta_overrides(spec))
     else:
-        changes.update(_ga_overrides(spec))
+        changes.update(_ga_overrides(spec, config))
     voice = changes.get("voice")
-    if voice is not None and voice not in config.voices:
-        raise SettingError(
-            f"unknown voice {voice!r}; supported: {', '.join(config.voices)}", "response.voice"
-        )
+    if voice is not None:
+        check_voice(voice, config, "response.voice")
     fields = {**options.__dict__, **changes}
     return ResponseOptions(**fields)
 
@@ -98,8 +112,15 @@ def _tool_overrides(
     return {"tools": tools, "tool_choice": choice}
 
 
-def _ga_overrides(spec: GAResponseIn) -> dict[str, Any]:
+def _ga_overrides(spec: GAResponseIn, config: GatewayConfig) -> dict[str, Any]:
     changes: dict[str, Any] = {}
+    given = spec.model_fields_set
+    if "prompt" in given:
+        changes["prompt"] = stored_prompt(spec.prompt, config, "response.prompt")
+    if "parallel_tool_calls" in given:
+        changes["parallel_tool_calls"] = spec.parallel_tool_calls
+    if "reasoning" in given:
+        changes["reasoning"] = spec.reasoning
     if spec.output_modalities is not None:
         changes["output_modalities"] = _modalities(list[str](spec.output_modalities), ga=True)
     if "max_output_tokens" in spec.model_fields_set:
@@ -112,7 +133,7 @@ def _ga_overrides(spec: GAResponseIn) -> dict[str, Any]:
             output.format.model_dump(exclude_none=True), "response.audio.output.format"
         )
     if output and output.voice is not None:
-        changes["voice"] = output.voice
+        changes["voice"] = voice_name(output.voice)
     if output and output.speed is not None:
         raise SettingError("speed is a session setting", "response.audio.output.speed")
     return changes
@@ -129,7 +150,7 @@ def _beta_overrides(spec: BetaResponseIn) -> dict[str, Any]:
     if spec.voice is not None:
         changes["voice"] = spec.voice
     if spec.temperature is not None:
-        raise SettingError("temperature is not supported", "response.temperature")
+        changes["temperature"] = spec.temperature
     return changes
 
 

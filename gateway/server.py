@@ -354,6 +354,7 @@ class GatewayServer:
             self.metrics,
             model=model,
             beta=is_beta(request),
+            rate_limits=self.admission.rate_limits,
         )
         transcribing = _intent(request) == INTENT_TRANSCRIPTION
         if transcribing:

@@ -17,19 +17,26 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 from duplex.turn import Tool, ToolChoice
 from gateway.audio import PCM16, AudioFormat, AudioFormatError, format_from_beta, format_from_ga
 from gateway.config import GatewayConfig
+from gateway.prompts import PromptError, StoredPrompt, render_prompt
 from gateway.protocol import (
     AudioInputIn,
     BetaSessionIn,
     BetaTranscriptionSessionIn,
     GASessionIn,
     GATranscriptionSessionIn,
+    NoiseReductionIn,
+    PromptIn,
+    ReasoningIn,
+    RetentionRatioIn,
+    TracingIn,
     TranscriptionIn,
     TurnDetectionIn,
+    VoiceIdIn,
 )
 from gateway.tools import (
     ToolSettingError,
@@ -47,6 +54,9 @@ __all__ = [
     "SettingError",
     "TurnDetection",
     "apply_update",
+    "check_voice",
+    "stored_prompt",
+    "voice_name",
     "transcription_session",
 ]
 
@@ -162,10 +172,54 @@ class SessionSettings:
     transcription: dict[str, Any] | None = None
     turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
     max_output_tokens: int | None = None
-    truncation: str = "auto"
+    truncation: str | RetentionRatioIn = "auto"
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = ToolChoice()
     expires_at: int = field(default_factory=lambda: int(time.time()) + 3600)
+    # The LLM's sampling temperature (beta); None: the profile's.
+    temperature: float | None = None
+    # False: at most one function call per response (the local model never makes more).
+    parallel_tool_calls: bool | None = None
+    prompt: StoredPrompt | None = None
+    # Accepted and reported; the LLM does not reason, so every effort answers alike.
+    reasoning: ReasoningIn | None = None
+    # Where the trace goes: the gateway's log, a line per response (gateway.connection).
+    tracing: Literal["auto"] | TracingIn | None = None
+    # Accepted; applied by the input path's noise suppression.
+    noise_reduction: NoiseReductionIn | None = None
+
+    @property
+    def truncates(self) -> bool:
+        """Whether the oldest history is dropped when the context is over its limit."""
+        return self.truncation != "disabled"
+
+    @property
+    def retention_ratio(self) -> float | None:
+        """With retention-ratio truncation: the share of the limit kept when cutting."""
+        truncation = self.truncation
+        return truncation.retention_ratio if isinstance(truncation, RetentionRatioIn) else None
+
+    @property
+    def post_instructions_tokens(self) -> int | None:
+        """With retention-ratio truncation: its own limit on the tokens after the
+        instructions, if it sets one."""
+        if not isinstance(self.truncation, RetentionRatioIn) or not self.truncation.token_limits:
+            return None
+        return self.truncation.token_limits.post_instructions
+
+    def _truncation_object(self) -> str | dict[str, Any]:
+        if isinstance(self.truncation, RetentionRatioIn):
+            return self.truncation.model_dump(exclude_none=True)
+        return self.truncation
+
+    def _tracing_object(self) -> str | dict[str, Any] | None:
+        if isinstance(self.tracing, TracingIn):
+            return self.tracing.model_dump(exclude_none=True)
+        return self.tracing
+
+    def _noise_reduction_object(self) -> dict[str, Any] | None:
+        reduction = self.noise_reduction
+        return reduction.model_dump(exclude_none=True) if reduction is not None else None
 
     @property
     def transcription_only(self) -> bool:
@@ -204,16 +258,18 @@ class SessionSettings:
             "max_output_tokens": "inf"
             if self.max_output_tokens is None
             else self.max_output_tokens,
-            "tracing": None,
-            "prompt": None,
-            "truncation": self.truncation,
+            "tracing": self._tracing_object(),
+            "prompt": self.prompt and self.prompt.as_dict(),
+            "truncation": self._truncation_object(),
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "reasoning": self.reasoning and self.reasoning.model_dump(exclude_none=True),
             "expires_at": self.expires_at,
             "include": self._include_object(),
             "audio": {
                 "input": {
                     "format": self.input_format.ga_shape(),
                     "transcription": self.transcription,
-                    "noise_reduction": None,
+                    "noise_reduction": self._noise_reduction_object(),
                     "turn_detection": self.turn_detection and self.turn_detection.as_dict(),
                 },
                 "output": {
@@ -236,7 +292,7 @@ class SessionSettings:
                 "input": {
                     "format": self.input_format.ga_shape(),
                     "transcription": self.transcription,
-                    "noise_reduction": None,
+                    "noise_reduction": self._noise_reduction_object(),
                     "turn_detection": detection and detection.transcription_dict(),
                 },
             },
@@ -256,13 +312,15 @@ class SessionSettings:
             "input_audio_format": self.input_format.beta_name,
             "output_audio_format": self.output_format.beta_name,
             "input_audio_transcription": self.transcription,
-            "input_audio_noise_reduction": None,
+            "input_audio_noise_reduction": self._noise_reduction_object(),
             "turn_detection": self.turn_detection and self.turn_detection.as_dict(),
             "tools": tool_objects(self.tools),
             "tool_choice": tool_choice_object(self.tool_choice),
             "max_response_output_tokens": "inf"
             if self.max_output_tokens is None
             else self.max_output_tokens,
+            "temperature": self.temperature,
+            "tracing": self._tracing_object(),
             "expires_at": self.expires_at,
             "include": self._include_object(),
         }
@@ -276,9 +334,12 @@ class SessionSettings:
             "modalities": ["text"],
             "input_audio_format": self.input_format.beta_name,
             "input_audio_transcription": self.transcription,
-            "input_audio_noise_reduction": None,
+            "input_audio_noise_reduction": self._noise_reduction_object(),
             "turn_detection": detection and detection.transcription_dict(),
             "include": self._include_object(),
+            # The beta SDK's model requires it. Sessions here are opened over the
+            # WebSocket with the server's key: no ephemeral key is issued, so it is empty.
+            "client_secret": {"value": "", "expires_at": self.expires_at},
         }
 
 
@@ -315,7 +376,7 @@ def apply_update(
         changes = _beta_changes(update, current)
     else:
         update = GASessionIn.model_validate(raw)
-        changes = _ga_changes(update, current)
+        changes = _ga_changes(update, current, config)
     changes.update(_shared_changes(update, current, config))
     new = replace(current, **changes)
     _check_supported(new, current, config, voice_locked)
@@ -414,10 +475,8 @@ def _beta_input_changes(
         changes["transcription"] = _transcription(
             update.input_audio_transcription, "session.input_audio_transcription"
         )
-    if update.input_audio_noise_reduction is not None:
-        raise SettingError(
-            "noise reduction is not supported", "session.input_audio_noise_reduction"
-        )
+    if "input_audio_noise_reduction" in given:
+        changes["noise_reduction"] = update.input_audio_noise_reduction
     if "turn_detection" in given:
         detect = _transcription_detection if current.transcription_only else _turn_detection
         changes["turn_detection"] = detect(
@@ -473,11 +532,20 @@ def _shared_changes(
     if "instructions" in given:
         changes["instructions"] = update.instructions or ""
     changes.update(_tool_changes(update, current))
-    if update.tracing is not None:
-        raise SettingError("tracing is not supported", "session.tracing")
+    if "tracing" in given:
+        changes["tracing"] = _tracing(update.tracing, current.tracing)
     if "include" in given:
         changes["include"] = _include(update.include)
     return changes
+
+
+def _tracing(value: Literal["auto"] | TracingIn | None, current: object) -> object:
+    # As the service rules: once a session traces, its tracing stays as it is.
+    if current is not None and value != current:
+        raise SettingError(
+            "tracing cannot be modified once it is enabled for a session", "session.tracing"
+        )
+    return value
 
 
 def _tool_changes(update: GASessionIn | BetaSessionIn, current: SessionSettings) -> dict[str, Any]:
@@ -493,7 +561,9 @@ def _tool_changes(update: GASessionIn | BetaSessionIn, current: SessionSettings)
     return {"tools": tools, "tool_choice": choice}
 
 
-def _ga_changes(update: GASessionIn, current: SessionSettings) -> dict[str, Any]:
+def _ga_changes(
+    update: GASessionIn, current: SessionSettings, config: GatewayConfig
+) -> dict[str, Any]:
     if update.type != "realtime":
         raise SettingError("only realtime sessions are supported (type 'realtime')", "session.type")
     given = update.model_fields_set
@@ -502,12 +572,14 @@ def _ga_changes(update: GASessionIn, current: SessionSettings) -> dict[str, Any]
         changes["output_modalities"] = _modalities(update.output_modalities, ga=True)
     if "max_output_tokens" in given:
         changes["max_output_tokens"] = _max_tokens(update.max_output_tokens)
-    if update.prompt is not None:
-        raise SettingError("stored prompts are not supported", "session.prompt")
+    if "prompt" in given:
+        changes["prompt"] = stored_prompt(update.prompt, config, "session.prompt")
     if "truncation" in given and update.truncation is not None:
-        if update.truncation not in ("auto", "disabled"):
-            raise SettingError("truncation must be 'auto' or 'disabled'", "session.truncation")
         changes["truncation"] = update.truncation
+    if "parallel_tool_calls" in given:
+        changes["parallel_tool_calls"] = update.parallel_tool_calls
+    if "reasoning" in given:
+        changes["reasoning"] = update.reasoning
     audio = update.audio
     if audio and audio.input:
         changes.update(_ga_input_changes(audio.input, current))
@@ -517,7 +589,7 @@ def _ga_changes(update: GASessionIn, current: SessionSettings) -> dict[str, Any]
                 audio.output.format.model_dump(exclude_none=True), "session.audio.output.format"
             )
         if audio.output.voice is not None:
-            changes["voice"] = audio.output.voice
+            changes["voice"] = voice_name(audio.output.voice)
         if audio.output.speed is not None:
             changes["speed"] = audio.output.speed
     return changes
@@ -535,10 +607,8 @@ def _ga_input_changes(value: AudioInputIn, current: SessionSettings) -> dict[str
         changes["transcription"] = _transcription(
             value.transcription, "session.audio.input.transcription"
         )
-    if value.noise_reduction is not None:
-        raise SettingError(
-            "noise reduction is not supported", "session.audio.input.noise_reduction"
-        )
+    if "noise_reduction" in given:
+        changes["noise_reduction"] = value.noise_reduction
     if "turn_detection" in given:
         param = "session.audio.input.turn_detection"
         detect = _transcription_detection if current.transcription_only else _turn_detection
@@ -558,14 +628,25 @@ def _beta_changes(update: BetaSessionIn, current: SessionSettings) -> dict[str, 
     if update.output_audio_format is not None:
         changes["output_format"] = _beta_format(update.output_audio_format, "output_audio_format")
     changes |= _beta_input_changes(update, current)
-    if update.temperature is not None:
-        raise SettingError(
-            "temperature is not supported by the realtime API shape of this gateway",
-            "session.temperature",
-        )
+    if "temperature" in given:
+        changes["temperature"] = update.temperature
     if "max_response_output_tokens" in given:
         changes["max_output_tokens"] = _max_tokens(update.max_response_output_tokens)
     return changes
+
+
+def voice_name(value: str | VoiceIdIn) -> str:
+    """The voice a client asked for; a custom voice's id is looked up as a name."""
+    return value.id if isinstance(value, VoiceIdIn) else value
+
+
+def stored_prompt(value: PromptIn | None, config: GatewayConfig, param: str) -> StoredPrompt | None:
+    if value is None:
+        return None
+    try:
+        return render_prompt(value, config, param)
+    except PromptError as exc:
+        raise SettingError(str(exc), exc.param) from None
 
 
 def _modalities(values: Sequence[str], *, ga: bool) -> tuple[str, ...]:
@@ -660,12 +741,16 @@ def _check_supported(
                 "voice cannot be changed after the assistant has spoken",
                 "session.voice",
             )
-        if new.voice not in config.voices:
-            raise SettingError(
-                f"unknown voice {new.voice!r}; supported: {', '.join(config.voices)}",
-                "session.voice",
-            )
+        check_voice(new.voice, config, "session.voice")
     _check_language(new, config, beta=False)
+
+
+def check_voice(voice: str, config: GatewayConfig, param: str) -> None:
+    """A voice name this profile speaks: its own voices and OpenAI's, by its table."""
+    if config.speaker(voice) is None:
+        raise SettingError(
+            f"unknown voice {voice!r}; supported: {', '.join(config.voice_names)}", param
+        )
 
 
 def _check_language(new: SessionSettings, config: GatewayConfig, *, beta: bool) -> None:

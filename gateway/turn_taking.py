@@ -286,7 +286,7 @@ class TurnTaking:
                 ResponseOptions.from_session(self.settings),
                 [*self._conversation.items(), item],
                 self.settings,
-                max_context_messages=self._config.limits.max_context_messages,
+                config=self._config,
             )
         else:
             # The stop starts a transcription job: its final transcript is worked out in

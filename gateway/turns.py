@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from duplex.turn import Message, Stage, TurnRequest
+from gateway.config import GatewayConfig
 from gateway.conversation import Item
 from gateway.responses import ResponseOptions
 from gateway.session_config import LiveTranscription, SessionSettings
@@ -46,9 +47,10 @@ def response_turn(
     context: Sequence[Item],
     settings: SessionSettings,
     *,
-    max_context_messages: int,
+    config: GatewayConfig,
 ) -> TurnRequest:
-    """The turn of a response to `context` under `options`."""
+    """The turn of a response to `context` under `options`; the voice asked for is
+    spoken by the profile voice `config` maps it to."""
     answered = answered_item(context)
     history = context[:-1] if answered is not None else context
     audio = answered.pending_audio if answered is not None else None
@@ -60,21 +62,25 @@ def response_turn(
     listening = settings.live_transcription() is not None
     heard = answered.heard if answered is not None and audio is not None and not listening else None
     messages = _merge_calls([m for m in (item.message() for item in history) if m is not None])
-    if settings.truncation == "auto":
-        messages = messages[-max_context_messages:]
-    if options.instructions:
-        messages.insert(0, Message("system", options.instructions))
+    if settings.truncates:
+        messages = messages[-_kept_messages(settings, len(messages), config) :]
+    if options.system_text:
+        messages.insert(0, Message("system", options.system_text))
     return TurnRequest(
         final=Stage.TTS if spoken else Stage.LLM,
         audio=audio,
         text=text,
         messages=tuple(messages),
         max_output_tokens=options.max_output_tokens,
-        voice=options.voice if spoken else None,
+        voice=config.speaker(options.voice) if spoken else None,
         speed=settings.speed if spoken else None,
         # The conversation's prompt cache; an out-of-band reply shares none of it.
         cache_key=None if options.out_of_band else settings.id,
-        truncate=settings.truncation == "auto",
+        truncate=settings.truncates,
+        retention_ratio=settings.retention_ratio,
+        post_instructions_tokens=settings.post_instructions_tokens,
+        temperature=options.temperature,
+        parallel_tool_calls=options.parallel_tool_calls,
         tools=options.tools,
         tool_choice=options.tool_choice,
         utterance=answered.id if answered is not None and audio is not None else None,
@@ -82,6 +88,21 @@ def response_turn(
         logprobs=live.logprobs and audio is not None,
         heard=heard,
     )
+
+
+def _kept_messages(settings: SessionSettings, count: int, config: GatewayConfig) -> int:
+    """How many of the newest history messages a turn keeps: at most the limit. Over it,
+    retention-ratio truncation drops the oldest in blocks of the limit's share it gives
+    up, so that it keeps `retention_ratio` of the limit and the following turns start
+    from the same first message (their cached prompt holds) until the limit is reached
+    again."""
+    limit = config.limits.max_context_messages
+    ratio = settings.retention_ratio
+    if count <= limit or ratio is None:
+        return limit
+    block = max(1, limit - max(1, int(limit * ratio)))
+    dropped = -(-(count - limit) // block) * block  # whole blocks, enough to fit
+    return count - dropped
 
 
 def _merge_calls(messages: list[Message]) -> list[Message]:

@@ -126,3 +126,31 @@ def test_instructions_and_last_message_over_the_context_are_refused() -> None:
         fitter(max_context_tokens=16).fit(messages, truncate=True)
     assert err.value.code == "context_length_exceeded"
     assert "alone" in str(err.value)
+
+
+def test_retention_ratio_cuts_to_its_share_of_the_limit() -> None:
+    wrapper = fitter(max_context_tokens=60)
+    history = [msg("user" if i % 2 else "assistant", 4, f"m{i}-") for i in range(10)]
+    messages = [msg("system", 9), *history, msg("user", 4)]  # 10 + 10x5 + 5 = 65 tokens
+    fit = wrapper._fitter.fit
+    count = wrapper._count_prompt
+    # Plain truncation drops just enough to fit 60 tokens...
+    assert count(fit(messages, truncate=True, count_prompt=count)) == 60
+    # ...retention 0.5 keeps half of what the limit allows after the instructions.
+    kept = fit(messages, truncate=True, count_prompt=count, retention_ratio=0.5)
+    assert kept[0] == messages[0] and kept[-1] == messages[-1]
+    assert count(kept) <= 10 + 25 and count(kept) > 10 + 25 - 5
+    # Its own post-instructions limit applies below the engine's.
+    short = fit(
+        messages,
+        truncate=True,
+        count_prompt=count,
+        retention_ratio=1.0,
+        post_instructions_tokens=20,
+    )
+    assert count(short) <= 10 + 20
+    # Within the limit nothing is dropped.
+    assert (
+        fit(messages[:3] + messages[-1:], truncate=True, count_prompt=count, retention_ratio=0.5)
+        == messages[:3] + messages[-1:]
+    )

@@ -148,6 +148,10 @@ async def test_history_system_prompt_and_overrides_reach_the_stages(h: Harness) 
             voice="joe",
             speed=1.5,
             cache_key="conv-1",
+            temperature=0.9,
+            retention_ratio=0.5,
+            post_instructions_tokens=300,
+            parallel_tool_calls=False,
         ),
     )
     llm_rid, tts_rid = contexts[1].request_id, contexts[2].request_id
@@ -155,6 +159,9 @@ async def test_history_system_prompt_and_overrides_reach_the_stages(h: Harness) 
     inputs = h.llm.inputs[llm_rid]
     assert inputs.messages == [*history, {"role": "user", "content": "question 3"}]
     assert inputs.sampling_params.max_tokens == 12
+    assert inputs.sampling_params.temperature == 0.9
+    assert (inputs.retention_ratio, inputs.post_instructions_tokens) == (0.5, 300)
+    assert inputs.parallel_tool_calls is False
     assert inputs.cache_key == "conv-1"
     assert h.tts.requests[tts_rid] == TtsRequest(speed=1.5)
 

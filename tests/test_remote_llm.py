@@ -74,6 +74,13 @@ def test_every_sampling_field_reaches_the_body() -> None:
     }
 
 
+def test_tools_go_with_parallel_tool_calls_when_given() -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = chat_body("m", chat_inputs(tools=[tool], parallel_tool_calls=False))
+    assert body["tools"] == [tool] and body["parallel_tool_calls"] is False
+    assert "parallel_tool_calls" not in chat_body("m", chat_inputs(tools=[tool]))
+
+
 def test_what_a_server_cannot_take_is_rejected() -> None:
     with pytest.raises(ValueError, match="not prompt token ids"):
         chat_body("m", chat_inputs(messages=None, prompt_token_ids=[1, 2]))

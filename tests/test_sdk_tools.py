@@ -255,13 +255,12 @@ async def test_agents_sdk_realtime_agent_calls_a_function_tool(gateway: str) -> 
     )
     settings = {
         "model_name": MODEL,
-        "voice": "joe",  # the SDK's default voice is not served here
         "modalities": ["text"],
         "turn_detection": None,
         "tool_choice": "required",
     }
-    # Tracing goes to OpenAI's dashboard, which a local gateway does not have.
-    runner = RealtimeRunner(agent, config={"tracing_disabled": True, "model_settings": settings})
+    # The SDK's default voice ("ash") and tracing ("auto") as they are.
+    runner = RealtimeRunner(agent, config={"model_settings": settings})
     url = f"{gateway}/realtime?model={MODEL}"
     session = await runner.run(model_config={"url": url, "api_key": "sk-local"})
     kinds: list[str] = []

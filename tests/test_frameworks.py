@@ -1,0 +1,104 @@
+"""Three real agent frameworks against `duplex-gateway` started through its CLI with the
+real embedded models, each with its own defaults: only the URL and the key are changed
+(default voice, default tracing, default turn detection). Each test asserts what the
+framework itself reports."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.helpers import ROOT, running_gateway
+from tests.realtime_client import FRAME_MS, RATE, silence, speech
+
+pytestmark = pytest.mark.models
+
+QUESTION = "What is the weather in Paris?"
+KEY = "sk-local"
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The default profile with greedy decoding, so the call does not depend on a draw."""
+    profile = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    profile["stages"]["llm"]["sampling"]["temperature"] = 0.0
+    path = tmp_path_factory.mktemp("profile") / "greedy.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    with running_gateway("--config", str(path)) as gw:
+        yield f"ws://127.0.0.1:{gw.port}/v1"
+
+
+def question_audio() -> bytes:
+    """The question as a microphone would give it: speech, then a second of silence."""
+    return silence(300) + speech(QUESTION) + silence(1200)
+
+
+def frames(pcm: bytes) -> Iterator[bytes]:
+    step = RATE * 2 * FRAME_MS // 1000
+    for i in range(0, len(pcm), step):
+        yield pcm[i : i + step]
+
+
+async def test_openai_agents_sdk_realtime_agent(gateway: str) -> None:
+    """A `RealtimeAgent` with a function tool: the spoken question is transcribed, the
+    tool called, and the answer spoken. The agent asks for the call (`tool_choice:
+    "required"`): the embedded 135M model never chooses a function under "auto".
+    Once called, the tool lets the model answer (as an app does that wants one lookup)."""
+    from agents import function_tool
+    from agents.realtime import RealtimeAgent, RealtimeRunner
+    from agents.realtime.model_inputs import RealtimeModelSendRawMessage
+
+    asked: list[str] = []
+    session: Any = None
+
+    @function_tool
+    async def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        asked.append(city)
+        answer = {"type": "realtime", "tool_choice": "auto"}
+        await session.model.send_event(
+            RealtimeModelSendRawMessage(
+                message={"type": "session.update", "other_data": {"session": answer}}
+            )
+        )
+        return f"It is 18 degrees and cloudy in {city}."
+
+    agent = RealtimeAgent(
+        name="Weather", instructions="Answer weather questions.", tools=[get_weather]
+    )
+    runner = RealtimeRunner(agent, config={"model_settings": {"tool_choice": "required"}})
+    session = await runner.run(model_config={"url": f"{gateway}/realtime", "api_key": KEY})
+    kinds: list[str] = []
+    spoken = 0  # bytes of PCM16 the agent played after the tool ran
+    history: list[Any] = []
+    async with session:
+        for frame in frames(question_audio()):
+            await session.send_audio(frame)
+            await asyncio.sleep(FRAME_MS / 1000)
+        async with asyncio.timeout(180):
+            async for event in session:
+                kinds.append(event.type)
+                assert event.type != "error", event
+                if event.type == "audio" and "tool_end" in kinds:
+                    spoken += len(event.audio.data)
+                if event.type == "history_updated":
+                    history = event.history
+                if event.type == "agent_end" and spoken:
+                    break  # the spoken answer's response is done
+    assert asked and "paris" in asked[0].lower(), kinds
+    assert kinds.index("tool_start") < kinds.index("tool_end") < kinds.index("audio_end")
+    assert spoken > RATE  # over half a second of the spoken answer (PCM16 at 24 kHz)
+    said = [_transcript(item) for item in history if getattr(item, "role", None) == "user"]
+    assert any("weather" in text.lower() for text in said), history
+    answered = [_transcript(item) for item in history if getattr(item, "role", None) == "assistant"]
+    assert any(text.strip() for text in answered), history
+
+
+def _transcript(item: Any) -> str:
+    """The words of a history item of the Agents SDK: its text or audio transcripts."""
+    parts = getattr(item, "content", None) or []
+    return " ".join(getattr(p, "transcript", None) or getattr(p, "text", None) or "" for p in parts)

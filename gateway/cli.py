@@ -272,6 +272,7 @@ async def _start_engine(
         bundle.engine,
         on_close=stop_engine,
         llm_tokens=bundle.llm_tokens,
+        caches=bundle.cache_stats,
         turns=config.turns,
     )
     return backend, engine_config.stages.tts.voice

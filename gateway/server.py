@@ -129,6 +129,7 @@ class GatewayServer:
         self.metrics.watch_engine(backend.pending)
         self.metrics.watch_prepared(backend.prepared_turns)
         self.metrics.watch_llm_tokens(backend.llm_tokens)
+        self.metrics.watch_engine_caches(backend.engine_caches)
         self.admission = Admission(config.capacity, self.metrics)
         self.metrics.watch_capacity(
             lambda: self.admission.speaking,

@@ -55,6 +55,8 @@ STUCK_S = 120.0
 IDLE_AFTER_S = 10.0
 SAMPLE_EVERY_S = 1.0
 LONE_TURNS = 10
+# Answers of a few sentences keep turns coming; a rambling one would be spoken for minutes.
+MAX_OUTPUT_TOKENS = 60
 QUESTIONS = (
     "What is a good name for a small grey cat?",
     "How many legs does a spider have?",
@@ -155,6 +157,10 @@ async def open_client(url: str, tally: Tally, *, microphone: bool) -> Client | N
         return None
     client = Client(ws, microphone=microphone)
     await client.next(0, of("session.created"), 60)
+    session: dict[str, Any] = {"type": "realtime", "max_output_tokens": MAX_OUTPUT_TOKENS}
+    if not microphone:  # a text user: text answers, turns by response.create
+        session.update(output_modalities=["text"], audio={"input": {"turn_detection": None}})
+    await ws.send(json.dumps({"type": "session.update", "session": session}))
     tally.sessions += 1
     return client
 
@@ -294,7 +300,6 @@ async def text_user(url: str, end: float, tally: Tally, seed: int) -> None:
             await asyncio.sleep(2.0)
             continue
         try:
-            await client.ws.send(json.dumps({"type": "session.update", "session": _text_session()}))
             for _ in range(rng.randint(3, 6)):
                 if time.monotonic() >= end:
                     break
@@ -316,14 +321,6 @@ async def text_user(url: str, end: float, tally: Tally, seed: int) -> None:
         finally:
             client.settle(tally)
             await client.close()
-
-
-def _text_session() -> dict[str, Any]:
-    return {
-        "type": "realtime",
-        "output_modalities": ["text"],
-        "audio": {"input": {"turn_detection": None}},
-    }
 
 
 def _ask(text: str) -> dict[str, Any]:

@@ -91,6 +91,11 @@ class GatewayMetrics:
         self.sessions_total = Counter(
             "duplex_gateway_sessions", "Realtime sessions opened", registry=r
         )
+        self.idle_closed = Counter(
+            "duplex_gateway_idle_sessions_closed",
+            "Idle sessions closed to make room for a new connection (idle_session_s)",
+            registry=r,
+        )
         self.rejected = Counter(
             "duplex_gateway_rejected_connections_total",
             "Connections refused at the handshake",

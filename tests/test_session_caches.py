@@ -30,7 +30,9 @@ def _layers(n_tokens: int) -> list[KVCache]:
 
 
 def turn(stage: LlmStage, rid: str, key: str, ids: list[int], max_tokens: int = 6) -> list[int]:
-    stage.add(rid, LlmInput(prompt_token_ids=ids, sampling_params=greedy(max_tokens), cache_key=key))
+    stage.add(
+        rid, LlmInput(prompt_token_ids=ids, sampling_params=greedy(max_tokens), cache_key=key)
+    )
     return run(stage)[rid][-1].output_token_ids
 
 
@@ -85,9 +87,7 @@ def test_a_live_session_hits_its_cache_after_many_sessions_came_and_went(
     before = stage.token_counts["prefill"]
     stage.add(
         "a2",
-        LlmInput(
-            prompt_token_ids=first + reply + new, sampling_params=greedy(4), cache_key="live"
-        ),
+        LlmInput(prompt_token_ids=first + reply + new, sampling_params=greedy(4), cache_key="live"),
     )
     req = stage.request("a2")
     assert req is not None

@@ -195,44 +195,62 @@ async def lone_session(url: str, base: str, clips: list[bytes], tally: Tally) ->
     try:
         await client.mic.sent(1000)
         for n in range(LONE_TURNS):
-            before = await asyncio.to_thread(prefill_tokens, base)
-            mark = client.mark()
-            client.mic.play(clips[n % len(clips)])
-            i, stopped_at, _ = await client.next(mark, of("input_audio_buffer.speech_stopped"))
-            _, audio_at, _ = await client.next(i, of("response.output_audio.delta"))
-            _, _, done = await client.next(i, of("response.done"))
-            usage = done["response"].get("usage") or {}
-            details = usage.get("input_token_details") or {}
-            # Let the gateway finish the turn's bookkeeping before reading the counter.
-            await client.mic.sent(client.mic.frames_sent * 40 + 1000)
-            after = await asyncio.to_thread(prefill_tokens, base)
-            turns.append(
-                {
-                    "first_audio_ms": round((audio_at - stopped_at) * 1000),
-                    "prefill_tokens": after - before,
-                    "prompt_tokens": int(usage.get("input_tokens", 0)),
-                    "cached_tokens": int(details.get("cached_tokens", 0)),
-                    "status": done["response"]["status"],
-                }
-            )
+            try:
+                turns.append(await lone_turn(client, base, clips[n % len(clips)]))
+            except TimeoutError:
+                tally.stuck += 1
+                turns.append({"stuck": True})
+            log(f"lone turn {n}: {turns[-1]}")
     finally:
         client.settle(tally)
         await client.close()
-    first = [t["first_audio_ms"] for t in turns]
+    measured = [t for t in turns if t.get("first_audio_ms") is not None]
+    first = [t["first_audio_ms"] for t in measured]
     return {
         "turns": turns,
         "first_audio_ms": first,
-        "first_audio_ms_p50": float(np.median(first)),
+        "first_audio_ms_p50": float(np.median(first)) if first else None,
         # Turn-to-turn trend (ms per turn): a rise beyond noise shows up here.
-        "first_audio_ms_slope_per_turn": round(
-            float(np.polyfit(range(len(first)), first, 1)[0]), 1
-        ),
-        "prefill_tokens": [t["prefill_tokens"] for t in turns],
+        "first_audio_ms_slope_per_turn": round(float(np.polyfit(range(len(first)), first, 1)[0]), 1)
+        if len(first) > 1
+        else None,
+        "prefill_tokens": [t.get("prefill_tokens") for t in turns],
+        # Every turn after the first prefills at most what its prompt added to the last.
         "new_tokens_only_after_first": all(
-            t["prefill_tokens"] <= t["prompt_tokens"] - prev["prompt_tokens"]
+            "stuck" not in t
+            and "stuck" not in prev
+            and t["prefill_tokens"] <= t["prompt_tokens"] - prev["prompt_tokens"]
             for prev, t in zip(turns, turns[1:], strict=False)
         ),
     }
+
+
+async def lone_turn(client: Client, base: str, clip: bytes) -> dict[str, Any]:
+    assert client.mic is not None
+    before = await asyncio.to_thread(prefill_tokens, base)
+    mark = client.mark()
+    client.mic.play(clip)
+    i, stopped_at, _ = await client.next(mark, of("input_audio_buffer.speech_stopped"))
+    kinds = ("response.output_audio.delta", "response.done")
+    _, first_at, first = await client.next(i, lambda e: e["type"] in kinds)
+    _, _, done = await client.next(i, of("response.done"))
+    usage = done["response"].get("usage") or {}
+    details = usage.get("input_token_details") or {}
+    # Let the gateway finish the turn's bookkeeping before reading the counter.
+    await client.mic.sent(client.mic.frames_sent * 40 + 1000)
+    after = await asyncio.to_thread(prefill_tokens, base)
+    audio = first["type"] != "response.done"
+    return {
+        "first_audio_ms": round((first_at - stopped_at) * 1000) if audio else None,
+        "prefill_tokens": after - before,
+        "prompt_tokens": int(usage.get("input_tokens", 0)),
+        "cached_tokens": int(details.get("cached_tokens", 0)),
+        "status": done["response"]["status"],
+    }
+
+
+def log(line: str) -> None:
+    print(f"[soak {time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
 
 
 # --- the load ----------------------------------------------------------------------------
@@ -373,6 +391,15 @@ class RssSampler:
         return max(m for _, m in self.samples)
 
 
+async def report_progress(rss: RssSampler, tally: Tally, every: float = 60.0) -> None:
+    while True:
+        await asyncio.sleep(every)
+        log(
+            f"rss {rss.now():.0f} MiB, sessions {tally.sessions}, turns {tally.turns}, "
+            f"stuck {tally.stuck}, stale {tally.stale}, refused {tally.refused}"
+        )
+
+
 async def no_sessions(base: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -415,7 +442,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         ]
         users += [text_user(url, end, tally, 100 + seed) for seed in range(args.text_users)]
         users.append(idle_waves(url, args.idle, args.idle_every, end, tally))
+        progress = asyncio.create_task(report_progress(rss, tally))
         await asyncio.gather(*users)
+        progress.cancel()
         load_end = time.monotonic()
         await no_sessions(base)
         left_at = rss.now()
@@ -425,7 +454,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         after = await lone_session(url, base, clips, tally)
         sampler.cancel()
         slope = rss.slope_mib_per_h(load_start + (load_end - load_start) / 2, load_end)
-        ratio = after["first_audio_ms_p50"] / before["first_audio_ms_p50"]
+        ratio = (
+            after["first_audio_ms_p50"] / before["first_audio_ms_p50"]
+            if after["first_audio_ms_p50"] and before["first_audio_ms_p50"]
+            else None
+        )
         return {
             "duration_s": round(load_end - load_start, 1),
             "load_average": [round(x, 2) for x in os.getloadavg()],
@@ -452,7 +485,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "engine_caches_idle": caches_idle,
             "lone_before": before,
             "lone_after": after,
-            "first_audio_p50_after_over_before": round(ratio, 3),
+            "first_audio_p50_after_over_before": round(ratio, 3) if ratio else None,
         }
 
 

@@ -280,9 +280,9 @@ async def _start_engine(
 
 def run() -> None:
     """The `duplex-gateway` console script: `main`, then a clean hard exit."""
-    from engine.core import exit_process
+    from engine.core import exit_after
 
-    exit_process(main())
+    exit_after(main)
 
 
 if __name__ == "__main__":

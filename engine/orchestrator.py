@@ -703,7 +703,8 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         if final is None:
             return None
         metadata = {
-            "usage": final.usage(),
+            # With the prompt tokens its KV was reused for, for the usage's cached_tokens.
+            "usage": {**final.usage(), "cached_tokens": final.cached_tokens},
             "finish_reason": final.finish_reason,
             "cached_tokens": final.cached_tokens,
             "llm_ms": turn.since("llm"),

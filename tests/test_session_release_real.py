@@ -64,8 +64,10 @@ async def answered_session(server: GatewayServer) -> ClientConnection:
     await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
     await ws.send(json.dumps({"type": "response.create"}))
     async with asyncio.timeout(300):
-        while json.loads(await ws.recv())["type"] != "response.done":
+        while (event := json.loads(await ws.recv()))["type"] != "response.done":
             pass
+    # The system prompt's prefix was cached, and the usage says so.
+    assert event["response"]["usage"]["input_token_details"]["cached_tokens"] > 0
     return ws
 
 

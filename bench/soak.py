@@ -56,7 +56,7 @@ IDLE_AFTER_S = 10.0
 SAMPLE_EVERY_S = 1.0
 LONE_TURNS = 10
 # Answers of a few sentences keep turns coming; a rambling one would be spoken for minutes.
-MAX_OUTPUT_TOKENS = 60
+MAX_OUTPUT_TOKENS = 30
 QUESTIONS = (
     "What is a good name for a small grey cat?",
     "How many legs does a spider have?",

@@ -79,6 +79,10 @@ OUTPUT_EVENTS = (
 )
 
 
+class Closed(Exception):
+    """The gateway closed the session (or the connection dropped) while a client waited."""
+
+
 @dataclass
 class Tally:
     turns: int = 0
@@ -88,6 +92,7 @@ class Tally:
     stuck: int = 0
     stale: int = 0
     refused: int = 0
+    closed_by_gateway: int = 0
     errors: list[str] = field(default_factory=list)
     sessions: int = 0
 
@@ -129,7 +134,14 @@ class Client:
     async def next(
         self, since: int, match: Callable[[dict[str, Any]], bool], timeout: float = STUCK_S
     ) -> tuple[int, float, dict[str, Any]]:
-        return await self.events.next(since, match, timeout)
+        """The first matching event from `since` on; Closed if the connection ends first."""
+        waiter = asyncio.ensure_future(self.events.next(since, match, timeout))
+        reader = self._tasks[0]
+        await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
+        if waiter.done():
+            return waiter.result()
+        waiter.cancel()
+        raise Closed(f"closed with {self.ws.close_code} {self.ws.close_reason!r}")
 
     def mark(self) -> int:
         return len(self.events.log)
@@ -151,16 +163,22 @@ class Client:
 
 async def open_client(url: str, tally: Tally, *, microphone: bool) -> Client | None:
     try:
-        ws = await connect(url, max_size=None, open_timeout=60)
+        # No keepalive from this side: a starved client must not close what it measures.
+        ws = await connect(url, max_size=None, open_timeout=60, ping_interval=None)
     except InvalidStatus:
         tally.refused += 1
         return None
     client = Client(ws, microphone=microphone)
-    await client.next(0, of("session.created"), 60)
     session: dict[str, Any] = {"type": "realtime", "max_output_tokens": MAX_OUTPUT_TOKENS}
     if not microphone:  # a text user: text answers, turns by response.create
         session.update(output_modalities=["text"], audio={"input": {"turn_detection": None}})
-    await ws.send(json.dumps({"type": "session.update", "session": session}))
+    try:
+        await client.next(0, of("session.created"), 60)
+        await ws.send(json.dumps({"type": "session.update", "session": session}))
+    except (Closed, ConnectionClosed, TimeoutError):
+        tally.closed_by_gateway += 1
+        await client.close()
+        return None
     tally.sessions += 1
     return client
 
@@ -200,6 +218,10 @@ async def lone_session(url: str, base: str, clips: list[bytes], tally: Tally) ->
             except TimeoutError:
                 tally.stuck += 1
                 turns.append({"stuck": True})
+            except Closed as exc:
+                tally.closed_by_gateway += 1
+                log(f"lone session {exc}")
+                break
             log(f"lone turn {n}: {turns[-1]}")
     finally:
         client.settle(tally)
@@ -296,6 +318,10 @@ async def voice_user(url: str, clips: list[bytes], end: float, tally: Tally, see
                     tally.turns += 1
                 except TimeoutError:
                     tally.stuck += 1
+                except Closed as exc:
+                    tally.closed_by_gateway += 1
+                    log(f"voice session {exc}")
+                    break
                 await client.mic.sent(client.mic.frames_sent * 40 + rng.randint(300, 1500))
         finally:
             client.settle(tally)
@@ -335,6 +361,10 @@ async def text_user(url: str, end: float, tally: Tally, seed: int) -> None:
                     tally.turns += 1
                 except TimeoutError:
                     tally.stuck += 1
+                except (Closed, ConnectionClosed) as exc:
+                    tally.closed_by_gateway += 1
+                    log(f"text session {exc}")
+                    break
                 await asyncio.sleep(rng.uniform(0.5, 3.0))
         finally:
             client.settle(tally)
@@ -396,7 +426,8 @@ async def report_progress(rss: RssSampler, tally: Tally, every: float = 60.0) ->
         await asyncio.sleep(every)
         log(
             f"rss {rss.now():.0f} MiB, sessions {tally.sessions}, turns {tally.turns}, "
-            f"stuck {tally.stuck}, stale {tally.stale}, refused {tally.refused}"
+            f"stuck {tally.stuck}, stale {tally.stale}, refused {tally.refused}, "
+            f"closed by the gateway {tally.closed_by_gateway}"
         )
 
 
@@ -471,6 +502,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "abrupt_disconnects": tally.disconnects,
             "text_cancels": tally.cancels,
             "refused_connections": tally.refused,
+            "sessions_closed_by_gateway": tally.closed_by_gateway,
             "error_events": len(tally.errors),
             "error_samples": sorted(set(tally.errors))[:5],
             "stale_deltas": tally.stale,

@@ -610,8 +610,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    # `stage_costs` ran MLX on a worker thread: skip its C++ teardown, which can abort.
-    from engine.core import exit_process
+    # `stage_costs` runs MLX on a worker thread: skip its C++ teardown, which can abort,
+    # whether the run ends well or with an error.
+    from engine.core import exit_after
 
-    exit_process(0)
+    exit_after(main)

@@ -376,6 +376,10 @@ class DuplexSessionHandle:
         self._wake.set()
         if self._worker is not None:
             await self._worker
+        try:
+            self._manager.port.close_session(self.session_id)
+        except Exception:
+            logger.exception("duplex session %s: close_session failed", self.session_id)
         self._manager._forget(self)
 
 

@@ -125,6 +125,10 @@ class DuplexStreamingStagePort(DuplexStagePort):
     def discard_prepared(self, session_id: str) -> None:  # noqa: B027 - optional
         """Drop the session's prepared turn, if the port holds one."""
 
+    def close_session(self, session_id: str) -> None:  # noqa: B027 - optional
+        """The session is over and its requests are cleaned up: free whatever else the
+        port keeps for it (cached context, buffered input). Called once per session."""
+
     @abstractmethod
     def attach_output_sink(self, sink: Callable[[DuplexStageOutput], None]) -> None:
         """Deliver every output of every session-owned request to `sink`.

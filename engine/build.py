@@ -52,6 +52,18 @@ class EngineBundle:
         """Tokens the local LLM stage prefilled and decoded so far; none for a remote one."""
         return dict(getattr(self.llm_stage, "token_counts", {}))
 
+    def cache_stats(self) -> dict[str, tuple[int | None, int]]:
+        """(entries, bytes) of every cache the engine keeps, by name; entries is None
+        where the cache cannot count them (MLX's pool of freed buffers)."""
+        import mlx.core as mx
+
+        llm_stats = getattr(self.llm_stage, "cache_stats", None)
+        stats: dict[str, tuple[int | None, int]] = dict(llm_stats() if llm_stats else {})
+        orchestrator = self.orchestrator
+        stats["listener_audio"] = (orchestrator.listener_count(), orchestrator.listened_bytes())
+        stats["mlx_buffer_pool"] = (None, mx.get_cache_memory())
+        return stats
+
     async def aclose(self) -> None:
         if self._closed:
             return

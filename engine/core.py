@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import threading
+import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ __all__ = [
     "DEFAULT_MAX_QUEUED_OUTPUTS",
     "EngineCore",
     "EngineThreads",
+    "exit_after",
     "exit_process",
 ]
 
@@ -361,3 +363,21 @@ def exit_process(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def exit_after(main: Callable[[], int | None]) -> NoReturn:
+    """Run `main` and leave through `exit_process` however it ends: a process that ran
+    MLX on a worker thread must skip C++ teardown on an error or `sys.exit` too, or the
+    teardown can turn the failure (or a clean exit) into an abort."""
+    code: int | str | None
+    try:
+        code = main()
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    if isinstance(code, str):  # sys.exit("message") prints the message and exits 1
+        print(code, file=sys.stderr)
+        code = 1
+    exit_process(code or 0)

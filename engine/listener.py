@@ -111,6 +111,10 @@ class HeardAudio:
         self._chunks.append(samples)
         self.end += len(samples)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(chunk.nbytes for chunk in list(self._chunks))
+
     def skip_to(self, clock: int) -> None:
         """Samples up to `clock` went unheard: what is kept is from before them."""
         if clock > self.end:

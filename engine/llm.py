@@ -303,6 +303,18 @@ class LlmStage:
             "preemptions": self.num_preemptions,
         }
 
+    def cache_stats(self) -> dict[str, tuple[int | None, int]]:
+        """(entries, bytes) of the stage's KV: the prompt cache between turns, and the
+        live requests' KV (read by /metrics from another thread: no lock, a snapshot)."""
+        batch = self._batch
+        live = sum(layer.nbytes for layer in batch or ())
+        for seq in list(self._prefilling):
+            live += sum(layer.nbytes for layer in list(seq.layers))
+        return {
+            "llm_prompt_cache": (len(self.prompt_cache), self.prompt_cache.nbytes),
+            "llm_live_kv": (len(self._seqs), live),
+        }
+
     def request(self, request_id: str) -> Request | None:
         seq = self._seqs.get(request_id)
         return seq.req if seq else None
@@ -322,8 +334,18 @@ class LlmStage:
         layers = make_prompt_cache(self.model)
         for start in range(0, len(tokens), self.prefill_chunk_tokens):
             self._forward_layers(layers, tokens[start : start + self.prefill_chunk_tokens])
-        self.prompt_cache.put(SHARED_PREFIX_KEY, tokens, layers)
+        self.prompt_cache.put(SHARED_PREFIX_KEY, tokens, layers, pinned=True)
         return len(tokens)
+
+    def forget(self, cache_key: str) -> None:
+        """The conversation under `cache_key` is over: drop its cached KV, and keep none
+        of a request of it that is still live (its abort may be processed later)."""
+        if cache_key == SHARED_PREFIX_KEY:
+            return
+        for seq in self._seqs.values():
+            if seq.cache_key == cache_key:
+                seq.cache_key = None
+        self.prompt_cache.discard(cache_key)
 
     # --- admission -----------------------------------------------------------------
 

@@ -105,6 +105,9 @@ class LlmBackend(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
+    def forget(self, cache_key: str) -> None:
+        """The conversation under `cache_key` is over: free what is cached for it."""
+
 
 class EngineLlm:
     """The engine thread's "llm" stage as an `LlmBackend`."""
@@ -117,6 +120,10 @@ class EngineLlm:
 
     def abort(self, request_id: str) -> None:
         self._engine.abort("llm", request_id)
+
+    def forget(self, cache_key: str) -> None:
+        # Queued behind the session's aborts, which the engine thread takes first.
+        self._engine.notify("llm", "forget", cache_key)
 
 
 @dataclass
@@ -168,6 +175,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         self._open: set[str] = set()
         self._prepared: dict[str, _Prepared] = {}  # session id -> its prepared turn
         self._listeners: dict[str, Listener] = {}  # session id -> its live input (rule 5)
+        self._cache_keys: dict[str, set[str]] = {}  # session id -> its LLM prompt-cache keys
         self._resident_submitted: set[str] = set()
         self._serial = itertools.count()
         self.prepare_stats = {"adopted": 0, "discarded": 0}
@@ -283,6 +291,27 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             if context is not None and not self._session_has_requests(context.session_id):
                 self._sessions.pop(context.session_id, None)
                 self._listeners.pop(context.session_id, None)
+
+    def close_session(self, session_id: str) -> None:
+        """The session is over (closed, dropped or drained): free everything kept for it,
+        its live input and the LLM's cached context included."""
+        self.discard_prepared(session_id)
+        self._sessions.pop(session_id, None)
+        self._listeners.pop(session_id, None)
+        for key in self._cache_keys.pop(session_id, ()):
+            self.llm.forget(key)
+
+    def session_count(self) -> int:
+        """Sessions this port still keeps something for (0 once every one has closed)."""
+        kept = {*self._sessions, *self._listeners, *self._cache_keys, *self._prepared}
+        return len(kept | {c.session_id for c in self._reserved.values()})
+
+    def listener_count(self) -> int:
+        return len(self._listeners)
+
+    def listened_bytes(self) -> int:
+        """Audio the sessions' listeners hold (for /metrics)."""
+        return sum(listener.heard.nbytes for listener in list(self._listeners.values()))
 
     async def shutdown(self) -> None:
         """Stop every running and prepared turn; nothing more reaches the sink."""
@@ -414,6 +443,8 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             self._open.add(rid)
 
     def _launch(self, turn: _Turn) -> None:
+        if turn.request.cache_key is not None:
+            self._cache_keys.setdefault(turn.session_id, set()).add(turn.request.cache_key)
         turn.marks["submit"] = time.perf_counter()
         turn.task = asyncio.create_task(self._run(turn), name=f"turn {turn.ids[min(turn.ids)]}")
         turn.task.add_done_callback(lambda _: self._forget(turn))
@@ -672,7 +703,8 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         if final is None:
             return None
         metadata = {
-            "usage": final.usage(),
+            # With the prompt tokens its KV was reused for, for the usage's cached_tokens.
+            "usage": {**final.usage(), "cached_tokens": final.cached_tokens},
             "finish_reason": final.finish_reason,
             "cached_tokens": final.cached_tokens,
             "llm_ms": turn.since("llm"),

@@ -4,7 +4,10 @@ An entry maps a session key to the tokens whose KV it holds and one `KVCache` pe
 layer. A new turn takes the entry, keeps the longest common token prefix with its
 prompt and trims the rest, so only new tokens are prefilled. Because the match is by
 common prefix, a history cut back after a barge-in simply reuses less. Entries are
-evicted least recently used first to stay within a byte budget.
+evicted least recently used first to stay within a byte budget; a pinned entry (the
+system-prompt prefix every session copies) never is. A session's entry lives as long as
+the session: whoever ends the session discards it (`LlmStage.forget`), so the budget is
+shared by live sessions only and a closed one never pushes a live one out.
 
 Sessions also share prefixes: every conversation starts with the same system prompt and
 chat template, so a turn whose own entry reuses less than another entry gets a copy of
@@ -58,6 +61,7 @@ class PromptCache:
             raise ValueError(f"prompt cache max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._pinned: set[str] = set()
         self.nbytes = 0
 
     def __len__(self) -> int:
@@ -86,20 +90,27 @@ class PromptCache:
             layer.trim(layer.offset - reuse)
         return CacheHit(own.layers, reuse, _hit_type(own.tokens, prompt, own_common))
 
-    def put(self, key: str, tokens: Sequence[int], layers: list[Any]) -> None:
-        """Store (or replace) a session's KV; evicts older sessions past the budget."""
+    def put(
+        self, key: str, tokens: Sequence[int], layers: list[Any], *, pinned: bool = False
+    ) -> None:
+        """Store (or replace) a session's KV; evicts the least recently used unpinned
+        entries past the budget. A pinned entry stays until discarded."""
         self.discard(key)
         nbytes = sum(layer.nbytes for layer in layers)
         if not tokens or nbytes > self.max_bytes:
             return
         self._entries[key] = _Entry(list(tokens), layers, nbytes)
         self.nbytes += nbytes
-        while self.nbytes > self.max_bytes:
-            _, old = self._entries.popitem(last=False)
-            self.nbytes -= old.nbytes
+        if pinned:
+            self._pinned.add(key)
+        for old in [k for k in self._entries if k not in self._pinned]:
+            if self.nbytes <= self.max_bytes:
+                break
+            self._pop(old)
 
     def discard(self, key: str) -> None:
         self._pop(key)
+        self._pinned.discard(key)
 
     def _pop(self, key: str) -> _Entry | None:
         entry = self._entries.pop(key, None)

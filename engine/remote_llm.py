@@ -74,6 +74,9 @@ class RemoteLlm:
         self._streams.close(request_id)
         self._cancel(request_id)
 
+    def forget(self, cache_key: str) -> None:
+        """Nothing to free here: the server keeps (and evicts) its own prompt cache."""
+
     def pending(self) -> int:
         return len(self._streams)
 

@@ -305,5 +305,8 @@ class AdmittedBackend:
     def llm_tokens(self) -> dict[str, int]:
         return self._backend.llm_tokens()
 
+    def engine_caches(self) -> dict[str, tuple[int | None, int]]:
+        return self._backend.engine_caches()
+
     async def close(self) -> None:
         await self._backend.close()

@@ -207,5 +207,9 @@ class Backend(Protocol):
         """Tokens the LLM computed so far, by phase: "prefill" or "decode" (for /metrics;
         empty when the LLM runs elsewhere)."""
 
+    def engine_caches(self) -> dict[str, tuple[int | None, int]]:
+        """(entries, bytes) of each cache the engine keeps, by name (for /metrics; entries
+        None where a cache cannot count them)."""
+
     async def close(self) -> None:
         """Stop the engine: every open session's work is aborted."""

@@ -278,6 +278,7 @@ async def _start_engine(
         bundle.engine,
         on_close=stop_engine,
         llm_tokens=bundle.llm_tokens,
+        caches=bundle.cache_stats,
         turns=config.turns,
     )
     return backend, engine_config.stages.tts.voice
@@ -285,9 +286,9 @@ async def _start_engine(
 
 def run() -> None:
     """The `duplex-gateway` console script: `main`, then a clean hard exit."""
-    from engine.core import exit_process
+    from engine.core import exit_after
 
-    exit_process(main())
+    exit_after(main)
 
 
 if __name__ == "__main__":

@@ -167,7 +167,14 @@ class GatewayConfig(BaseModel):
     port: int = Field(default=8765, ge=0, le=65535)
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
-    max_sessions: int = Field(default=16, ge=1)
+    # Open sessions, idle or not (docs/deploy.md, "Sessions and their cost"): a silent
+    # stream costs about 1.3% of a core and an idle session well under 1 MiB, so 48 of
+    # them take about 0.6 of a core; speaking is capped apart (capacity.max_speaking).
+    max_sessions: int = Field(default=48, ge=1)
+    # With max_sessions open, a new connection takes the place of the session that has
+    # been idle longest (no response running, nothing sent to it) if that is at least
+    # this long; it is closed with 1001. None: a full gateway refuses new sessions.
+    idle_session_s: float | None = Field(default=60.0, gt=0)
     model_name: str = "duplex-smollm2"
     # More names a client may ask for (`?model=`, `session.model`) and be served by this
     # profile; `session.model` reports the name asked for. Exact, or a prefix when the

@@ -52,6 +52,7 @@ trace_logger = logging.getLogger("gateway.trace")
 
 SEND_OVERFLOW_CODE = 1008
 INTERNAL_ERROR_CODE = 1011
+IDLE_REASON = "idle session closed to make room for a new one"
 
 
 class RealtimeConnection:
@@ -81,10 +82,22 @@ class RealtimeConnection:
         self._running: set[str] = set()  # responses created and not yet done
         self._close_when_idle: CloseSession | None = None
         self._rate_limits = rate_limits
+        self._active_at = time.monotonic()  # the last server event queued for it
+        self.released = asyncio.Event()  # set once everything it held is freed
 
     @property
     def session_id(self) -> str:
         return self.core.settings.id
+
+    def idle_for(self, now: float) -> float:
+        """Seconds without a running response or any server event: 0 while it is busy.
+        Everything a user does (speech the VAD detects, a transcript, a reply to a
+        client event) makes the gateway send something, so silence reads as idle."""
+        return 0.0 if self._running or self._done.is_set() else now - self._active_at
+
+    def close_idle(self) -> None:
+        """Close with 1001: the session gives its place to a new connection."""
+        self._finish(CloseSession(1001, IDLE_REASON))
 
     async def run(self) -> None:
         """Serve the connection until the client leaves, a limit hits, or `shutdown`."""
@@ -110,7 +123,10 @@ class RealtimeConnection:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self._release()
+            try:
+                await self._release()
+            finally:
+                self.released.set()
 
     async def shutdown(self, reason: str) -> None:
         """Close from the server side (graceful shutdown): code 1001 with `reason`."""
@@ -277,6 +293,7 @@ class RealtimeConnection:
     def _observe(self, event: dict[str, Any]) -> None:
         """Count a server event about to be queued for the client."""
         kind = event["type"]
+        self._active_at = time.monotonic()
         self.metrics.events_sent.inc()
         if kind == "error":
             self.metrics.errors.labels(event["error"]["code"] or "none").inc()

@@ -188,6 +188,7 @@ class EngineBackend:
         *,
         on_close: Callable[[], Awaitable[None]] | None = None,
         llm_tokens: Callable[[], dict[str, int]] | None = None,
+        caches: Callable[[], dict[str, tuple[int | None, int]]] | None = None,
         turns: TurnSettings | None = None,
     ) -> None:
         self.manager = manager
@@ -195,6 +196,7 @@ class EngineBackend:
         self._turn_settings = turns
         self._on_close = on_close
         self._llm_tokens = llm_tokens
+        self._caches = caches
 
     def open_session(self, session_id: str) -> EngineBackendSession:
         return EngineBackendSession(self.manager.open(session_id))
@@ -213,6 +215,9 @@ class EngineBackend:
 
     def llm_tokens(self) -> dict[str, int]:
         return self._llm_tokens() if self._llm_tokens is not None else {}
+
+    def engine_caches(self) -> dict[str, tuple[int | None, int]]:
+        return self._caches() if self._caches is not None else {}
 
     def prepared_turns(self) -> dict[str, int]:
         # A port that never works ahead has no such counts.

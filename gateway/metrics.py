@@ -49,6 +49,40 @@ class _Counts:
         yield family
 
 
+class _Caches:
+    """The engine's caches: bytes and entries per cache, read at each scrape."""
+
+    def __init__(self, source: Callable[[], Mapping[str, tuple[int | None, int]]]) -> None:
+        self._source = source
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield from self._families(self._source())
+
+    @staticmethod
+    def _families(
+        caches: Mapping[str, tuple[int | None, int]] | None = None,
+    ) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        size = GaugeMetricFamily(
+            "duplex_gateway_engine_cache_bytes",
+            "Bytes each engine cache holds (docs/deploy.md, Memory)",
+            labels=["cache"],
+        )
+        entries = GaugeMetricFamily(
+            "duplex_gateway_engine_cache_entries",
+            "Entries each engine cache holds (sessions' cached prompts, live requests, "
+            "listeners); absent for a cache that cannot count them",
+            labels=["cache"],
+        )
+        for name, (count, nbytes) in sorted((caches or {}).items()):
+            size.add_metric([name], nbytes)
+            if count is not None:
+                entries.add_metric([name], count)
+        return size, entries
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -56,6 +90,11 @@ class GatewayMetrics:
         self.sessions = Gauge("duplex_gateway_open_sessions", "Open realtime sessions", registry=r)
         self.sessions_total = Counter(
             "duplex_gateway_sessions", "Realtime sessions opened", registry=r
+        )
+        self.idle_closed = Counter(
+            "duplex_gateway_idle_sessions_closed",
+            "Idle sessions closed to make room for a new connection (idle_session_s)",
+            registry=r,
         )
         self.rejected = Counter(
             "duplex_gateway_rejected_connections_total",
@@ -187,6 +226,13 @@ class GatewayMetrics:
                 CounterMetricFamily,
             )
         )
+
+    def watch_engine_caches(
+        self, caches: Callable[[], Mapping[str, tuple[int | None, int]]]
+    ) -> None:
+        """Export `caches()` ((entries, bytes) by cache name) as two gauges read at each
+        scrape: what the engine keeps between requests, to check it against its budget."""
+        self.registry.register(_Caches(caches))
 
     async def sample_loop_lag(self, interval: float = LOOP_LAG_INTERVAL_S) -> None:
         """Observe the running loop's lag every `interval` seconds until cancelled."""

@@ -19,6 +19,8 @@ import json
 import logging
 import mimetypes
 import socket
+import time
+import weakref
 from collections.abc import Sequence
 from http import HTTPStatus
 from http.cookies import CookieError, SimpleCookie
@@ -129,6 +131,7 @@ class GatewayServer:
         self.metrics.watch_engine(backend.pending)
         self.metrics.watch_prepared(backend.prepared_turns)
         self.metrics.watch_llm_tokens(backend.llm_tokens)
+        self.metrics.watch_engine_caches(backend.engine_caches)
         self.admission = Admission(config.capacity, self.metrics)
         self.metrics.watch_capacity(
             lambda: self.admission.speaking,
@@ -138,6 +141,12 @@ class GatewayServer:
         self._admitted = AdmittedBackend(backend, self.admission)
         self.web_root = (config.web_root or DEFAULT_WEB_ROOT).resolve()
         self.connections: set[RealtimeConnection] = set()
+        # Idle sessions closing to make room, and the connection each makes room for.
+        self._giving_way: set[RealtimeConnection] = set()
+        # (Weak: a handshake may still fail after the check, and never reach `_handle`.)
+        self._room_from: weakref.WeakKeyDictionary[ServerConnection, RealtimeConnection] = (
+            weakref.WeakKeyDictionary()
+        )
         self.pending = PendingHandshakes(config.limits)
         self._server: Server | None = None
         self._loop_lag: asyncio.Task[None] | None = None
@@ -224,6 +233,8 @@ class GatewayServer:
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         method = connection.method if isinstance(connection, GatewayConnection) else None
         response = self._route(request, method or "GET")
+        if response is None:  # a realtime session, once every other check passed
+            response = self._check_room(connection)
         if method == "HEAD" and response is not None:
             # What a GET would answer, headers and Content-Length included, less the body.
             return dataclasses.replace(response, body=b"")
@@ -292,11 +303,33 @@ class GatewayServer:
             return self._refuse(
                 HTTPStatus.SERVICE_UNAVAILABLE, "server_draining", "server draining; try another"
             )
-        if len(self.connections) >= self.config.max_sessions:
+        return None
+
+    def _check_room(self, connection: ServerConnection) -> Response | None:
+        """At `max_sessions`, the session idle longest gives way (`idle_session_s`);
+        else the connection is refused."""
+        if len(self.connections) - len(self._giving_way) < self.config.max_sessions:
+            return None
+        idlest = self._idlest()
+        if idlest is None:
             return self._refuse(
                 HTTPStatus.SERVICE_UNAVAILABLE, "too_many_sessions", "too many open sessions"
             )
+        logger.info("session %s gives way to a new connection", idlest.session_id)
+        self.metrics.idle_closed.inc()
+        self._giving_way.add(idlest)
+        self._room_from[connection] = idlest
+        idlest.close_idle()
         return None
+
+    def _idlest(self) -> RealtimeConnection | None:
+        limit = self.config.idle_session_s
+        if limit is None:
+            return None
+        now = time.monotonic()
+        candidates = [c for c in self.connections if c not in self._giving_way]
+        idlest = max(candidates, key=lambda c: c.idle_for(now), default=None)
+        return idlest if idlest is not None and idlest.idle_for(now) >= limit else None
 
     def _refuse(self, status: HTTPStatus, code: str, message: str) -> Response:
         self.metrics.rejected.labels(code).inc()
@@ -345,6 +378,10 @@ class GatewayServer:
     async def _handle(self, websocket: ServerConnection) -> None:
         request = websocket.request
         assert request is not None
+        giving_way = self._room_from.pop(websocket, None)
+        if giving_way is not None:
+            # Its engine session frees its slot as it closes, which is quick: it is idle.
+            await giving_way.released.wait()
         query = parse_qs(urlsplit(request.path).query)
         model = (query.get("model") or [self.config.model_name])[0]
         conn = RealtimeConnection(
@@ -372,6 +409,7 @@ class GatewayServer:
             await conn.run()
         finally:
             self.connections.discard(conn)
+            self._giving_way.discard(conn)
             self.metrics.sessions.dec()
             if not self.connections:
                 self._no_sessions.set()

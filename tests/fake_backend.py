@@ -144,6 +144,9 @@ class IdleBackend:
     def llm_tokens(self) -> dict[str, int]:
         return {}
 
+    def engine_caches(self) -> dict[str, tuple[int | None, int]]:
+        return {}
+
     async def close(self) -> None:
         self.closed = True
 

@@ -179,7 +179,7 @@ async def test_http_routes_and_static_files_without_traversal() -> None:
         status, body = await asyncio.to_thread(http_get, server, "/healthz")
         health = json.loads(body)
         assert status == 200 and health["status"] == "ok"
-        assert health["sessions"] == 0 and health["max_sessions"] == 16
+        assert health["sessions"] == 0 and health["max_sessions"] == 48
         assert (health["saturated"], health["speaking"], health["queued"]) == (False, 0, 0)
         assert health["capacity"] == {
             "max_speaking": 4,

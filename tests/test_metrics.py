@@ -46,6 +46,9 @@ class CountingBackend(IdleBackend):
     def prepared_turns(self) -> dict[str, int]:
         return {"adopted": 3, "discarded": 1}
 
+    def engine_caches(self) -> dict[str, tuple[int | None, int]]:
+        return {"llm_prompt_cache": (2, 4096), "mlx_buffer_pool": (None, 512)}
+
     def open_session(self, session_id: str) -> None:
         raise AssertionError("this test opens no session")
 

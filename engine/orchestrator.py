@@ -60,6 +60,7 @@ from duplex.contracts import (
     duplex_turn_id_from_request_id,
 )
 from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput, DuplexStreamingStagePort
+from duplex.session import RESIDENT_ROLE
 from duplex.turn import Message, Stage, Tool, ToolChoice, TurnRequest
 from engine import clients
 from engine.clauses import ClauseSplitter
@@ -859,7 +860,7 @@ def _chat_tool_choice(choice: ToolChoice) -> str | dict[str, Any]:
 
 def _is_resident(context: DuplexStageRequestContext) -> bool:
     """Whether `context` names its session's resident stage-0 request of its epoch."""
-    return context.request_id == duplex_resource_request_id(context.fence, "stage0")
+    return context.request_id == duplex_resource_request_id(context.fence, RESIDENT_ROLE)
 
 
 def _check_params(params: tuple[Any, ...]) -> None:

@@ -49,7 +49,7 @@ import engine  # noqa: E402
 
 engine.setup()  # before anything imports mlx: the optimised BLAS
 
-from engine import registry  # noqa: E402
+from engine import clients, registry  # noqa: E402
 from engine.asr import AsrRequest, AsrStage, Transcription, load_transcriber  # noqa: E402
 from engine.core import AsyncEngine  # noqa: E402
 from engine.lanes import EngineLanes  # noqa: E402
@@ -140,7 +140,7 @@ class Streams:
             await asyncio.sleep(PAUSE_S)
 
     async def live(self, u: Utterance) -> None:
-        live: LiveTranscript = await self.engine.call("asr", "new_live_transcript", "", False)
+        live = await clients.asr(self.engine).run(lambda asr: asr.new_live_transcript())
         started = time.perf_counter()
         texts: list[str] = []
         in_flight: asyncio.Task | None = None

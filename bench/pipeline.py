@@ -46,6 +46,7 @@ from duplex.contracts import (  # noqa: E402
 )
 from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput  # noqa: E402
 from duplex.turn import Stage, TurnRequest  # noqa: E402
+from engine import clients  # noqa: E402
 from engine.build import EngineBundle, build_engine  # noqa: E402
 from engine.config import load_config  # noqa: E402
 from engine.core import exit_process  # noqa: E402
@@ -71,7 +72,7 @@ QUESTIONS = (
 async def record(bundle: EngineBundle, text: str, rid: str) -> np.ndarray:
     """The question spoken by the TTS stage, as 16 kHz float audio for the ASR stage."""
     stream = bundle.engine.stream("tts", rid, TtsRequest())
-    await bundle.engine.call("tts", "feed", rid, text, True)
+    await clients.tts(bundle.engine).run(lambda tts: tts.feed(rid, text, True))
     chunks = [out.payload async for out in stream]
     audio = np.concatenate([c.samples for c in chunks])
     return soxr.resample(audio, chunks[0].sample_rate, 16000).astype(np.float32)

@@ -21,7 +21,7 @@ import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import mlx.core as mx
 
@@ -40,6 +40,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 OutputCallback = Callable[[str, list[StageOutput]], None]
+T = TypeVar("T")
 
 
 @dataclass
@@ -52,8 +53,7 @@ class _Add:
 @dataclass
 class _Call:
     stage: str
-    method: str
-    args: tuple[Any, ...]
+    fn: Callable[[Any], Any]  # called with the stage
     future: concurrent.futures.Future
 
 
@@ -103,11 +103,13 @@ class EngineCore:
             self._aborts.append((stage, request_id))
             self._cond.notify()
 
-    def call(self, stage: str, method: str, *args: Any) -> concurrent.futures.Future:
+    def call(self, stage: str, fn: Callable[[Any], T]) -> concurrent.futures.Future[T]:
+        """Run `fn(stage)` on the engine thread, in order with adds; its result or error
+        comes in the future (`engine.clients` gives `fn` the stage's type)."""
         self._check_stage(stage)
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._cond:
-            self._ops.append(_Call(stage, method, args, future))
+            self._ops.append(_Call(stage, fn, future))
             self._cond.notify()
         return future
 
@@ -200,7 +202,7 @@ class EngineCore:
         if not op.future.set_running_or_notify_cancel():
             return
         try:
-            result = getattr(self._stages[op.stage], op.method)(*op.args)
+            result = op.fn(self._stages[op.stage])
         except BaseException as exc:
             op.future.set_exception(exc)
         else:
@@ -261,7 +263,7 @@ class EngineThreads(Protocol):
 
     def abort(self, stage: str, request_id: str) -> None: ...
 
-    def call(self, stage: str, method: str, *args: Any) -> concurrent.futures.Future: ...
+    def call(self, stage: str, fn: Callable[[Any], T]) -> concurrent.futures.Future[T]: ...
 
     def set_output_callback(self, cb: OutputCallback) -> None: ...
 
@@ -305,14 +307,15 @@ class AsyncEngine:
         # Opened after the add, in the same loop turn: no output can be delivered before.
         return self._streams.open(key)
 
-    async def call(self, stage: str, method: str, *args: Any) -> Any:
+    async def run(self, stage: str, fn: Callable[[Any], T]) -> T:
+        """`fn(stage)` on the engine thread; typed through `engine.clients`."""
         self._bind_loop()
-        return await asyncio.wrap_future(self._core.call(stage, method, *args))
+        return await asyncio.wrap_future(self._core.call(stage, fn))
 
-    def notify(self, stage: str, method: str, *args: Any) -> None:
-        """Call a stage method on the engine thread without waiting for it; its result
-        and any error are dropped (for hints such as the LLM's `set_runway`)."""
-        self._core.call(stage, method, *args)
+    def notify(self, stage: str, fn: Callable[[Any], object]) -> None:
+        """`fn(stage)` on the engine thread, not waited for; its result and any error are
+        dropped (for hints such as the LLM's `set_runway`)."""
+        self._core.call(stage, fn)
 
     def abort(self, stage: str, request_id: str) -> None:
         self._streams.close((stage, request_id))

@@ -10,13 +10,15 @@ inside each lane the `EngineCore` rules still hold (one thread per stage, aborts
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from engine.core import EngineCore, OutputCallback
 from engine.stage import Stage
 
 __all__ = ["EngineLanes"]
+
+T = TypeVar("T")
 
 
 class EngineLanes:
@@ -45,8 +47,8 @@ class EngineLanes:
     def abort(self, stage: str, request_id: str) -> None:
         self._core(stage).abort(stage, request_id)
 
-    def call(self, stage: str, method: str, *args: Any) -> concurrent.futures.Future:
-        return self._core(stage).call(stage, method, *args)
+    def call(self, stage: str, fn: Callable[[Any], T]) -> concurrent.futures.Future[T]:
+        return self._core(stage).call(stage, fn)
 
     def set_output_callback(self, cb: OutputCallback) -> None:
         for core in self._cores.values():

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from duplex.appends import Append, Heard, Listen, UtteranceEnded, UtteranceStarted
+from engine import clients
 from engine.core import AsyncEngine
 
 __all__ = ["LOOKBACK_S", "Listener", "LiveDelta", "LiveTranscript", "Utterance", "final_text"]
@@ -277,9 +278,7 @@ class Listener:
 
     async def _run_partials(self, utterance: Utterance, options: Listen) -> None:
         if utterance.live is None:
-            utterance.live = await self._engine.call(
-                "asr", "new_live_transcript", options.prompt, options.logprobs
-            )
+            utterance.live = await self._new_live(options)
         live = utterance.live
         while True:
             while not self._due(utterance):
@@ -291,6 +290,11 @@ class Listener:
             delta = live.agree(result) if result is not None else None
             if delta is not None:
                 self._send(utterance, delta, options)
+
+    async def _new_live(self, options: Listen) -> LiveTranscript:
+        return await clients.asr(self._engine).run(
+            lambda asr: asr.new_live_transcript(options.prompt, options.logprobs)
+        )
 
     def _due(self, utterance: Utterance) -> bool:
         """Whether enough new audio of `utterance` arrived for its next partial."""

@@ -26,7 +26,7 @@ stays under Whisper's 30 s.
 
 How the live path uses it, one request in flight at a time, results in order:
 
-    live = await engine.call("asr", "new_live_transcript", prompt, logprobs)
+    live = await clients.asr(engine).run(lambda asr: asr.new_live_transcript(prompt))
     while speaking:  request(audio, final=False) -> partial; agree(result) -> delta or None
     at the turn's end: request(audio, final=True) -> final; finish(result) -> last delta
 

@@ -60,7 +60,9 @@ from duplex.contracts import (
     duplex_turn_id_from_request_id,
 )
 from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput, DuplexStreamingStagePort
+from duplex.session import RESIDENT_ROLE
 from duplex.turn import Message, Stage, Tool, ToolChoice, TurnRequest
+from engine import clients
 from engine.clauses import ClauseSplitter
 from engine.config import EngineConfig
 from engine.core import AsyncEngine
@@ -611,8 +613,9 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         if live is None and request.heard is not None:
             return self._transcribed(turn, request.heard.strip(), heard=True)
         if live is None and (request.transcription_prompt or request.logprobs):
-            live = await self.engine.call(
-                "asr", "new_live_transcript", request.transcription_prompt, request.logprobs
+            asr_prompt, asr_logprobs = request.transcription_prompt, request.logprobs
+            live = await clients.asr(self.engine).run(
+                lambda asr: asr.new_live_transcript(asr_prompt, asr_logprobs)
             )
         if live is None:
             payload = await self._asr(turn, audio)
@@ -786,7 +789,8 @@ class _Speaker:
         if self._heard_from is not None:
             in_hand = max(0.0, self._heard_from + self._audio_s - time.monotonic())
         seconds = in_hand + max(0, self._unspoken_chars) / CHARS_PER_SPEECH_S
-        self._orch.engine.notify("llm", "set_runway", self._turn.ids[LLM], seconds)
+        request_id = self._turn.ids[LLM]
+        clients.llm(self._orch.engine).notify(lambda llm: llm.set_runway(request_id, seconds))
 
     def finish(self, clauses: list[str]) -> None:
         self.say(clauses)
@@ -798,14 +802,16 @@ class _Speaker:
             # The reply had no speakable text: stage 2 ends without a request.
             self._orch._emit(self._turn, TTS, "done", finished=True)
             return
-        engine = self._orch.engine
-        stream = engine.stream("tts", self._rid, self._orch._tts_request(self._turn))
+        engine, rid = self._orch.engine, self._rid
+        tts = clients.tts(engine)
+        stream = engine.stream("tts", rid, self._orch._tts_request(self._turn))
         consumer = asyncio.create_task(self._consume(stream))
         try:
             while not final:
-                await engine.call("tts", "feed", self._rid, text, False)
+                # Waited for: the stage has the text before `text` changes.
+                await tts.run(lambda stage: stage.feed(rid, text, False))  # noqa: B023
                 text, final = await self._queue.get()
-            await engine.call("tts", "feed", self._rid, "", True)
+            await tts.run(lambda stage: stage.feed(rid, "", True))
             await consumer
         except Exception:
             if consumer.done():
@@ -891,7 +897,7 @@ def _chat_tool_choice(choice: ToolChoice) -> str | dict[str, Any]:
 
 def _is_resident(context: DuplexStageRequestContext) -> bool:
     """Whether `context` names its session's resident stage-0 request of its epoch."""
-    return context.request_id == duplex_resource_request_id(context.fence, "stage0")
+    return context.request_id == duplex_resource_request_id(context.fence, RESIDENT_ROLE)
 
 
 def _check_params(params: tuple[Any, ...]) -> None:

@@ -40,8 +40,8 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -59,7 +59,7 @@ from gateway.backend import SpeechEvent
 from gateway.config import TurnSettings
 from gateway.session_config import TurnDetection
 from gateway.turn_words import is_backchannel, sounds_unfinished, sounds_unsure
-from gateway.vad_feeds import vad_feeds
+from gateway.vad_feeds import VadStage, vad_feeds
 
 __all__ = [
     "FEED_PIECE_SAMPLES",
@@ -86,14 +86,17 @@ SAMPLES_PER_MS = 16
 CANDIDATE_SILENCE_MS = TurnDetection().silence_duration_ms
 
 
+T = TypeVar("T")
+
+
 class VadEngine(Protocol):
     """The part of `engine.core.AsyncEngine` server VAD (and /metrics) uses."""
 
     def stream(self, stage: str, request_id: str, inputs: object) -> AsyncIterator[StageOutput]:
         """Open a request on `stage`; its outputs until the finished one."""
 
-    async def call(self, stage: str, method: str, *args: object) -> object:
-        """Run `method` of `stage` on the engine thread."""
+    async def run(self, stage: str, fn: Callable[[VadStage], T]) -> T:
+        """Run `fn(stage)` on the engine thread (server VAD calls the VAD stage)."""
 
     def abort(self, stage: str, request_id: str) -> None:
         """Stop a request; its stream ends."""

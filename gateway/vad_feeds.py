@@ -15,17 +15,25 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 __all__ = ["TICK_S", "VadFeeds", "vad_feeds"]
 
 TICK_S = 0.02  # one microphone frame
+T = TypeVar("T")
+
+
+class VadStage(Protocol):
+    """The part of the engine's VAD stage a feed calls."""
+
+    def feed_many(self, pieces: Sequence[tuple[str, np.ndarray]]) -> list[Exception | None]: ...
 
 
 class _Engine(Protocol):
-    async def call(self, stage: str, method: str, *args: object) -> object: ...
+    async def run(self, stage: str, fn: Callable[[VadStage], T]) -> T: ...
 
 
 class VadFeeds:
@@ -59,7 +67,7 @@ class VadFeeds:
         self, pieces: list[tuple[str, np.ndarray]], errors: asyncio.Future[list[Exception | None]]
     ) -> None:
         try:
-            result = await self._engine.call("vad", "feed_many", pieces)
+            result = await self._engine.run("vad", lambda vad: vad.feed_many(pieces))
         except Exception as exc:  # the engine stopped: every waiting feed gets it
             errors.set_exception(exc)
             errors.exception()  # retrieved here: the feeds may all have been cancelled

@@ -124,7 +124,7 @@ async def test_stage_exception_fails_its_requests_not_the_thread(core: EngineCor
 async def test_call_runs_in_order_with_adds(core: EngineCore) -> None:
     engine = AsyncEngine(core)
     core.add("count", "a", 1)
-    assert await engine.call("count", "echo", 7) == 7
+    assert await engine.run("count", lambda stage: stage.echo(7)) == 7
     stage = core._stages["count"]
     assert stage.log.index(("add", "a")) < stage.log.index(("echo", 7))
 
@@ -132,7 +132,7 @@ async def test_call_runs_in_order_with_adds(core: EngineCore) -> None:
 async def test_call_propagates_exceptions(core: EngineCore) -> None:
     engine = AsyncEngine(core)
     with pytest.raises(AttributeError):
-        await engine.call("count", "no_such_method")
+        await engine.run("count", lambda stage: stage.no_such_method())
 
 
 async def test_abort_delivers_nothing_more_and_frees(core: EngineCore) -> None:
@@ -143,7 +143,7 @@ async def test_abort_delivers_nothing_more_and_frees(core: EngineCore) -> None:
     engine.abort("count", "long")
     rest = [o async for o in it]
     assert rest == []
-    await engine.call("count", "echo", "sync")  # the abort was processed before this
+    await engine.run("count", lambda stage: stage.echo("sync"))  # after the abort
     assert core.pending()["count"] == 0
     assert ("abort", "long") in core._stages["count"].log
 
@@ -155,7 +155,7 @@ async def test_abort_of_queued_add_never_reaches_stage() -> None:
     core.abort("count", "q")
     core.start()
     try:
-        assert core.call("count", "echo", 1).result(timeout=5) == 1
+        assert core.call("count", lambda stage: stage.echo(1)).result(timeout=5) == 1
         assert ("add", "q") not in stage.log and core.pending()["count"] == 0
     finally:
         core.shutdown()
@@ -169,7 +169,7 @@ async def test_leaving_a_stream_early_aborts_it(core: EngineCore) -> None:
     async with contextlib.aclosing(stream):
         async for _ in stream:
             break
-    await engine.call("count", "echo", "sync")
+    await engine.run("count", lambda stage: stage.echo("sync"))
     assert core.pending()["count"] == 0
 
 
@@ -256,10 +256,10 @@ def test_idle_engine_sleeps_without_stepping() -> None:
         # Each call wakes the idle engine for one full pass; no pass steps a stage
         # that has no work.
         for _ in range(3):
-            assert core.call("count", "echo", 0).result(timeout=5) == 0
+            assert core.call("count", lambda stage: stage.echo(0)).result(timeout=5) == 0
         assert steps == 0
         core.add("count", "a", 2)
-        assert core.call("count", "echo", 0).result(timeout=5) == 0
+        assert core.call("count", lambda stage: stage.echo(0)).result(timeout=5) == 0
         wait_until_blocking(lambda: not core.pending()["count"], 5, "the engine to drain")
         assert steps == 2
     finally:

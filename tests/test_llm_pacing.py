@@ -150,8 +150,8 @@ def test_deferrable_work_runs_only_when_the_lane_has_slack(model: llama.Model) -
         params = greedy(400, logits_processors=[never_eos])
         core.add("llm", "a", LlmInput(prompt_token_ids=prompt(6), sampling_params=params))
         assert first.wait(timeout=60)
-        core.call("llm", "set_runway", "a", AHEAD_S + 600).result(timeout=60)
-        core.call("busy", "arm", 5).result(timeout=60)
+        core.call("llm", lambda llm: llm.set_runway("a", AHEAD_S + 600)).result(timeout=60)
+        core.call("busy", lambda busy: busy.arm(5)).result(timeout=60)
         assert finished.wait(timeout=120)  # the deferred decode ran once the lane was idle
     finally:
         core.shutdown()

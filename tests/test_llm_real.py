@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from engine import registry
+from engine import clients, registry
 from engine.context import ContextLimitError, ContextLimits
 from engine.core import AsyncEngine, EngineCore
 from engine.llm import LlmInput, LlmStage
@@ -164,9 +164,10 @@ async def test_engine_abort_mid_stream_stops_output_and_frees(smollm: tuple[Any,
         engine_.abort("llm", "long")
         assert [o async for o in it] == []
         assert all(not o.finished for o in seen)
-        await engine_.call("llm", "stats")  # runs after the abort on the engine thread
+        llm = clients.llm(engine_)
+        await llm.run(lambda stage: stage.stats())  # runs after the abort on the engine thread
         assert core.pending()["llm"] == 0
-        assert (await engine_.call("llm", "stats"))["running"] == 0
+        assert (await llm.run(lambda stage: stage.stats()))["running"] == 0
     finally:
         core.shutdown()
 

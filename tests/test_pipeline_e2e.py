@@ -26,6 +26,7 @@ from duplex.contracts import (
 )
 from duplex.outputs import DuplexStageOutput
 from duplex.turn import AUDIO_RATE, Stage, TurnRequest
+from engine import clients
 from engine.build import EngineBundle, build_engine
 from engine.config import load_config
 from engine.tts import TtsRequest
@@ -43,7 +44,7 @@ async def record(bundle: EngineBundle, text: str, rid: str) -> bytes:
     """16 kHz float32 speech of `text` (turn audio), spoken by the engine's own voice on
     its thread."""
     stream = bundle.engine.stream("tts", rid, TtsRequest())
-    await bundle.engine.call("tts", "feed", rid, text, True)
+    await clients.tts(bundle.engine).run(lambda tts: tts.feed(rid, text, True))
     chunks = [out.payload async for out in stream]
     voice = np.concatenate([c.samples for c in chunks])
     return soxr.resample(voice, chunks[0].sample_rate, AUDIO_RATE).astype("<f4").tobytes()

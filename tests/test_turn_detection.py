@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -29,6 +29,8 @@ from gateway.session_config import TurnDetection
 from gateway.turn_detection import EngineSpeechSource
 from gateway.turn_words import ends_unsure, is_backchannel, sounds_unfinished, sounds_unsure
 from tests.helpers import wait_until
+
+T = TypeVar("T")
 
 RATE = 24000
 
@@ -258,9 +260,12 @@ class ScriptedEngine:
         payload: object = score if stage == "turn" else self.transcript
         yield StageOutput(request_id, payload, finished=True)
 
-    async def call(self, stage: str, method: str, *args: object) -> object:
-        assert method == "feed_many"
-        pieces: list[tuple[str, np.ndarray]] = args[0]  # type: ignore[assignment]
+    async def run(self, stage: str, fn: Callable[[Any], T]) -> T:
+        assert stage == "vad"
+        return fn(self)
+
+    def feed_many(self, pieces: list[tuple[str, np.ndarray]]) -> list[Exception | None]:
+        """The VAD stage's, for `run`: the audio is counted; the test says what it heard."""
         self.fed += sum(len(samples) for _, samples in pieces)
         return [None] * len(pieces)
 

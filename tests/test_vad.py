@@ -348,7 +348,7 @@ async def test_stage_runs_inside_the_engine(
     try:
         outputs = engine_.stream("vad", "session-1", None)
         audio = recordings["Front_Center"]
-        await engine_.call("vad", "feed", "session-1", audio)
+        await engine_.run("vad", lambda vad: vad.feed("session-1", audio))
         expected = vad.stream().feed(audio)
         got: list[float] = []
         while len(got) < len(expected):

@@ -5,13 +5,17 @@ feed alone. `VadStage.feed_many` checks each piece as `feed` does."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
 
 from engine.vad import VadStage
 from gateway.vad_feeds import VadFeeds
+
+T = TypeVar("T")
 
 
 class RecordingEngine:
@@ -22,12 +26,16 @@ class RecordingEngine:
         self.calls: list[list[str]] = []
         self.release = asyncio.Event()
         self.release.set()
+        self.called = asyncio.Event()  # a call reached the engine
 
-    async def call(self, stage: str, method: str, *args: object) -> object:
-        assert (stage, method) == ("vad", "feed_many")
-        pieces: list[tuple[str, np.ndarray]] = args[0]  # type: ignore[assignment]
-        self.calls.append([stream for stream, _ in pieces])
+    async def run(self, stage: str, fn: Callable[[Any], T]) -> T:
+        assert stage == "vad"
+        self.called.set()
         await self.release.wait()
+        return fn(self)
+
+    def feed_many(self, pieces: list[tuple[str, np.ndarray]]) -> list[Exception | None]:
+        self.calls.append([stream for stream, _ in pieces])
         return self.stage.feed_many(pieces)
 
 
@@ -76,8 +84,7 @@ async def test_a_cancelled_feed_leaves_the_rest_of_its_batch_alone() -> None:
     feeds = VadFeeds(engine)
     leaving = asyncio.create_task(feeds.feed("a", frame()))
     staying = asyncio.create_task(feeds.feed("b", frame()))
-    while not engine.calls:
-        await asyncio.sleep(0)
+    await engine.called.wait()
     leaving.cancel()
     engine.release.set()
     await staying

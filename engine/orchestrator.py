@@ -125,7 +125,7 @@ class EngineLlm:
 
     def forget(self, cache_key: str) -> None:
         # Queued behind the session's aborts, which the engine thread takes first.
-        self._engine.notify("llm", "forget", cache_key)
+        clients.llm(self._engine).notify(lambda llm: llm.forget(cache_key))
 
 
 @dataclass

@@ -4,9 +4,6 @@ that came and went around it. On a tiny random llama and a byte tokenizer."""
 
 from __future__ import annotations
 
-import engine  # noqa: F401 - first, so MLX picks up the optimised BLAS
-
-# isort: split
 import mlx.core as mx
 import pytest
 from mlx_lm.models import llama

@@ -50,6 +50,7 @@ __all__ = [
     "METADATA_MAX_KEYS",
     "METADATA_MAX_KEY_CHARS",
     "METADATA_MAX_VALUE_CHARS",
+    "NoiseReductionIn",
     "ResponseCancelIn",
     "ResponseCreateIn",
     "SessionUpdateIn",
@@ -89,11 +90,17 @@ class FormatIn(StrictModel):
     rate: Annotated[int | None, integer(1)] = None
 
 
+class NoiseReductionIn(StrictModel):
+    type: Literal["near_field", "far_field"]
+
+
 class AudioInputIn(StrictModel):
     format: FormatIn | None = None
     transcription: TranscriptionIn | None = None
-    noise_reduction: dict[str, Any] | None = None
+    noise_reduction: NoiseReductionIn | None = None
     turn_detection: TurnDetectionIn | None = None
+    # This gateway's own: the server-side echo canceller (docs/protocol.md).
+    echo_cancellation: StrictBool | None = None
 
 
 class AudioOutputIn(StrictModel):
@@ -135,7 +142,8 @@ class BetaSessionIn(_SharedSessionIn):
     input_audio_format: str | None = None
     output_audio_format: str | None = None
     input_audio_transcription: TranscriptionIn | None = None
-    input_audio_noise_reduction: dict[str, Any] | None = None
+    input_audio_noise_reduction: NoiseReductionIn | None = None
+    input_audio_echo_cancellation: StrictBool | None = None
     turn_detection: TurnDetectionIn | None = None
     temperature: Annotated[float | None, number()] = None
     max_response_output_tokens: TokenLimit = None
@@ -169,7 +177,7 @@ class BetaTranscriptionSessionIn(_TranscriptionSessionIn):
     input_audio_format: str | None = None
     input_audio_transcription: TranscriptionIn | None = None
     turn_detection: TurnDetectionIn | None = None
-    input_audio_noise_reduction: dict[str, Any] | None = None
+    input_audio_noise_reduction: NoiseReductionIn | None = None
     modalities: list[Literal["text", "audio"]] | None = None
 
 

@@ -22,12 +22,14 @@ from typing import Any
 from duplex.turn import Tool, ToolChoice
 from gateway.audio import PCM16, AudioFormat, AudioFormatError, format_from_beta, format_from_ga
 from gateway.config import GatewayConfig
+from gateway.input_processing import NoiseReduction
 from gateway.protocol import (
     AudioInputIn,
     BetaSessionIn,
     BetaTranscriptionSessionIn,
     GASessionIn,
     GATranscriptionSessionIn,
+    NoiseReductionIn,
     TranscriptionIn,
     TurnDetectionIn,
 )
@@ -165,6 +167,10 @@ class SessionSettings:
     truncation: str = "auto"
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = ToolChoice()
+    # Input processing (gateway.input_processing): OpenAI's noise reduction (None: off),
+    # and this gateway's echo canceller, which works while output audio plays.
+    noise_reduction: NoiseReduction | None = None
+    echo_cancellation: bool = True
     expires_at: int = field(default_factory=lambda: int(time.time()) + 3600)
 
     @property
@@ -185,6 +191,9 @@ class SessionSettings:
         return LiveTranscription(
             prompt=self.transcription.get("prompt") or "", logprobs=self.include_logprobs
         )
+
+    def _noise_reduction_object(self) -> dict[str, str] | None:
+        return {"type": self.noise_reduction.type} if self.noise_reduction else None
 
     def _include_object(self) -> list[str] | None:
         return list(self.include) or None
@@ -213,8 +222,9 @@ class SessionSettings:
                 "input": {
                     "format": self.input_format.ga_shape(),
                     "transcription": self.transcription,
-                    "noise_reduction": None,
+                    "noise_reduction": self._noise_reduction_object(),
                     "turn_detection": self.turn_detection and self.turn_detection.as_dict(),
+                    "echo_cancellation": self.echo_cancellation,
                 },
                 "output": {
                     "format": self.output_format.ga_shape(),
@@ -236,7 +246,7 @@ class SessionSettings:
                 "input": {
                     "format": self.input_format.ga_shape(),
                     "transcription": self.transcription,
-                    "noise_reduction": None,
+                    "noise_reduction": self._noise_reduction_object(),
                     "turn_detection": detection and detection.transcription_dict(),
                 },
             },
@@ -256,7 +266,8 @@ class SessionSettings:
             "input_audio_format": self.input_format.beta_name,
             "output_audio_format": self.output_format.beta_name,
             "input_audio_transcription": self.transcription,
-            "input_audio_noise_reduction": None,
+            "input_audio_noise_reduction": self._noise_reduction_object(),
+            "input_audio_echo_cancellation": self.echo_cancellation,
             "turn_detection": self.turn_detection and self.turn_detection.as_dict(),
             "tools": tool_objects(self.tools),
             "tool_choice": tool_choice_object(self.tool_choice),
@@ -276,7 +287,7 @@ class SessionSettings:
             "modalities": ["text"],
             "input_audio_format": self.input_format.beta_name,
             "input_audio_transcription": self.transcription,
-            "input_audio_noise_reduction": None,
+            "input_audio_noise_reduction": self._noise_reduction_object(),
             "turn_detection": detection and detection.transcription_dict(),
             "include": self._include_object(),
         }
@@ -414,10 +425,8 @@ def _beta_input_changes(
         changes["transcription"] = _transcription(
             update.input_audio_transcription, "session.input_audio_transcription"
         )
-    if update.input_audio_noise_reduction is not None:
-        raise SettingError(
-            "noise reduction is not supported", "session.input_audio_noise_reduction"
-        )
+    if "input_audio_noise_reduction" in given:
+        changes["noise_reduction"] = _noise_reduction(update.input_audio_noise_reduction)
     if "turn_detection" in given:
         detect = _transcription_detection if current.transcription_only else _turn_detection
         changes["turn_detection"] = detect(
@@ -535,10 +544,10 @@ def _ga_input_changes(value: AudioInputIn, current: SessionSettings) -> dict[str
         changes["transcription"] = _transcription(
             value.transcription, "session.audio.input.transcription"
         )
-    if value.noise_reduction is not None:
-        raise SettingError(
-            "noise reduction is not supported", "session.audio.input.noise_reduction"
-        )
+    if "noise_reduction" in given:
+        changes["noise_reduction"] = _noise_reduction(value.noise_reduction)
+    if value.echo_cancellation is not None:
+        changes["echo_cancellation"] = value.echo_cancellation
     if "turn_detection" in given:
         param = "session.audio.input.turn_detection"
         detect = _transcription_detection if current.transcription_only else _turn_detection
@@ -558,6 +567,8 @@ def _beta_changes(update: BetaSessionIn, current: SessionSettings) -> dict[str, 
     if update.output_audio_format is not None:
         changes["output_format"] = _beta_format(update.output_audio_format, "output_audio_format")
     changes |= _beta_input_changes(update, current)
+    if update.input_audio_echo_cancellation is not None:
+        changes["echo_cancellation"] = update.input_audio_echo_cancellation
     if update.temperature is not None:
         raise SettingError(
             "temperature is not supported by the realtime API shape of this gateway",
@@ -622,6 +633,10 @@ def _transcription(value: TranscriptionIn | None, param: str) -> dict[str, Any] 
             f"{param}.model",
         )
     return {"model": model, "language": value.language, "prompt": value.prompt}
+
+
+def _noise_reduction(value: NoiseReductionIn | None) -> NoiseReduction | None:
+    return None if value is None else NoiseReduction(value.type)
 
 
 def _turn_detection(

@@ -158,8 +158,8 @@ def test_session_update_merges_partial_turn_detection() -> None:
             "session.audio.input.format",
         ),
         (
-            {"type": "realtime", "audio": {"input": {"noise_reduction": {"type": "near_field"}}}},
-            "session.audio.input.noise_reduction",
+            {"type": "realtime", "audio": {"input": {"noise_reduction": {"type": "studio"}}}},
+            "session.audio.input.noise_reduction.type",
         ),
         ({}, "session.type"),
     ],

@@ -230,9 +230,9 @@ def test_beta_events_name_their_session_type() -> None:
         ({"model": "gpt-realtime"}, "session.model", "never responds"),
         ({"include": ["item.input_audio_transcription.segments"]}, "session.include.0", "only"),
         (
-            {"audio": audio_input(noise_reduction={"type": "near_field"})},
-            "session.audio.input.noise_reduction",
-            "not supported",
+            {"audio": audio_input(noise_reduction={"type": "studio"})},
+            "session.audio.input.noise_reduction.type",
+            "near_field",
         ),
         (
             {"audio": audio_input(turn_detection={"type": "server_vad", "create_response": True})},
@@ -294,8 +294,8 @@ def test_ga_refusals(fields: dict[str, Any], param: str, says: str) -> None:
         ({"modalities": ["text", "audio"]}, "session.modalities"),
         ({"voice": "joe"}, "session.voice"),
         (
-            {"input_audio_noise_reduction": {"type": "far_field"}},
-            "session.input_audio_noise_reduction",
+            {"input_audio_noise_reduction": {"type": "studio"}},
+            "session.input_audio_noise_reduction.type",
         ),
         (
             {"input_audio_transcription": {"language": "de"}},

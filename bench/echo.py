@@ -1,0 +1,620 @@
+"""Speakerphone clients against the gateway: echo cancellation on against off, in one run.
+
+    .venv/bin/python bench/echo.py [--url ws://HOST:PORT/v1 | --config PROFILE.yaml]
+                                   [--rooms 8] [--clean 8] [--json]
+
+Without `--url` the gateway is started through its CLI (real models). Each client runs
+in real time: it streams its microphone in 40 ms appends, plays every answer on its
+loudspeaker, and its microphone picks the playback up through a simulated room
+(`bench/_rooms.py`: echo 4 to 20 dB below the voice, 20 to 300 ms of delay,
+reverberation, a playback clock that drifts and jitters). When the gateway says speech
+started, it stops playback and truncates the item, as the realtime guide asks. Speech
+is eSpeak NG's and ALSA's recordings.
+
+Per room, with cancellation on and off (the session field `echo_cancellation`):
+- echo trial: the user asks, then stays silent while the answer plays. Any
+  `speech_started` after the answer began is a self-interruption.
+- double-talk trial: the same, and a person talks over the echo 1.5 s into the answer.
+  Detected when `speech_started` arrives after the person began (`detect_ms`: from the
+  person's first sample to the event, on the client's clock).
+Then on echo-free speech (headphones: no echo, the answer still playing), each clip is
+committed by server VAD and transcribed: `clean_wer_delta` is on minus off, and the
+speech timing (start, end) is compared clip by clip.
+
+Offline, on the microphone signals the echo trials recorded, the gateway's input
+processing and speexdsp (the other candidate) are replayed: `erle_db` (echo return loss
+enhancement over the echo), the person's signal-to-distortion ratio during double talk,
+and CPU ms per second of audio per stream. Timing and CPU figures are noisy on a shared
+machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import soundfile as sf
+import soxr
+from websockets.asyncio.client import ClientConnection, connect
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _gateway import gateway_process  # noqa: E402
+from _rooms import RATE, ROOMS, Room, Speakerphone  # noqa: E402
+from _speex import SpeexCanceller  # noqa: E402
+
+from gateway.audio import ENGINE_RATE  # noqa: E402
+from gateway.far_end import FarEnd  # noqa: E402
+from gateway.input_processing import InputProcessing  # noqa: E402
+
+FRAME = RATE * 40 // 1000  # one 40 ms append
+VOICE_DBFS = -24.0  # the user's (and the person's) active speech level at the microphone
+NOISE_DBFS = -65.0  # the microphone's noise floor
+PERSON_AFTER_S = 1.5  # the person talks over the answer this far into its playback
+TAIL_S = 1.5  # after playback ends, how long the echo trial still listens
+INSTRUCTIONS = "You are a storyteller. Answer every request with a story of four or five sentences."
+QUESTIONS = (
+    "Tell me a story about a brave little dog.",
+    "Tell me a story about the sea.",
+    "Tell me a story about a tall mountain.",
+    "Tell me a story about a lost key.",
+    "Tell me a story about a robot who cooks.",
+    "Tell me a story about a rainy day.",
+    "Tell me a story about a old train.",
+    "Tell me a story about a garden.",
+)
+PERSON = (
+    "Hold on, can we talk about the weather tomorrow instead?",
+    "Wait, please stop, I have another question.",
+)
+CLEAN = (
+    "The library opens at nine in the morning.",
+    "Please send the report to my office before Friday.",
+    "My brother bought a new bicycle last summer.",
+    "The train to Boston leaves from platform four.",
+    "We planted tomatoes and beans in the garden.",
+    "Turn left at the bridge and park near the bakery.",
+    "She plays the violin in the city orchestra.",
+    "The meeting moved to Thursday afternoon.",
+    "Our flight was delayed by two hours.",
+    "He painted the kitchen a pale shade of green.",
+)
+ALSA = Path("/usr/share/sounds/alsa")
+
+
+# ---- speech clips -----------------------------------------------------------------------
+
+
+def espeak(text: str, voice: str = "en-us") -> np.ndarray:
+    with tempfile.NamedTemporaryFile(suffix=".wav") as wav:
+        subprocess.run(["espeak-ng", "-v", voice, "-w", wav.name, text], check=True)
+        audio, rate = sf.read(wav.name, dtype="float32")
+    return level(soxr.resample(audio, rate, RATE).astype(np.float32))
+
+
+def recording(name: str) -> np.ndarray:
+    audio, rate = sf.read(ALSA / name, dtype="float32")
+    return level(soxr.resample(audio, rate, RATE).astype(np.float32))
+
+
+def active_rms(audio: np.ndarray) -> float:
+    frames = audio[: len(audio) // 480 * 480].reshape(-1, 480)
+    power = np.mean(frames.astype(np.float64) ** 2, axis=1)
+    active = power[power > power.max() * 1e-3]
+    return float(np.sqrt(np.mean(active))) if active.size else 0.0
+
+
+def level(audio: np.ndarray, dbfs: float = VOICE_DBFS) -> np.ndarray:
+    return (audio * (10 ** (dbfs / 20) / max(active_rms(audio), 1e-9))).astype(np.float32)
+
+
+def words(text: str) -> list[str]:
+    return re.sub(r"[^a-z0-9' ]+", " ", text.lower()).split()
+
+
+def word_errors(ref: list[str], hyp: list[str]) -> int:
+    row = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, 1):
+        prev, row[0] = row[:], i
+        for j, h in enumerate(hyp, 1):
+            row[j] = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + (r != h))
+    return row[-1]
+
+
+def wer(refs: list[str], hyps: list[str]) -> float:
+    errors = sum(word_errors(words(r), words(h)) for r, h in zip(refs, hyps, strict=True))
+    return errors / sum(len(words(r)) for r in refs)
+
+
+def pct(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 1) if values else None
+
+
+# ---- a real-time speakerphone client ------------------------------------------------------
+
+
+@dataclass
+class Recording:
+    """What a client's microphone sent, with its parts, and what it played when."""
+
+    mic: list[np.ndarray] = field(default_factory=list)
+    echo: list[np.ndarray] = field(default_factory=list)
+    near: list[np.ndarray] = field(default_factory=list)
+    played: list[tuple[int, str, np.ndarray]] = field(default_factory=list)  # (mic sample, ...)
+    truncated: list[tuple[int, str, float]] = field(default_factory=list)
+
+
+class Client:
+    """One session: a microphone streamed in real time, a loudspeaker in `room`."""
+
+    def __init__(self, ws: ClientConnection, phone: Speakerphone, stop_on_speech: bool) -> None:
+        self.ws = ws
+        self.phone = phone
+        self.stop_on_speech = stop_on_speech
+        self.sent = 0  # microphone samples sent: the client's clock
+        self.events: list[tuple[float, dict[str, Any]]] = []  # (client ms, event)
+        self.record = Recording()
+        self._near: list[tuple[int, np.ndarray]] = []  # scheduled speech (start sample, clip)
+        self._playing: str | None = None  # the item whose audio plays
+        self._noise = np.random.default_rng(7)
+        self._changed = asyncio.Event()
+        self._closed = False
+
+    @property
+    def now_ms(self) -> float:
+        return self.sent * 1000 / RATE
+
+    def say(self, clip: np.ndarray, at_ms: float | None = None) -> int:
+        start = int((at_ms if at_ms is not None else self.now_ms) * RATE / 1000)
+        self._near.append((max(start, self.sent), clip))
+        return max(start, self.sent)
+
+    async def send(self, **event: Any) -> None:
+        await self.ws.send(json.dumps(event))
+
+    async def microphone(self) -> None:
+        start = time.monotonic()
+        n = 0
+        while not self._closed:
+            near = np.zeros(FRAME, np.float32)
+            for at, clip in self._near:
+                lo, hi = max(at, self.sent), min(at + len(clip), self.sent + FRAME)
+                if hi > lo:
+                    near[lo - self.sent : hi - self.sent] += clip[lo - at : hi - at]
+            echo = self.phone.microphone(FRAME)
+            noise = self._noise.standard_normal(FRAME).astype(np.float32)
+            mic = near + echo + noise * 10 ** (NOISE_DBFS / 20)
+            self.record.mic.append(mic)
+            self.record.echo.append(echo)
+            self.record.near.append(near)
+            pcm = (np.clip(mic, -1, 1) * 32767).astype("<i2").tobytes()
+            await self.send(type="input_audio_buffer.append", audio=base64.b64encode(pcm).decode())
+            self.sent += FRAME
+            n += 1
+            await asyncio.sleep(max(0.0, start + n * 0.04 - time.monotonic()))
+
+    async def speaker(self) -> None:
+        async for message in self.ws:
+            event = json.loads(message)
+            kind = event["type"]
+            self.events.append((self.now_ms, event))
+            if kind == "response.output_audio.delta":
+                pcm = np.frombuffer(base64.b64decode(event["delta"]), "<i2")
+                audio = pcm.astype(np.float32) / 32767
+                self.phone.play(event["item_id"], audio)
+                self.record.played.append((self.sent, event["item_id"], audio))
+                self._playing = event["item_id"]
+            elif kind == "input_audio_buffer.speech_started" and self.stop_on_speech:
+                await self.stop_playback()
+            self._changed.set()
+
+    async def stop_playback(self) -> None:
+        """Stop the loudspeaker and tell the gateway how much of the item played."""
+        if self._playing is None:
+            return
+        played_ms = self.phone.stop(self._playing)
+        self.record.truncated.append((self.sent, self._playing, played_ms))
+        await self.send(
+            type="conversation.item.truncate",
+            item_id=self._playing,
+            content_index=0,
+            audio_end_ms=int(played_ms),
+        )
+        self._playing = None
+
+    async def wait(self, condition: Any, timeout: float = 90.0) -> None:
+        async with asyncio.timeout(timeout):
+            while not condition():
+                self._changed.clear()
+                await self._changed.wait()
+
+    async def sleep_until(self, ms: float) -> None:
+        while self.now_ms < ms:
+            await asyncio.sleep(0.02)
+
+    def seen(self, kind: str, after_ms: float = 0.0) -> list[tuple[float, dict[str, Any]]]:
+        return [(t, e) for t, e in self.events if e["type"] == kind and t >= after_ms]
+
+    def first_audio_ms(self) -> float | None:
+        audio = self.seen("response.output_audio.delta")
+        return audio[0][0] if audio else None
+
+    def close(self) -> None:
+        self._closed = True
+
+
+async def session(
+    url: str, phone: Speakerphone, settings: dict[str, Any], stop_on_speech: bool = True
+) -> tuple[Client, Any]:
+    ws = await connect(f"{url}/realtime?model=duplex-smollm2", max_size=None)
+    await ws.recv()  # session.created
+    await ws.send(
+        json.dumps({"type": "session.update", "session": {"type": "realtime", **settings}})
+    )
+    client = Client(ws, phone, stop_on_speech)
+    tasks = (asyncio.create_task(client.microphone()), asyncio.create_task(client.speaker()))
+    await client.wait(lambda: bool(client.seen("session.updated")) or bool(client.seen("error")))
+    if client.seen("error"):
+        raise RuntimeError(f"session.update refused: {client.seen('error')}")
+    return client, tasks
+
+
+async def close(client: Client, tasks: Any) -> None:
+    client.close()
+    await client.ws.close()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def has(client: Client, kind: str, after_ms: float = 0.0) -> Any:
+    """A condition for `Client.wait`: an event of `kind` arrived after `after_ms`."""
+    return lambda: bool(client.seen(kind, after_ms))
+
+
+def speaking_settings(cancel: bool) -> dict[str, Any]:
+    return {
+        "instructions": INSTRUCTIONS,
+        "output_modalities": ["audio"],
+        "max_output_tokens": 70,
+        "audio": {"input": {"echo_cancellation": cancel}},
+    }
+
+
+@dataclass
+class Trial:
+    room: str
+    cancel: bool
+    self_interruptions: int = 0
+    answer_s: float = 0.0
+    detect_ms: float | None = None  # double talk only
+    cut_before_person: bool = False
+    answer_too_short: bool = False
+    record: Recording | None = None
+    person_at: int = 0
+    failed: str | None = None  # the trial did not run its course (why)
+
+
+async def echo_trial(
+    url: str, room: Room, gain: float, question: np.ndarray, cancel: bool, person: np.ndarray | None
+) -> Trial:
+    """The user asks and stays silent; with `person`, someone talks over the answer."""
+    trial = Trial(room.name, cancel)
+    client, tasks = await session(url, Speakerphone(room, gain), speaking_settings(cancel))
+    try:
+        client.say(question, at_ms=client.now_ms + 300)
+        await client.wait(lambda: bool(client.seen("response.output_audio.delta")))
+        answer_from = client.seen("response.created")[0][0]
+        if person is not None:
+            at_ms = client.first_audio_ms() + PERSON_AFTER_S * 1000 + 40  # + playout latency
+            trial.person_at = client.say(person, at_ms=at_ms)
+        await client.wait(lambda: bool(client.seen("response.done")))
+        # Listen on while the answer plays and its echo dies away.
+        await client.sleep_until(client.phone.playing_until_s() * 1000 + TAIL_S * 1000)
+        if person is not None:
+            await client.sleep_until(
+                trial.person_at * 1000 / RATE + len(person) / RATE * 1000 + 1500
+            )
+        started = client.seen("input_audio_buffer.speech_started", after_ms=answer_from)
+        played = sum(len(a) for _, _, a in client.record.played) / RATE
+        trial.answer_s = round(played, 2)
+        if person is None:
+            trial.self_interruptions = len(started)
+        else:
+            onset_ms = trial.person_at * 1000 / RATE
+            before = [t for t, _ in started if t < onset_ms]
+            after = [t for t, _ in started if t >= onset_ms]
+            trial.cut_before_person = bool(before)
+            trial.self_interruptions = len(before)
+            done_ms = client.seen("response.done")[0][0]
+            trial.answer_too_short = not before and done_ms < onset_ms and not after
+            if after and not before:
+                trial.detect_ms = after[0] - onset_ms
+        trial.record = client.record
+    except TimeoutError:
+        trial.failed = "timed out: " + ", ".join(e["type"] for _, e in client.events[-5:])
+    finally:
+        await close(client, tasks)
+    return trial
+
+
+async def clean_run(url: str, clips: list[np.ndarray], cancel: bool) -> list[dict[str, Any]]:
+    """Headphones: the answer plays, no echo; each clip is committed and transcribed."""
+    detection = {"type": "server_vad", "create_response": False, "interrupt_response": False}
+    settings = {
+        **speaking_settings(cancel),
+        "audio": {
+            "input": {
+                "echo_cancellation": cancel,
+                "turn_detection": detection,
+                "transcription": {"model": "whisper-1"},
+            }
+        },
+    }
+    client, tasks = await session(url, Speakerphone(ROOMS[0], 0.0), settings, False)
+    results = []
+    try:
+        for n, clip in enumerate(clips):
+            item = text_item(QUESTIONS[n % len(QUESTIONS)])
+            await client.send(type="conversation.item.create", item=item)
+            asked = client.now_ms
+            await client.send(type="response.create")
+            await client.wait(has(client, "response.output_audio.delta", asked))
+            # The clip starts while the answer plays (the canceller is working).
+            start = client.say(clip, at_ms=client.now_ms + 500)
+            start_ms, end_ms = start * 1000 / RATE, (start + len(clip)) * 1000 / RATE
+            await client.wait(
+                has(client, "conversation.item.input_audio_transcription.completed", start_ms)
+            )
+            stopped = client.seen("input_audio_buffer.speech_stopped", start_ms)
+            began = client.seen("input_audio_buffer.speech_started", start_ms - 1000)
+            done = client.seen("conversation.item.input_audio_transcription.completed", start_ms)
+            results.append(
+                {
+                    "transcript": done[0][1]["transcript"],
+                    "start_ms": began[0][1]["audio_start_ms"] - start_ms if began else None,
+                    "end_ms": stopped[0][1]["audio_end_ms"] - end_ms if stopped else None,
+                }
+            )
+            if not client.seen("response.done", asked):
+                await client.send(type="response.cancel")
+            await client.stop_playback()
+            await client.wait(has(client, "response.done", asked))
+            await asyncio.sleep(0.5)
+    finally:
+        await close(client, tasks)
+    return results
+
+
+# ---- offline replay: the gateway's processing and speexdsp on the recorded signals -------
+
+
+def to_engine(audio: np.ndarray) -> np.ndarray:
+    return soxr.resample(audio, RATE, ENGINE_RATE).astype(np.float32)
+
+
+def replay(record: Recording, speex: bool) -> tuple[np.ndarray, float, float]:
+    """The microphone through the canceller as the gateway fed it: output at 16 kHz,
+    CPU seconds, and seconds of audio the canceller worked on."""
+    mic = to_engine(np.concatenate(record.mic))
+    clock = [0.0]
+    far_end = FarEnd(lambda: clock[0])
+    processing = InputProcessing(
+        far_end, echo_cancellation=True, noise_reduction=None, start_ms=0.0
+    )
+    canceller = SpeexCanceller() if speex else None
+    played = sorted(record.played, key=lambda p: p[0])
+    truncated = sorted(record.truncated, key=lambda t: t[0])
+    out: list[np.ndarray] = []
+    cpu = 0.0
+    step = ENGINE_RATE * 40 // 1000
+    for lo in range(0, len(mic), step):
+        mic_sample = lo * RATE // ENGINE_RATE
+        while played and played[0][0] <= mic_sample:
+            _, item, audio = played.pop(0)
+            far_end.play(item, audio, RATE)
+        while truncated and truncated[0][0] <= mic_sample:
+            _, item, ms = truncated.pop(0)
+            far_end.truncate(item, ms)
+        chunk = mic[lo : lo + step]
+        clock[0] += len(chunk) * 1000 / ENGINE_RATE
+        begin = time.process_time()
+        if canceller is None:
+            out.append(processing.push(chunk))
+        else:
+            frames = []
+            for f in range(0, len(chunk) - canceller.frame + 1, canceller.frame):
+                at = lo + f
+                frames.append(
+                    canceller.process(
+                        chunk[f : f + canceller.frame], far_end.read(at, canceller.frame)
+                    )
+                )
+            far_end.forget_before(lo)
+            out.append(np.concatenate(frames) if frames else np.zeros(0, np.float32))
+        cpu += time.process_time() - begin
+    worked_s = processing.frames_processed / 100 if canceller is None else len(mic) / ENGINE_RATE
+    result = np.concatenate(out)
+    return np.pad(result, (0, max(0, len(mic) - len(result))))[: len(mic)], cpu, worked_s
+
+
+def erle_db(echo: np.ndarray, out: np.ndarray) -> float:
+    """Over the 10 ms frames with echo, after the first second of it (convergence)."""
+    n = min(len(echo), len(out)) // 160 * 160
+    e = np.mean(echo[:n].reshape(-1, 160).astype(np.float64) ** 2, axis=1)
+    o = np.mean(out[:n].reshape(-1, 160).astype(np.float64) ** 2, axis=1)
+    active = np.flatnonzero(e > 10 ** (-55 / 10))
+    if active.size < 200:
+        return float("nan")
+    frames = active[active >= active[0] + 100]
+    return float(10 * np.log10(e[frames].sum() / max(o[frames].sum(), 1e-12)))
+
+
+def person_kept_db(near: np.ndarray, out: np.ndarray, at: int, length: int) -> float:
+    """The output's level against the person's while they talk over the echo: near 0 dB
+    when the person comes through, far below when double talk is suppressed."""
+    lo, hi = at * ENGINE_RATE // RATE, (at + length) * ENGINE_RATE // RATE
+    n, o = near[lo:hi].astype(np.float64), out[lo:hi].astype(np.float64)
+    return float(10 * np.log10(np.sum(o**2) / max(np.sum(n**2), 1e-12)))
+
+
+def offline(
+    echo_trials: list[Trial], talk_trials: list[Trial], person_len: dict[str, int]
+) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for name, speex in (("aec3", False), ("speexdsp", True)):
+        erles, sdrs, cpu, worked = [], [], 0.0, 0.0
+        for trial in echo_trials:
+            assert trial.record is not None
+            out, seconds, audio_s = replay(trial.record, speex)
+            echo = to_engine(np.concatenate(trial.record.echo))
+            erles.append(erle_db(echo, out))
+            cpu, worked = cpu + seconds, worked + audio_s
+        for trial in talk_trials:
+            assert trial.record is not None
+            out, _, _ = replay(trial.record, speex)
+            near = to_engine(np.concatenate(trial.record.near))
+            sdrs.append(person_kept_db(near, out, trial.person_at, person_len[trial.room]))
+        result[name] = {
+            "erle_db_median": round(float(np.nanmedian(erles)), 1),
+            "erle_db": [round(e, 1) for e in erles],
+            "double_talk_person_kept_db_median": pct(sdrs, 50),
+            "cpu_ms_per_audio_s": round(1000 * cpu / max(worked, 1e-9), 1),
+        }
+    raw = []
+    for trial in talk_trials:
+        assert trial.record is not None
+        near = to_engine(np.concatenate(trial.record.near))
+        mic = to_engine(np.concatenate(trial.record.mic))
+        raw.append(person_kept_db(near, mic, trial.person_at, person_len[trial.room]))
+    result["none"] = {
+        "double_talk_person_sdr_db_median": round(float(np.median(raw)), 1) if raw else None
+    }
+    return result
+
+
+# ---- the run --------------------------------------------------------------------------
+
+
+def text_item(text: str) -> dict[str, Any]:
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+async def measure_voice(url: str) -> float:
+    """The assistant's active speech level: the echo is set against it (and warms up)."""
+    client, tasks = await session(url, Speakerphone(ROOMS[0], 0.0), speaking_settings(True))
+    try:
+        item = {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": QUESTIONS[0]}],
+        }
+        await client.send(type="conversation.item.create", item=item)
+        await client.send(type="response.create")
+        await client.wait(lambda: bool(client.seen("response.done")))
+    finally:
+        await close(client, tasks)
+    audio = np.concatenate([a for _, _, a in client.record.played])
+    return active_rms(audio)
+
+
+async def run(url: str, rooms: int, clean: int) -> dict[str, Any]:
+    voice_rms = await measure_voice(url)
+    questions = [espeak(q) for q in QUESTIONS]
+    persons = [espeak(PERSON[0], "en-us+m3"), espeak(PERSON[1], "en-gb")]
+    chosen = [ROOMS[i % len(ROOMS)] for i in range(rooms)]
+    trials: dict[bool, list[Trial]] = {True: [], False: []}
+    talks: dict[bool, list[Trial]] = {True: [], False: []}
+    person_len: dict[str, int] = {}
+    for n, room in enumerate(chosen):
+        gain = 10 ** ((VOICE_DBFS - room.echo_db) / 20) / voice_rms
+        question = questions[n % len(questions)]
+        person = persons[n % len(persons)]
+        person_len[room.name] = len(person)
+        # Alternate which goes first, so drift in the machine's load falls on both.
+        for cancel in (n % 2 == 0, n % 2 == 1):
+            trials[cancel].append(await echo_trial(url, room, gain, question, cancel, None))
+            talks[cancel].append(await echo_trial(url, room, gain, question, cancel, person))
+    clips = [espeak(text, "en-us" if i % 2 else "en-gb") for i, text in enumerate(CLEAN[:clean])]
+    clean_on = await clean_run(url, clips, True)
+    clean_off = await clean_run(url, clips, False)
+    refs = list(CLEAN[:clean])
+    wer_on = wer(refs, [r["transcript"] for r in clean_on])
+    wer_off = wer(refs, [r["transcript"] for r in clean_off])
+
+    def timing(key: str) -> float | None:
+        pairs = [(a[key], b[key]) for a, b in zip(clean_on, clean_off, strict=True)]
+        diffs = [abs(a - b) for a, b in pairs if a is not None and b is not None]
+        return round(float(np.mean(diffs)), 1) if diffs else None
+
+    def summary(cancel: bool) -> dict[str, Any]:
+        echo, talk = trials[cancel], talks[cancel]
+        detected = [t for t in talk if t.detect_ms is not None]
+        usable = [t for t in talk if not t.answer_too_short]
+        return {
+            "self_interruptions": sum(t.self_interruptions for t in echo),
+            "rooms_with_self_interruption": sum(t.self_interruptions > 0 for t in echo),
+            "answer_s_median": pct([t.answer_s for t in echo], 50),
+            "double_talk_trials": len(usable),
+            "double_talk_detected": len(detected),
+            "double_talk_cut_by_echo_first": sum(t.cut_before_person for t in talk),
+            "detect_ms_p50": pct([t.detect_ms for t in detected if t.detect_ms is not None], 50),
+            "detect_ms_p95": pct([t.detect_ms for t in detected if t.detect_ms is not None], 95),
+            "per_room": {
+                t.room: {"self_interruptions": t.self_interruptions, "answer_s": t.answer_s}
+                for t in echo
+            },
+            "detect_ms": {t.room: t.detect_ms for t in talk},
+        }
+
+    return {
+        "rooms": [room.__dict__ for room in chosen],
+        "on": summary(True),
+        "off": summary(False),
+        "clean_wer_on": round(wer_on, 4),
+        "clean_wer_off": round(wer_off, 4),
+        "clean_wer_delta": round(wer_on - wer_off, 4),
+        "clean_speech_start_ms_mean_abs_diff": timing("start_ms"),
+        "clean_speech_end_ms_mean_abs_diff": timing("end_ms"),
+        "clean_transcripts_on": [r["transcript"] for r in clean_on],
+        "clean_transcripts_off": [r["transcript"] for r in clean_off],
+        "replay": offline(trials[True], talks[True], person_len),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", help="gateway ws base URL (default: start one)")
+    parser.add_argument("--config", type=Path, help="gateway profile YAML (when started here)")
+    parser.add_argument("--rooms", type=int, default=8)
+    parser.add_argument("--clean", type=int, default=8, help="echo-free clips (at most 10)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    if args.url and args.config:
+        parser.error("--config applies to a gateway started here, not to --url")
+    if args.url:
+        result = asyncio.run(run(args.url, args.rooms, args.clean))
+    else:
+        extra = ("--config", str(args.config)) if args.config else ()
+        with gateway_process(*extra) as gateway:
+            result = asyncio.run(run(gateway.url, args.rooms, args.clean))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

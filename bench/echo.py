@@ -137,6 +137,10 @@ def wer(refs: list[str], hyps: list[str]) -> float:
     return errors / sum(len(words(r)) for r in refs)
 
 
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def pct(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)), 1) if values else None
 
@@ -473,6 +477,8 @@ def offline(
     echo_trials: list[Trial], talk_trials: list[Trial], person_len: dict[str, int]
 ) -> dict[str, Any]:
     result: dict[str, Any] = {}
+    echo_trials = [t for t in echo_trials if t.record is not None]
+    talk_trials = [t for t in talk_trials if t.record is not None]
     for name, speex in (("aec3", False), ("speexdsp", True)):
         erles, sdrs, cpu, worked = [], [], 0.0, 0.0
         for trial in echo_trials:
@@ -544,8 +550,12 @@ async def run(url: str, rooms: int, clean: int) -> dict[str, Any]:
         person_len[room.name] = len(person)
         # Alternate which goes first, so drift in the machine's load falls on both.
         for cancel in (n % 2 == 0, n % 2 == 1):
-            trials[cancel].append(await echo_trial(url, room, gain, question, cancel, None))
-            talks[cancel].append(await echo_trial(url, room, gain, question, cancel, person))
+            trial = await echo_trial(url, room, gain, question, cancel, None)
+            talk = await echo_trial(url, room, gain, question, cancel, person)
+            trials[cancel].append(trial)
+            talks[cancel].append(talk)
+            log(f"{room.name} cancel={cancel}: {trial.self_interruptions} self-interruptions")
+            log(f"  answer {trial.answer_s} s; person detected in {talk.detect_ms} ms")
     clips = [espeak(text, "en-us" if i % 2 else "en-gb") for i, text in enumerate(CLEAN[:clean])]
     clean_on = await clean_run(url, clips, True)
     clean_off = await clean_run(url, clips, False)
@@ -576,9 +586,11 @@ async def run(url: str, rooms: int, clean: int) -> dict[str, Any]:
                 for t in echo
             },
             "detect_ms": {t.room: t.detect_ms for t in talk},
+            "failed_trials": [f"{t.room}: {t.failed}" for t in echo + talk if t.failed],
         }
 
     return {
+        "assistant_voice_dbfs": round(20 * np.log10(voice_rms), 1),
         "rooms": [room.__dict__ for room in chosen],
         "on": summary(True),
         "off": summary(False),

@@ -12,8 +12,9 @@ of this audio, so it needs each sample where the client plays it. Rules:
    after that point, and anything queued behind it, is never played, so it is dropped.
    A canceller fed audio that never played would subtract echo that is not there.
 3. Audio is kept at 16 kHz from the oldest sample the canceller may still read; the
-   canceller lets go of what it has read (`forget_before`). Memory is bounded by what
-   the gateway sent ahead of the client's playback.
+   canceller lets go of what it has read (`forget_before`). At most `KEPT_S` seconds are
+   kept: a client that sends no input never moves the clock, and its answers would
+   otherwise pile up for the whole session.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import numpy as np
 
 from gateway.audio import ENGINE_RATE, Samples, StreamResampler
 
-__all__ = ["FarEnd"]
+__all__ = ["KEPT_S", "FarEnd"]
 
+KEPT_S = 60
 _PER_MS = ENGINE_RATE / 1000
 # Items whose play start is remembered for truncation; clients truncate the newest.
 _ITEMS_KEPT = 8
@@ -115,3 +117,4 @@ class FarEnd:
                 samples = np.concatenate([np.zeros(gap, np.float32), samples])
             self._audio = np.concatenate([self._audio, samples])
         self.played_until = self.end
+        self.forget_before(self.end - KEPT_S * ENGINE_RATE)  # rule 3

@@ -16,7 +16,7 @@ from gateway.actions import Hear
 from gateway.audio import ENGINE_RATE, PCM16, Samples
 from gateway.backend import ResponseOutput
 from gateway.config import GatewayConfig
-from gateway.far_end import FarEnd
+from gateway.far_end import KEPT_S, FarEnd
 from gateway.input_processing import FRAME, InputProcessing, NoiseReduction
 from gateway.realtime import RealtimeSession
 
@@ -145,6 +145,17 @@ def test_audio_sent_ahead_plays_after_the_audio_before_it() -> None:
     far_end.play("item_2", np.ones(160, np.float32), ENGINE_RATE)
     far_end.flush()
     assert far_end.read(16_000, 160).all() and not far_end.read(15_000, 160).any()
+
+
+def test_a_client_that_sends_no_input_keeps_a_bounded_far_end() -> None:
+    far_end = FarEnd(Clock())  # the clock never moves: no input arrives
+    second = np.ones(ENGINE_RATE, np.float32)
+    for n in range(KEPT_S + 5):
+        far_end.play(f"item_{n}", second, ENGINE_RATE)
+        far_end.flush()
+    assert far_end.end == (KEPT_S + 5) * ENGINE_RATE
+    assert far_end.read(0, 16).sum() == 0  # the oldest audio is gone
+    assert far_end.read(far_end.end - 16, 16).all()
 
 
 # ---- settings: the session fields, both shapes ------------------------------------------

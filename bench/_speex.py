@@ -56,7 +56,7 @@ class SpeexCanceller:
             self._echo, rec.ctypes.data, play.ctypes.data, out.ctypes.data
         )
         self._lib.speex_preprocess_run(self._pre, out.ctypes.data)
-        return out.astype(np.float32) / 32767
+        return (out / np.float32(32767)).astype(np.float32)
 
     def close(self) -> None:
         self._lib.speex_preprocess_state_destroy(self._pre)

@@ -215,7 +215,7 @@ class Client:
             self.events.append((self.now_ms, event))
             if kind == "response.output_audio.delta":
                 pcm = np.frombuffer(base64.b64decode(event["delta"]), "<i2")
-                audio = pcm.astype(np.float32) / 32767
+                audio = (pcm / np.float32(32767)).astype(np.float32)
                 self.phone.play(event["item_id"], audio)
                 self.record.played.append((self.sent, event["item_id"], audio))
                 self._playing = event["item_id"]
@@ -238,10 +238,10 @@ class Client:
         self._playing = None
 
     async def wait(self, condition: Any, timeout: float = 90.0) -> None:
-        async with asyncio.timeout(timeout):
-            while not condition():
-                self._changed.clear()
-                await self._changed.wait()
+        deadline = time.monotonic() + timeout
+        while not condition():
+            self._changed.clear()
+            await asyncio.wait_for(self._changed.wait(), max(deadline - time.monotonic(), 0))
 
     async def sleep_until(self, ms: float) -> None:
         while self.now_ms < ms:
@@ -321,7 +321,8 @@ async def echo_trial(
         await client.wait(lambda: bool(client.seen("response.output_audio.delta")))
         answer_from = client.seen("response.created")[0][0]
         if person is not None:
-            at_ms = client.first_audio_ms() + PERSON_AFTER_S * 1000 + 40  # + playout latency
+            first_ms = client.first_audio_ms() or client.now_ms
+            at_ms = first_ms + PERSON_AFTER_S * 1000 + 40  # + the playout latency
             trial.person_at = client.say(person, at_ms=at_ms)
         await client.wait(lambda: bool(client.seen("response.done")))
         # Listen on while the answer plays and its echo dies away.

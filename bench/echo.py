@@ -291,7 +291,7 @@ def speaking_settings(cancel: bool) -> dict[str, Any]:
     return {
         "instructions": INSTRUCTIONS,
         "output_modalities": ["audio"],
-        "max_output_tokens": 70,
+        "max_output_tokens": 50,
         "audio": {"input": {"echo_cancellation": cancel}},
     }
 
@@ -318,7 +318,12 @@ async def echo_trial(
     client, tasks = await session(url, Speakerphone(room, gain), speaking_settings(cancel))
     try:
         client.say(question, at_ms=client.now_ms + 300)
-        await client.wait(lambda: bool(client.seen("response.output_audio.delta")))
+        await client.wait(
+            lambda: (
+                bool(client.seen("response.output_audio.delta"))
+                or bool(client.seen("response.done"))
+            )
+        )
         answer_from = client.seen("response.created")[0][0]
         if person is not None:
             first_ms = client.first_audio_ms() or client.now_ms
@@ -354,6 +359,38 @@ async def echo_trial(
     return trial
 
 
+async def clean_clip(client: Client, clip: np.ndarray, question: str) -> dict[str, Any]:
+    """One clip spoken while an answer plays; its transcript and speech timing."""
+    await client.send(type="conversation.item.create", item=text_item(question))
+    asked = client.now_ms
+    await client.send(type="response.create")
+    await client.wait(
+        lambda: (
+            bool(client.seen("response.output_audio.delta", asked))
+            or bool(client.seen("response.done", asked))
+        )
+    )
+    # The clip starts while the answer plays (the canceller is working).
+    start = client.say(clip, at_ms=client.now_ms + 500)
+    start_ms, end_ms = start * 1000 / RATE, (start + len(clip)) * 1000 / RATE
+    await client.wait(
+        has(client, "conversation.item.input_audio_transcription.completed", start_ms)
+    )
+    stopped = client.seen("input_audio_buffer.speech_stopped", start_ms)
+    began = client.seen("input_audio_buffer.speech_started", start_ms - 1000)
+    done = client.seen("conversation.item.input_audio_transcription.completed", start_ms)
+    if not client.seen("response.done", asked):
+        await client.send(type="response.cancel")
+    await client.stop_playback()
+    await client.wait(has(client, "response.done", asked))
+    await client.sleep_until(client.now_ms + 500)
+    return {
+        "transcript": done[0][1]["transcript"],
+        "start_ms": began[0][1]["audio_start_ms"] - start_ms if began else None,
+        "end_ms": stopped[0][1]["audio_end_ms"] - end_ms if stopped else None,
+    }
+
+
 async def clean_run(url: str, clips: list[np.ndarray], cancel: bool) -> list[dict[str, Any]]:
     """Headphones: the answer plays, no echo; each clip is committed and transcribed."""
     detection = {"type": "server_vad", "create_response": False, "interrupt_response": False}
@@ -371,32 +408,12 @@ async def clean_run(url: str, clips: list[np.ndarray], cancel: bool) -> list[dic
     results = []
     try:
         for n, clip in enumerate(clips):
-            item = text_item(QUESTIONS[n % len(QUESTIONS)])
-            await client.send(type="conversation.item.create", item=item)
-            asked = client.now_ms
-            await client.send(type="response.create")
-            await client.wait(has(client, "response.output_audio.delta", asked))
-            # The clip starts while the answer plays (the canceller is working).
-            start = client.say(clip, at_ms=client.now_ms + 500)
-            start_ms, end_ms = start * 1000 / RATE, (start + len(clip)) * 1000 / RATE
-            await client.wait(
-                has(client, "conversation.item.input_audio_transcription.completed", start_ms)
-            )
-            stopped = client.seen("input_audio_buffer.speech_stopped", start_ms)
-            began = client.seen("input_audio_buffer.speech_started", start_ms - 1000)
-            done = client.seen("conversation.item.input_audio_transcription.completed", start_ms)
-            results.append(
-                {
-                    "transcript": done[0][1]["transcript"],
-                    "start_ms": began[0][1]["audio_start_ms"] - start_ms if began else None,
-                    "end_ms": stopped[0][1]["audio_end_ms"] - end_ms if stopped else None,
-                }
-            )
-            if not client.seen("response.done", asked):
-                await client.send(type="response.cancel")
-            await client.stop_playback()
-            await client.wait(has(client, "response.done", asked))
-            await asyncio.sleep(0.5)
+            try:
+                results.append(await clean_clip(client, clip, QUESTIONS[n % len(QUESTIONS)]))
+            except TimeoutError:
+                results.append({"transcript": "", "start_ms": None, "end_ms": None})
+                log(f"clean clip {n} timed out: {[e['type'] for _, e in client.events[-5:]]}")
+            log(f"clean cancel={cancel} clip {n}: {results[-1]}")
     finally:
         await close(client, tasks)
     return results
@@ -540,6 +557,9 @@ async def run(url: str, rooms: int, clean: int) -> dict[str, Any]:
     voice_rms = await measure_voice(url)
     questions = [espeak(q) for q in QUESTIONS]
     persons = [espeak(PERSON[0], "en-us+m3"), espeak(PERSON[1], "en-gb")]
+    clips = [espeak(text, "en-us" if i % 2 else "en-gb") for i, text in enumerate(CLEAN[:clean])]
+    clean_on = await clean_run(url, clips, True)
+    clean_off = await clean_run(url, clips, False)
     chosen = [ROOMS[i % len(ROOMS)] for i in range(rooms)]
     trials: dict[bool, list[Trial]] = {True: [], False: []}
     talks: dict[bool, list[Trial]] = {True: [], False: []}
@@ -557,9 +577,6 @@ async def run(url: str, rooms: int, clean: int) -> dict[str, Any]:
             talks[cancel].append(talk)
             log(f"{room.name} cancel={cancel}: {trial.self_interruptions} self-interruptions")
             log(f"  answer {trial.answer_s} s; person detected in {talk.detect_ms} ms")
-    clips = [espeak(text, "en-us" if i % 2 else "en-gb") for i, text in enumerate(CLEAN[:clean])]
-    clean_on = await clean_run(url, clips, True)
-    clean_off = await clean_run(url, clips, False)
     refs = list(CLEAN[:clean])
     wer_on = wer(refs, [r["transcript"] for r in clean_on])
     wer_off = wer(refs, [r["transcript"] for r in clean_off])

@@ -109,7 +109,8 @@ class Speakerphone:
         taps = len(self._response)
         self._fft = 1 << int(np.ceil(np.log2(taps + 8 * RATE // 10)))
         self._spectrum = np.fft.rfft(self._response, self._fft)
-        self._device = np.zeros(0, np.float32)  # played audio on the device's clock
+        self._device = np.zeros(0, np.float32)  # played audio on the device's clock...
+        self._base = 0  # ...from this device sample on (what has played is let go)
         self._speaker = np.zeros(taps, np.float32)  # loudspeaker output, microphone clock
         self._mic_at = 0  # the next microphone sample
         rng = np.random.default_rng(room.seed + 100)
@@ -128,32 +129,43 @@ class Speakerphone:
     def play(self, item_id: str, audio: Audio) -> None:
         """`audio` arrived now (the microphone's current time)."""
         now = float(self._device_at(np.array([float(self._mic_at)]))[0])
-        start = max(int(now + self._latency * RATE), len(self._device))
-        pad = start - len(self._device)
-        self._device = np.concatenate([self._device, np.zeros(pad, np.float32), audio])
+        end = self._base + len(self._device)
+        start = max(int(now + self._latency * RATE), end)
+        pad = np.zeros(start - end, np.float32)
+        self._device = np.concatenate([self._device, pad, audio])
         first, count = self._items.get(item_id, (start, 0))
         self._items[item_id] = (first, start + len(audio) - first)
 
     def stop(self, item_id: str) -> float:
         """The client stops playback now; how many ms of `item_id` it played."""
         now = int(self._device_at(np.array([float(self._mic_at)]))[0])
-        self._device = self._device[: max(now, 0)]
+        self._device = self._device[: max(now - self._base, 0)]
         first, count = self._items.get(item_id, (now, 0))
         return max(0, min(now - first, count)) * 1000 / RATE
 
     def _interpolate(self, positions: NDArray[np.float64]) -> NDArray[np.float64]:
-        """The device's audio at fractional positions; silence outside it."""
-        lo = np.floor(positions).astype(np.int64)
-        frac = positions - lo
-        padded = np.concatenate([self._device, np.zeros(2, np.float32)])
-        ok = (lo >= 0) & (lo < len(self._device))
-        lo = np.where(ok, lo, len(self._device))
-        values = padded[lo] * (1 - frac) + padded[lo + 1] * frac
-        return np.where(ok, values, 0.0)
+        """The device's audio at fractional positions; silence outside it. What lies
+        before the first position is let go: it has played."""
+        lo = np.floor(positions).astype(np.int64) - self._base
+        frac = positions - np.floor(positions)
+        size = len(self._device)
+        ok = (lo >= 0) & (lo < size - 1)
+        safe = np.where(ok, lo, 0)
+        values = np.where(
+            ok,
+            self._device[safe] * (1 - frac) + self._device[np.minimum(safe + 1, size - 1)] * frac
+            if size
+            else 0.0,
+            0.0,
+        )
+        drop = min(max(int(lo[0]) - 2, 0), size) if len(lo) else 0
+        self._device = self._device[drop:]
+        self._base += drop
+        return np.asarray(values, np.float64)
 
     def playing_until_s(self) -> float:
         """Microphone time at which the queued audio ends playing."""
-        return len(self._device) / (1 + self.room.drift_ppm * 1e-6) / RATE
+        return (self._base + len(self._device)) / (1 + self.room.drift_ppm * 1e-6) / RATE
 
     def microphone(self, count: int) -> Audio:
         """The echo in the next `count` microphone samples."""

@@ -11,19 +11,19 @@ reverberation, a playback clock that drifts and jitters). When the gateway says 
 started, it stops playback and truncates the item, as the realtime guide asks. Speech
 is eSpeak NG's and ALSA's recordings.
 
-Per room, with cancellation on and off (the session field `echo_cancellation`):
-- echo trial: the user asks, then stays silent while the answer plays. Any
-  `speech_started` after the answer began is a self-interruption.
-- double-talk trial: the same, and a person talks over the echo 1.5 s into the answer.
-  Detected when `speech_started` arrives after the person began (`detect_ms`: from the
-  person's first sample to the event, on the client's clock).
+Per room, one session with cancellation on and one with it off (the session field
+`echo_cancellation`): the user asks aloud, then stays silent while the whole answer
+plays; then asks in text, and a person talks over the second answer 1.5 s into it. Any
+`speech_started` from the first answer on, before the person spoke, is a
+self-interruption; the person is detected when `speech_started` arrives after they
+began (`detect_ms`: from their first sample to the event, on the client's clock).
 Then on echo-free speech (headphones: no echo, the answer still playing), each clip is
 committed by server VAD and transcribed: `clean_wer_delta` is on minus off, and the
 speech timing (start, end) is compared clip by clip.
 
 Offline, on the microphone signals the echo trials recorded, the gateway's input
 processing and speexdsp (the other candidate) are replayed: `erle_db` (echo return loss
-enhancement over the echo), the person's signal-to-distortion ratio during double talk,
+enhancement where only echo plays), the person's level kept while they talk over it,
 and CPU ms per second of audio per stream. Timing and CPU figures are noisy on a shared
 machine.
 """
@@ -74,6 +74,7 @@ QUESTIONS = (
     "Tell me a story about a old train.",
     "Tell me a story about a garden.",
 )
+SECOND_QUESTION = "Tell me another story, about a fisherman."
 PERSON = (
     "Hold on, can we talk about the weather tomorrow instead?",
     "Wait, please stop, I have another question.",
@@ -302,55 +303,46 @@ class Trial:
     cancel: bool
     self_interruptions: int = 0
     answer_s: float = 0.0
-    detect_ms: float | None = None  # double talk only
+    detect_ms: float | None = None
     cut_before_person: bool = False
-    answer_too_short: bool = False
     record: Recording | None = None
     person_at: int = 0
     failed: str | None = None  # the trial did not run its course (why)
 
 
-async def echo_trial(
-    url: str, room: Room, gain: float, question: np.ndarray, cancel: bool, person: np.ndarray | None
+async def room_trial(
+    url: str, room: Room, gain: float, question: np.ndarray, cancel: bool, person: np.ndarray
 ) -> Trial:
-    """The user asks and stays silent; with `person`, someone talks over the answer."""
+    """One session in `room`: the user asks aloud and stays silent while the whole answer
+    plays; then asks in text, and a person talks over the second answer's echo."""
     trial = Trial(room.name, cancel)
     client, tasks = await session(url, Speakerphone(room, gain), speaking_settings(cancel))
     try:
         client.say(question, at_ms=client.now_ms + 300)
-        await client.wait(
-            lambda: (
-                bool(client.seen("response.output_audio.delta"))
-                or bool(client.seen("response.done"))
-            )
-        )
+        await client.wait(has(client, "response.created"))
         answer_from = client.seen("response.created")[0][0]
-        if person is not None:
-            first_ms = client.first_audio_ms() or client.now_ms
-            at_ms = first_ms + PERSON_AFTER_S * 1000 + 40  # + the playout latency
-            trial.person_at = client.say(person, at_ms=at_ms)
-        await client.wait(lambda: bool(client.seen("response.done")))
-        # Listen on while the answer plays and its echo dies away.
+        await client.wait(has(client, "response.done"))
+        first_item = next((item for _, item, _ in client.record.played), None)
+        played = sum(len(a) for _, item, a in client.record.played if item == first_item)
+        trial.answer_s = round(played / RATE, 2)
+        # Listen on while the answer plays out and its echo dies away.
         await client.sleep_until(client.phone.playing_until_s() * 1000 + TAIL_S * 1000)
-        if person is not None:
-            await client.sleep_until(
-                trial.person_at * 1000 / RATE + len(person) / RATE * 1000 + 1500
-            )
+        await client.send(type="conversation.item.create", item=text_item(SECOND_QUESTION))
+        asked = client.now_ms
+        await client.send(type="response.create")
+        await client.wait(has(client, "response.output_audio.delta", asked))
+        first_ms = client.seen("response.output_audio.delta", asked)[0][0]
+        at_ms = first_ms + PERSON_AFTER_S * 1000 + 40  # + the playout latency
+        trial.person_at = client.say(person, at_ms=at_ms)
+        onset_ms = trial.person_at * 1000 / RATE
+        await client.sleep_until(onset_ms + len(person) * 1000 / RATE + 1500)
         started = client.seen("input_audio_buffer.speech_started", after_ms=answer_from)
-        played = sum(len(a) for _, _, a in client.record.played) / RATE
-        trial.answer_s = round(played, 2)
-        if person is None:
-            trial.self_interruptions = len(started)
-        else:
-            onset_ms = trial.person_at * 1000 / RATE
-            before = [t for t, _ in started if t < onset_ms]
-            after = [t for t, _ in started if t >= onset_ms]
-            trial.cut_before_person = bool(before)
-            trial.self_interruptions = len(before)
-            done_ms = client.seen("response.done")[0][0]
-            trial.answer_too_short = not before and done_ms < onset_ms and not after
-            if after and not before:
-                trial.detect_ms = after[0] - onset_ms
+        before = [t for t, _ in started if t < onset_ms]
+        after = [t for t, _ in started if t >= onset_ms]
+        trial.self_interruptions = len(before)
+        trial.cut_before_person = bool(before)
+        if after and not before:
+            trial.detect_ms = after[0] - onset_ms
         trial.record = client.record
     except TimeoutError:
         trial.failed = "timed out: " + ", ".join(e["type"] for _, e in client.events[-5:])
@@ -412,7 +404,9 @@ async def clean_run(url: str, clips: list[np.ndarray], cancel: bool) -> list[dic
                 results.append(await clean_clip(client, clip, QUESTIONS[n % len(QUESTIONS)]))
             except TimeoutError:
                 results.append({"transcript": "", "start_ms": None, "end_ms": None})
+                errors = [e["error"]["message"] for _, e in client.seen("error")][-3:]
                 log(f"clean clip {n} timed out: {[e['type'] for _, e in client.events[-5:]]}")
+                log(f"  errors: {errors}")
             log(f"clean cancel={cancel} clip {n}: {results[-1]}")
     finally:
         await close(client, tasks)
@@ -471,12 +465,16 @@ def replay(record: Recording, speex: bool) -> tuple[np.ndarray, float, float]:
     return np.pad(result, (0, max(0, len(mic) - len(result))))[: len(mic)], cpu, worked_s
 
 
-def erle_db(echo: np.ndarray, out: np.ndarray) -> float:
-    """Over the 10 ms frames with echo, after the first second of it (convergence)."""
-    n = min(len(echo), len(out)) // 160 * 160
-    e = np.mean(echo[:n].reshape(-1, 160).astype(np.float64) ** 2, axis=1)
-    o = np.mean(out[:n].reshape(-1, 160).astype(np.float64) ** 2, axis=1)
-    active = np.flatnonzero(e > 10 ** (-55 / 10))
+def erle_db(echo: np.ndarray, out: np.ndarray, near: np.ndarray) -> float:
+    """Over the 10 ms frames with echo and no one speaking, after the first second of
+    echo (while AEC3 converges)."""
+    n = min(len(echo), len(out), len(near)) // 160 * 160
+
+    def power(x: np.ndarray) -> np.ndarray:
+        return np.mean(x[:n].reshape(-1, 160).astype(np.float64) ** 2, axis=1)
+
+    e, o, s = power(echo), power(out), power(near)
+    active = np.flatnonzero((e > 10 ** (-55 / 10)) & (s < 1e-9))
     if active.size < 200:
         return float("nan")
     frames = active[active >= active[0] + 100]
@@ -491,40 +489,34 @@ def person_kept_db(near: np.ndarray, out: np.ndarray, at: int, length: int) -> f
     return float(10 * np.log10(np.sum(o**2) / max(np.sum(n**2), 1e-12)))
 
 
-def offline(
-    echo_trials: list[Trial], talk_trials: list[Trial], person_len: dict[str, int]
-) -> dict[str, Any]:
+def offline(trials: list[Trial], person_len: dict[str, int]) -> dict[str, Any]:
+    """Each candidate replayed on every recorded session: ERLE where only echo plays,
+    the person's level while they talk over it, CPU per second of audio worked on."""
     result: dict[str, Any] = {}
-    echo_trials = [t for t in echo_trials if t.record is not None]
-    talk_trials = [t for t in talk_trials if t.record is not None]
+    trials = [t for t in trials if t.record is not None]
     for name, speex in (("aec3", False), ("speexdsp", True)):
-        erles, sdrs, cpu, worked = [], [], 0.0, 0.0
-        for trial in echo_trials:
+        erles, kept, cpu, worked = [], [], 0.0, 0.0
+        for trial in trials:
             assert trial.record is not None
             out, seconds, audio_s = replay(trial.record, speex)
             echo = to_engine(np.concatenate(trial.record.echo))
-            erles.append(erle_db(echo, out))
-            cpu, worked = cpu + seconds, worked + audio_s
-        for trial in talk_trials:
-            assert trial.record is not None
-            out, _, _ = replay(trial.record, speex)
             near = to_engine(np.concatenate(trial.record.near))
-            sdrs.append(person_kept_db(near, out, trial.person_at, person_len[trial.room]))
+            erles.append(erle_db(echo, out, near))
+            kept.append(person_kept_db(near, out, trial.person_at, person_len[trial.room]))
+            cpu, worked = cpu + seconds, worked + audio_s
         result[name] = {
-            "erle_db_median": round(float(np.nanmedian(erles)), 1),
+            "erle_db_median": pct(erles, 50),
             "erle_db": [round(e, 1) for e in erles],
-            "double_talk_person_kept_db_median": pct(sdrs, 50),
+            "double_talk_person_kept_db_median": pct(kept, 50),
             "cpu_ms_per_audio_s": round(1000 * cpu / max(worked, 1e-9), 1),
         }
     raw = []
-    for trial in talk_trials:
+    for trial in trials:
         assert trial.record is not None
         near = to_engine(np.concatenate(trial.record.near))
         mic = to_engine(np.concatenate(trial.record.mic))
         raw.append(person_kept_db(near, mic, trial.person_at, person_len[trial.room]))
-    result["none"] = {
-        "double_talk_person_sdr_db_median": round(float(np.median(raw)), 1) if raw else None
-    }
+    result["none"] = {"double_talk_person_kept_db_median": pct(raw, 50)}
     return result
 
 
@@ -557,12 +549,11 @@ async def run(url: str, rooms: int, clean: int) -> dict[str, Any]:
     voice_rms = await measure_voice(url)
     questions = [espeak(q) for q in QUESTIONS]
     persons = [espeak(PERSON[0], "en-us+m3"), espeak(PERSON[1], "en-gb")]
-    clips = [espeak(text, "en-us" if i % 2 else "en-gb") for i, text in enumerate(CLEAN[:clean])]
+    clips = [espeak(text) for text in CLEAN[:clean]]
     clean_on = await clean_run(url, clips, True)
     clean_off = await clean_run(url, clips, False)
     chosen = [ROOMS[i % len(ROOMS)] for i in range(rooms)]
     trials: dict[bool, list[Trial]] = {True: [], False: []}
-    talks: dict[bool, list[Trial]] = {True: [], False: []}
     person_len: dict[str, int] = {}
     for n, room in enumerate(chosen):
         gain = 10 ** ((VOICE_DBFS - room.echo_db) / 20) / voice_rms
@@ -571,12 +562,13 @@ async def run(url: str, rooms: int, clean: int) -> dict[str, Any]:
         person_len[room.name] = len(person)
         # Alternate which goes first, so drift in the machine's load falls on both.
         for cancel in (n % 2 == 0, n % 2 == 1):
-            trial = await echo_trial(url, room, gain, question, cancel, None)
-            talk = await echo_trial(url, room, gain, question, cancel, person)
+            trial = await room_trial(url, room, gain, question, cancel, person)
             trials[cancel].append(trial)
-            talks[cancel].append(talk)
-            log(f"{room.name} cancel={cancel}: {trial.self_interruptions} self-interruptions")
-            log(f"  answer {trial.answer_s} s; person detected in {talk.detect_ms} ms")
+            log(
+                f"{room.name} cancel={cancel}: {trial.self_interruptions} self-interruptions, "
+                f"answer {trial.answer_s} s, person detected in {trial.detect_ms} ms "
+                f"{trial.failed or ''}"
+            )
     refs = list(CLEAN[:clean])
     wer_on = wer(refs, [r["transcript"] for r in clean_on])
     wer_off = wer(refs, [r["transcript"] for r in clean_off])
@@ -587,24 +579,26 @@ async def run(url: str, rooms: int, clean: int) -> dict[str, Any]:
         return round(float(np.mean(diffs)), 1) if diffs else None
 
     def summary(cancel: bool) -> dict[str, Any]:
-        echo, talk = trials[cancel], talks[cancel]
-        detected = [t for t in talk if t.detect_ms is not None]
-        usable = [t for t in talk if not t.answer_too_short]
+        ran = [t for t in trials[cancel] if not t.failed]
+        detected = [t.detect_ms for t in ran if t.detect_ms is not None]
         return {
-            "self_interruptions": sum(t.self_interruptions for t in echo),
-            "rooms_with_self_interruption": sum(t.self_interruptions > 0 for t in echo),
-            "answer_s_median": pct([t.answer_s for t in echo], 50),
-            "double_talk_trials": len(usable),
+            "sessions": len(ran),
+            "self_interruptions": sum(t.self_interruptions for t in ran),
+            "rooms_with_self_interruption": sum(t.self_interruptions > 0 for t in ran),
+            "first_answer_s_median": pct([t.answer_s for t in ran], 50),
             "double_talk_detected": len(detected),
-            "double_talk_cut_by_echo_first": sum(t.cut_before_person for t in talk),
-            "detect_ms_p50": pct([t.detect_ms for t in detected if t.detect_ms is not None], 50),
-            "detect_ms_p95": pct([t.detect_ms for t in detected if t.detect_ms is not None], 95),
+            "double_talk_cut_by_echo_first": sum(t.cut_before_person for t in ran),
+            "detect_ms_p50": pct(detected, 50),
+            "detect_ms_p95": pct(detected, 95),
             "per_room": {
-                t.room: {"self_interruptions": t.self_interruptions, "answer_s": t.answer_s}
-                for t in echo
+                t.room: {
+                    "self_interruptions": t.self_interruptions,
+                    "first_answer_s": t.answer_s,
+                    "detect_ms": t.detect_ms,
+                }
+                for t in ran
             },
-            "detect_ms": {t.room: t.detect_ms for t in talk},
-            "failed_trials": [f"{t.room}: {t.failed}" for t in echo + talk if t.failed],
+            "failed_trials": [f"{t.room}: {t.failed}" for t in trials[cancel] if t.failed],
         }
 
     return {
@@ -619,7 +613,7 @@ async def run(url: str, rooms: int, clean: int) -> dict[str, Any]:
         "clean_speech_end_ms_mean_abs_diff": timing("end_ms"),
         "clean_transcripts_on": [r["transcript"] for r in clean_on],
         "clean_transcripts_off": [r["transcript"] for r in clean_off],
-        "replay": offline(trials[True], talks[True], person_len),
+        "replay": offline(trials[True], person_len),
     }
 
 

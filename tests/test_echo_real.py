@@ -158,7 +158,8 @@ async def test_a_speakerphone_does_not_interrupt_itself_and_a_person_does(gatewa
             asked, _ = await phone.until("input_audio_buffer.speech_started")
             answered, _ = await phone.until("response.created", asked + 1)
             _, done = await phone.until("response.done", answered)
-            assert done.response.status == "completed", done.response.status_details
+            # Not cut by its own echo: it ends as the model ended it.
+            assert done.response.status in ("completed", "incomplete"), done.response
             # A second answer, asked in text; a person talks over its echo.
             await conn.conversation.item.create(
                 item={

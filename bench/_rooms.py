@@ -118,7 +118,8 @@ class Speakerphone:
         walk = np.cumsum(rng.standard_normal(60_000)) * 0.15
         walk = np.convolve(walk, np.ones(20) / 20, mode="same")
         self._jitter = np.clip(walk, -room.jitter_ms, room.jitter_ms).astype(np.float64)
-        self._items: dict[str, tuple[int, int]] = {}  # item -> (device start, samples)
+        # item -> (device position of its first sample, samples of it received)
+        self._items: dict[str, tuple[int, int]] = {}
 
     def _device_at(self, mic_samples: NDArray[np.float64]) -> NDArray[np.float64]:
         """The device's position (in its samples) at microphone sample times."""
@@ -134,10 +135,11 @@ class Speakerphone:
         pad = np.zeros(start - end, np.float32)
         self._device = np.concatenate([self._device, pad, audio])
         first, count = self._items.get(item_id, (start, 0))
-        self._items[item_id] = (first, start + len(audio) - first)
+        self._items[item_id] = (first, count + len(audio))
 
     def stop(self, item_id: str) -> float:
-        """The client stops playback now; how many ms of `item_id` it played."""
+        """The client stops playback now; how many ms of `item_id` it played (gaps where
+        it ran dry count as played: at most all it received)."""
         now = int(self._device_at(np.array([float(self._mic_at)]))[0])
         self._device = self._device[: max(now - self._base, 0)]
         first, count = self._items.get(item_id, (now, 0))

@@ -18,8 +18,15 @@ Rules of this module:
 4. Like the resampler, it is a stream: it holds back a partial frame until more input
    (or `last=True`, which pads the frame, processes it and returns only the real part).
    `restart(at_ms)` puts its next input at `at_ms` of the session clock.
-5. Processing runs on the caller's thread: about 15 ms of CPU per second of audio while
-   the canceller is active (bench/echo.py measures it), none while it passes frames on.
+5. AEC3 starts out unsure whether the far end comes back at all, and while it is unsure
+   it suppresses near-end speech over far-end audio: for the first 5 to 7 s of far-end
+   audio a headset user (or a browser that cancelled its own echo) who talks over an
+   answer would be cut. So before its first far-end frame the module hears `WARM_S` of
+   a synthetic far end over a silent microphone: it starts as it would on a headset,
+   passing near-end speech, and the first echo of a speakerphone makes it cancel.
+6. Processing runs on the caller's thread: about 15 ms of CPU per second of audio while
+   the canceller is active (bench/echo.py measures it), none while it passes frames on;
+   the warm-up costs about 90 ms once, when a session's first answer starts to play.
 """
 
 from __future__ import annotations
@@ -33,13 +40,15 @@ from livekit.rtc import AudioFrame, AudioProcessingModule
 from gateway.audio import ENGINE_RATE, Samples
 from gateway.far_end import FarEnd
 
-__all__ = ["ECHO_TAIL_MS", "FRAME", "InputProcessing", "NoiseReduction"]
+__all__ = ["ECHO_TAIL_MS", "FRAME", "WARM_S", "InputProcessing", "NoiseReduction"]
 
 FRAME = ENGINE_RATE // 100  # the module's 10 ms frame, in samples
 # How long after the far end's last played sample its echo may still arrive: the
 # longest delay AEC3 follows plus a reverberation tail.
 ECHO_TAIL_MS = 1500
 _TAIL = ECHO_TAIL_MS * ENGINE_RATE // 1000
+WARM_S = 6  # rule 5
+_WARM_LEVEL = 0.05  # the synthetic far end's RMS (-26 dBFS), about a voice's level
 _INT16 = 32767.0
 _NO_SAMPLES: Samples = np.zeros(0, np.float32)
 
@@ -67,6 +76,7 @@ class InputProcessing:
         self._echo = echo_cancellation
         self._noise = noise_reduction
         self._apm = _module(echo_cancellation, noise_reduction)
+        self._warm = False  # the module has had its warm-up (rule 5)
         self._held: Samples = _NO_SAMPLES
         self._next = round(start_ms * ENGINE_RATE / 1000)  # clock index of the next frame
         self.frames_processed = 0  # frames that went through the module (rule 5)
@@ -80,6 +90,7 @@ class InputProcessing:
         if (echo_cancellation, noise_reduction) != (self._echo, self._noise):
             self._echo, self._noise = echo_cancellation, noise_reduction
             self._apm = _module(echo_cancellation, noise_reduction)
+            self._warm = False
 
     def push(self, samples: Samples, last: bool = False) -> Samples:
         """The processed samples that are complete so far, in order (rule 4)."""
@@ -119,6 +130,8 @@ class InputProcessing:
             return frame  # rule 3
         self.frames_processed += 1
         if self._echo:
+            if not self._warm:
+                self._warm_up()
             reverse = AudioFrame(_pcm(self._far_end.read(at, FRAME)), ENGINE_RATE, 1, FRAME)
             self._apm.process_reverse_stream(reverse)
             # The reference is already on the session clock: AEC3 estimates the rest.
@@ -126,6 +139,18 @@ class InputProcessing:
         near = AudioFrame(_pcm(frame), ENGINE_RATE, 1, FRAME)
         self._apm.process_stream(near)
         return np.frombuffer(near.data, np.int16).astype(np.float32) / _INT16
+
+    def _warm_up(self) -> None:
+        """Rule 5: a synthetic far end over a silent microphone, as a headset hears it."""
+        assert self._apm is not None
+        self._warm = True
+        noise = np.random.default_rng(0).standard_normal(WARM_S * ENGINE_RATE) * _WARM_LEVEL
+        silence = bytes(FRAME * 2)
+        for lo in range(0, len(noise), FRAME):
+            far = noise[lo : lo + FRAME].astype(np.float32)
+            self._apm.process_reverse_stream(AudioFrame(_pcm(far), ENGINE_RATE, 1, FRAME))
+            self._apm.set_stream_delay_ms(0)
+            self._apm.process_stream(AudioFrame(bytearray(silence), ENGINE_RATE, 1, FRAME))
 
 
 def _module(echo: bool, noise: NoiseReduction | None) -> AudioProcessingModule | None:

@@ -99,6 +99,18 @@ def test_a_person_over_the_echo_is_kept() -> None:
     assert power_db(out[talk]) - power_db(out[echo_only]) > 15
 
 
+def test_speech_over_an_answer_without_echo_is_kept_from_the_start() -> None:
+    # A headset, or a browser that cancelled its own echo: the answer plays, none of it
+    # comes back, and the user talks over it one second in.
+    far = np.tile(recording(), 3)
+    near = recording(OTHER)
+    mic = np.zeros(len(far), np.float32)
+    mic[ENGINE_RATE : ENGINE_RATE + len(near)] = near
+    out = run(mic, far)
+    talk = slice(ENGINE_RATE, ENGINE_RATE + len(near))
+    assert abs(power_db(out[talk]) - power_db(near)) < 1.5
+
+
 def test_input_passes_untouched_while_nothing_plays() -> None:
     mic = recording()
     out = run(mic, None)

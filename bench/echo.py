@@ -238,7 +238,7 @@ class Client:
         )
         self._playing = None
 
-    async def wait(self, condition: Any, timeout: float = 90.0) -> None:
+    async def wait(self, condition: Any, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
         while not condition():
             self._changed.clear()
@@ -542,6 +542,7 @@ async def measure_voice(url: str) -> float:
     finally:
         await close(client, tasks)
     audio = np.concatenate([a for _, _, a in client.record.played])
+    log(f"assistant voice at {20 * np.log10(active_rms(audio)):.1f} dBFS")
     return active_rms(audio)
 
 

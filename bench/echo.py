@@ -583,7 +583,8 @@ def offline_rooms(rooms: int) -> dict[str, Any]:
     onset = int(PERSON_AFTER_S * ENGINE_RATE)
     result: dict[str, Any] = {}
     for how in ("off", "aec3", "speexdsp"):
-        rows, cpu = [], 0.0
+        rows: list[dict[str, Any]] = []
+        cpu = 0.0
         for room in [ROOMS[i % len(ROOMS)] for i in range(rooms)]:
             phone = Speakerphone(room, 10 ** ((VOICE_DBFS - room.echo_db) / 20) / 0.1)
             phone.play("item", far24)

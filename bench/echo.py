@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/echo.py [--url ws://HOST:PORT/v1 | --config PROFILE.yaml]
                                    [--rooms 8] [--clean 8] [--json]
+    .venv/bin/python bench/echo.py --offline [--rooms 8] [--json]
 
 Without `--url` the gateway is started through its CLI (real models). Each client runs
 in real time: it streams its microphone in 40 ms appends, plays every answer on its
@@ -26,6 +27,12 @@ processing and speexdsp (the other candidate) are replayed: `erle_db` (echo retu
 enhancement where only echo plays), the person's level kept while they talk over it,
 and CPU ms per second of audio per stream. Timing and CPU figures are noisy on a shared
 machine.
+
+`--offline` runs no gateway: the same rooms, with eSpeak NG as the far end, through the
+gateway's input processing, through speexdsp and through nothing, and the output heard
+by the gateway's VAD (Silero): how long the echo reads as speech, ERLE, how soon a person
+over the echo is heard and how much of their level is kept, and speech over an answer on
+a headset.
 """
 
 from __future__ import annotations

@@ -16,6 +16,10 @@ Rules of this module:
    after it.
 4. Samples produced by appends and flushes wait in `take_fresh()` for server VAD, so the
    VAD sees each sample once, in order.
+5. With `processing` (echo cancellation, noise suppression: `gateway.input_processing`),
+   the resampled samples pass through it before they are kept: everything that reads
+   the 16 kHz samples hears the cleaned audio. It is a stream like the resampler, and
+   is flushed with it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gateway.audio import ENGINE_RATE, AudioFormat, Samples, StreamResampler
+from gateway.input_processing import InputProcessing
 
 __all__ = ["BufferFullError", "Clip", "InputBuffer"]
 
@@ -52,7 +57,9 @@ class Clip:
 class InputBuffer:
     """Uncommitted input audio from `start_ms` to `now_ms`."""
 
-    def __init__(self, fmt: AudioFormat, now_ms: float = 0.0) -> None:
+    def __init__(
+        self, fmt: AudioFormat, now_ms: float = 0.0, processing: InputProcessing | None = None
+    ) -> None:
         self.fmt = fmt
         self.now_ms = now_ms
         self.start_ms = now_ms  # session time of the first buffered wire byte
@@ -60,6 +67,7 @@ class InputBuffer:
         self._samples = _SampleStore()
         self._samples_start_ms = now_ms  # session time of the first kept 16 kHz sample
         self._resampler = StreamResampler(fmt.rate, ENGINE_RATE)
+        self._processing = processing
         self._fresh: list[Samples] = []
 
     @property
@@ -74,7 +82,7 @@ class InputBuffer:
             raise BufferFullError(f"the buffer holds at most {limit_ms} ms")
         self._data.extend(data)
         self.now_ms += self.fmt.duration_ms(len(data))
-        self._keep(self._resampler.push(samples))
+        self._keep(self._to_engine(samples))
 
     def take_fresh(self) -> Samples:
         """The 16 kHz samples produced since the last call, in order."""
@@ -108,7 +116,7 @@ class InputBuffer:
 
     def settle(self) -> None:
         """Flush the resampler: every appended sample is resampled and kept (rule 3)."""
-        tail = self._resampler.push(_NO_SAMPLES, last=True)
+        tail = self._to_engine(_NO_SAMPLES, last=True)
         missing = max(round((self.now_ms - self._samples_end_ms) * _PER_MS), 0)
         if len(tail) > missing:
             tail = tail[:missing]
@@ -116,6 +124,15 @@ class InputBuffer:
             tail = np.concatenate([tail, np.zeros(missing - len(tail), np.float32)])
         self._keep(tail)
         self._resampler = StreamResampler(self.fmt.rate, ENGINE_RATE)
+        if self._processing is not None:
+            self._processing.restart(self.now_ms)
+
+    def _to_engine(self, samples: Samples, last: bool = False) -> Samples:
+        """Wire-rate samples to 16 kHz, processed (rules 2, 5)."""
+        resampled = self._resampler.push(samples, last=last)
+        if self._processing is None:
+            return resampled
+        return self._processing.push(resampled, last=last)
 
     # -- positions ----------------------------------------------------------------------
 

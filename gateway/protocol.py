@@ -58,6 +58,7 @@ __all__ = [
     "METADATA_MAX_KEYS",
     "METADATA_MAX_KEY_CHARS",
     "METADATA_MAX_VALUE_CHARS",
+    "NoiseReductionIn",
     "ResponseCancelIn",
     "ResponseCreateIn",
     "SessionUpdateIn",
@@ -98,13 +99,7 @@ class FormatIn(StrictModel):
 
 
 class NoiseReductionIn(StrictModel):
-    """Input noise reduction: the input path's noise suppression, for a near or far
-    microphone."""
-
-    model_config = ConfigDict(frozen=True)
-
     type: Literal["near_field", "far_field"]
-    strength: Annotated[float | None, number(0.0, 1.0)] = None
 
 
 class AudioInputIn(StrictModel):
@@ -112,6 +107,8 @@ class AudioInputIn(StrictModel):
     transcription: TranscriptionIn | None = None
     noise_reduction: NoiseReductionIn | None = None
     turn_detection: TurnDetectionIn | None = None
+    # This gateway's own: the server-side echo canceller (docs/protocol.md).
+    echo_cancellation: StrictBool | None = None
 
 
 class VoiceIdIn(StrictModel):
@@ -227,6 +224,7 @@ class BetaSessionIn(_SharedSessionIn):
     output_audio_format: str | None = None
     input_audio_transcription: TranscriptionIn | None = None
     input_audio_noise_reduction: NoiseReductionIn | None = None
+    input_audio_echo_cancellation: StrictBool | None = None
     turn_detection: TurnDetectionIn | None = None
     temperature: Annotated[float | None, number(0.6, 1.2)] = None
     max_response_output_tokens: TokenLimit = None

@@ -32,6 +32,7 @@ from gateway.backend import ResponseOutput, SessionEvent, TranscriptDelta
 from gateway.config import GatewayConfig
 from gateway.conversation import Conversation, Item
 from gateway.errors import ClientError, validation_error
+from gateway.far_end import FarEnd
 from gateway.items import ItemEditor
 from gateway.outbox import Outbox, ServerEvent
 from gateway.protocol import (
@@ -86,17 +87,21 @@ class RealtimeSession:
             model=model,
             voice=config.voices[0],
             instructions=config.default_instructions,
+            echo_cancellation=config.echo_cancellation,
         )
         self.conversation = Conversation(
             max_items=self.limits.max_items,
             max_audio_ms=self.limits.max_committed_audio_s * 1000,
         )
         self._out = Outbox(beta=beta)
+        # What the client plays, on the session clock: the echo canceller's reference.
+        self._far_end = FarEnd(clock=lambda: self._turns.now_ms)
         self._responses = ResponseStream(
             self._out,
             self.conversation,
             session_id=self.settings.id,
             chunk_ms=self.limits.output_chunk_ms,
+            far_end=self._far_end,
         )
         self._jobs = TranscriptionJobs(self._out, self.conversation)
         self._items = ItemEditor(self._out, self.conversation, self._responses, self._jobs)
@@ -110,6 +115,7 @@ class RealtimeSession:
             responses=self._responses,
             jobs=self._jobs,
             respond=self._create_default_response,
+            far_end=self._far_end,
         )
         self._closed = False
         turns, items = self._turns, self._items
@@ -125,7 +131,7 @@ class RealtimeSession:
             "conversation.item.create": _route(ItemCreateIn, self._on_item_create),
             "conversation.item.retrieve": _route(ItemIdIn, items.retrieve),
             "conversation.item.delete": _route(ItemIdIn, items.delete),
-            "conversation.item.truncate": _route(TruncateIn, items.truncate),
+            "conversation.item.truncate": _route(TruncateIn, self._on_item_truncate),
             "response.create": _route(ResponseCreateIn, self._on_response_create),
             "response.cancel": _route(ResponseCancelIn, self._on_response_cancel),
         }
@@ -302,6 +308,11 @@ class RealtimeSession:
 
     def _on_item_create(self, event: ItemCreateIn) -> None:
         self._items.create(event, self.settings)
+
+    def _on_item_truncate(self, event: TruncateIn) -> None:
+        self._items.truncate(event)
+        # The client stopped playing there: the echo canceller's reference stops too.
+        self._far_end.truncate(event.item_id, event.audio_end_ms)
 
     # -- responses ----------------------------------------------------------------------
 

@@ -14,7 +14,8 @@ Rules of this module:
 3. Output audio arrives as float32 at the voice's rate. Each response resamples it with
    one streaming resampler to the output format's rate and encodes it once, then cuts it
    into deltas of at most `output_chunk_ms`; the resampler's held-back tail goes out when
-   the response completes.
+   the response completes. What goes out is also played into the session's far end
+   (`gateway.far_end`), the echo canceller's reference.
 4. An event for a response id not known here is a bug below, not client input: it raises.
 5. A response's output items are numbered (`output_index`) in the order they open: the
    message (text or audio) and each function call, which opens on its first arguments
@@ -35,6 +36,7 @@ from gateway.actions import CancelResponse, StartResponse
 from gateway.audio import AudioFormat, StreamResampler
 from gateway.backend import ResponseDone, ResponseOutput
 from gateway.conversation import Conversation, Item
+from gateway.far_end import FarEnd
 from gateway.outbox import Outbox
 from gateway.protocol import new_id
 from gateway.responses import ResponseOptions
@@ -72,9 +74,16 @@ class ResponseStream:
     """Every response not yet done; `active_id` is the default conversation's one."""
 
     def __init__(
-        self, outbox: Outbox, conversation: Conversation, *, session_id: str, chunk_ms: int
+        self,
+        outbox: Outbox,
+        conversation: Conversation,
+        *,
+        session_id: str,
+        chunk_ms: int,
+        far_end: FarEnd,
     ) -> None:
         self._out = outbox
+        self._far_end = far_end
         self._conversation = conversation
         self.conversation_id = "conv_" + session_id.removeprefix("sess_")
         self._chunk_ms = chunk_ms
@@ -163,8 +172,8 @@ class ResponseStream:
                 f"response {response.id}: audio at {out.sample_rate} Hz after "
                 f"{response.resampler.in_rate} Hz; one response speaks with one voice"
             )
-        samples = np.frombuffer(out.audio, dtype="<f4")
-        encoded = fmt.encode(response.resampler.push(samples))
+        resampled = response.resampler.push(np.frombuffer(out.audio, dtype="<f4"))
+        encoded = fmt.encode(resampled)
         spoken = _join_spoken(response.text, out.text) if out.text else ""
         if spoken:
             response.text += spoken
@@ -172,6 +181,7 @@ class ResponseStream:
                 "response.output_audio_transcript.delta", **self._ids(response), delta=spoken
             )
         self._send_audio(response, fmt, encoded)
+        self._far_end.play(item.id, resampled, fmt.rate)
         item.add_audio(encoded, spoken)
 
     def _tool_call(self, response: Response, out: ResponseOutput) -> None:
@@ -198,8 +208,11 @@ class ResponseStream:
         if response.resampler is None or response.item is None:
             return
         fmt = response.options.output_format
-        tail = fmt.encode(response.resampler.push(np.zeros(0, np.float32), last=True))
+        resampled = response.resampler.push(np.zeros(0, np.float32), last=True)
+        tail = fmt.encode(resampled)
         self._send_audio(response, fmt, tail)
+        self._far_end.play(response.item.id, resampled, fmt.rate)
+        self._far_end.flush()
         response.item.add_audio(tail, "")
 
     def _send_audio(self, response: Response, fmt: AudioFormat, encoded: bytes) -> None:

@@ -22,6 +22,7 @@ from typing import Any, Literal
 from duplex.turn import Tool, ToolChoice
 from gateway.audio import PCM16, AudioFormat, AudioFormatError, format_from_beta, format_from_ga
 from gateway.config import GatewayConfig
+from gateway.input_processing import NoiseReduction
 from gateway.prompts import PromptError, StoredPrompt, render_prompt
 from gateway.protocol import (
     AudioInputIn,
@@ -175,6 +176,10 @@ class SessionSettings:
     truncation: str | RetentionRatioIn = "auto"
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = ToolChoice()
+    # Input processing (gateway.input_processing): OpenAI's noise reduction (None: off),
+    # and this gateway's echo canceller, which works while output audio plays.
+    noise_reduction: NoiseReduction | None = None
+    echo_cancellation: bool = True
     expires_at: int = field(default_factory=lambda: int(time.time()) + 3600)
     # The LLM's sampling temperature (beta); None: the profile's.
     temperature: float | None = None
@@ -185,8 +190,6 @@ class SessionSettings:
     reasoning: ReasoningIn | None = None
     # Where the trace goes: the gateway's log, a line per response (gateway.connection).
     tracing: Literal["auto"] | TracingIn | None = None
-    # Accepted; applied by the input path's noise suppression.
-    noise_reduction: NoiseReductionIn | None = None
 
     @property
     def truncates(self) -> bool:
@@ -217,10 +220,6 @@ class SessionSettings:
             return self.tracing.model_dump(exclude_none=True)
         return self.tracing
 
-    def _noise_reduction_object(self) -> dict[str, Any] | None:
-        reduction = self.noise_reduction
-        return reduction.model_dump(exclude_none=True) if reduction is not None else None
-
     @property
     def transcription_only(self) -> bool:
         """A transcription session: it never creates responses."""
@@ -239,6 +238,9 @@ class SessionSettings:
         return LiveTranscription(
             prompt=self.transcription.get("prompt") or "", logprobs=self.include_logprobs
         )
+
+    def _noise_reduction_object(self) -> dict[str, str] | None:
+        return {"type": self.noise_reduction.type} if self.noise_reduction else None
 
     def _include_object(self) -> list[str] | None:
         return list(self.include) or None
@@ -271,6 +273,7 @@ class SessionSettings:
                     "transcription": self.transcription,
                     "noise_reduction": self._noise_reduction_object(),
                     "turn_detection": self.turn_detection and self.turn_detection.as_dict(),
+                    "echo_cancellation": self.echo_cancellation,
                 },
                 "output": {
                     "format": self.output_format.ga_shape(),
@@ -313,6 +316,7 @@ class SessionSettings:
             "output_audio_format": self.output_format.beta_name,
             "input_audio_transcription": self.transcription,
             "input_audio_noise_reduction": self._noise_reduction_object(),
+            "input_audio_echo_cancellation": self.echo_cancellation,
             "turn_detection": self.turn_detection and self.turn_detection.as_dict(),
             "tools": tool_objects(self.tools),
             "tool_choice": tool_choice_object(self.tool_choice),
@@ -476,7 +480,7 @@ def _beta_input_changes(
             update.input_audio_transcription, "session.input_audio_transcription"
         )
     if "input_audio_noise_reduction" in given:
-        changes["noise_reduction"] = update.input_audio_noise_reduction
+        changes["noise_reduction"] = _noise_reduction(update.input_audio_noise_reduction)
     if "turn_detection" in given:
         detect = _transcription_detection if current.transcription_only else _turn_detection
         changes["turn_detection"] = detect(
@@ -608,7 +612,9 @@ def _ga_input_changes(value: AudioInputIn, current: SessionSettings) -> dict[str
             value.transcription, "session.audio.input.transcription"
         )
     if "noise_reduction" in given:
-        changes["noise_reduction"] = value.noise_reduction
+        changes["noise_reduction"] = _noise_reduction(value.noise_reduction)
+    if value.echo_cancellation is not None:
+        changes["echo_cancellation"] = value.echo_cancellation
     if "turn_detection" in given:
         param = "session.audio.input.turn_detection"
         detect = _transcription_detection if current.transcription_only else _turn_detection
@@ -628,6 +634,8 @@ def _beta_changes(update: BetaSessionIn, current: SessionSettings) -> dict[str, 
     if update.output_audio_format is not None:
         changes["output_format"] = _beta_format(update.output_audio_format, "output_audio_format")
     changes |= _beta_input_changes(update, current)
+    if update.input_audio_echo_cancellation is not None:
+        changes["echo_cancellation"] = update.input_audio_echo_cancellation
     if "temperature" in given:
         changes["temperature"] = update.temperature
     if "max_response_output_tokens" in given:
@@ -703,6 +711,10 @@ def _transcription(value: TranscriptionIn | None, param: str) -> dict[str, Any] 
             f"{param}.model",
         )
     return {"model": model, "language": value.language, "prompt": value.prompt}
+
+
+def _noise_reduction(value: NoiseReductionIn | None) -> NoiseReduction | None:
+    return None if value is None else NoiseReduction(value.type)
 
 
 def _turn_detection(

@@ -43,7 +43,9 @@ from gateway.audio import AudioFormatError, decode_base64
 from gateway.config import GatewayConfig
 from gateway.conversation import AudioLimitError, Conversation, Item
 from gateway.errors import ClientError
+from gateway.far_end import FarEnd
 from gateway.input_buffer import BufferFullError, InputBuffer
+from gateway.input_processing import InputProcessing
 from gateway.items import ItemEditor
 from gateway.outbox import Outbox
 from gateway.protocol import AppendIn, EmptyIn, new_id
@@ -75,6 +77,7 @@ class TurnTaking:
         responses: ResponseStream,
         jobs: TranscriptionJobs,
         respond: Callable[[ResponseOptions], None],
+        far_end: FarEnd,
     ) -> None:
         self.settings = settings
         self._config = config
@@ -84,7 +87,13 @@ class TurnTaking:
         self._responses = responses
         self._jobs = jobs
         self._respond = respond  # creates the default conversation's response
-        self.input = InputBuffer(settings.input_format)
+        self._processing = InputProcessing(
+            far_end,
+            echo_cancellation=_cancels_echo(settings),
+            noise_reduction=settings.noise_reduction,
+            start_ms=0.0,
+        )
+        self.input = InputBuffer(settings.input_format, processing=self._processing)
         self._speech_item_id: str | None = None  # the user item of the speech under way
         self._speech_start_ms = 0.0
         # The start of speech heard over a running response, not yet confirmed (rule 3).
@@ -107,7 +116,11 @@ class TurnTaking:
         old, self.settings = self.settings, new
         if new.input_format != old.input_format:
             # Buffered audio is in the old format; it cannot be reinterpreted.
-            self.input = InputBuffer(new.input_format, self.now_ms)
+            self._processing.restart(self.now_ms)
+            self.input = InputBuffer(new.input_format, self.now_ms, self._processing)
+        self._processing.configure(
+            echo_cancellation=_cancels_echo(new), noise_reduction=new.noise_reduction
+        )
         if new.turn_detection != old.turn_detection or new.input_format != old.input_format:
             self._configure_vad()
         if new.live_transcription() != old.live_transcription():
@@ -353,3 +366,8 @@ class TurnTaking:
         if self._prepared:
             self._prepared = False
             self._out.act(DiscardPrepared())
+
+
+def _cancels_echo(settings: SessionSettings) -> bool:
+    """The echo canceller runs in sessions that speak, unless they turned it off."""
+    return settings.echo_cancellation and not settings.transcription_only

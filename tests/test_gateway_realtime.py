@@ -158,7 +158,7 @@ def test_session_update_merges_partial_turn_detection() -> None:
             "session.audio.input.format",
         ),
         (
-            {"type": "realtime", "audio": {"input": {"noise_reduction": {"type": "near"}}}},
+            {"type": "realtime", "audio": {"input": {"noise_reduction": {"type": "studio"}}}},
             "session.audio.input.noise_reduction.type",
         ),
         ({}, "session.type"),

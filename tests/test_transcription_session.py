@@ -230,7 +230,7 @@ def test_beta_events_name_their_session_type() -> None:
         ({"model": "gpt-realtime"}, "session.model", "never responds"),
         ({"include": ["item.input_audio_transcription.segments"]}, "session.include.0", "only"),
         (
-            {"audio": audio_input(noise_reduction={"type": "nearby"})},
+            {"audio": audio_input(noise_reduction={"type": "studio"})},
             "session.audio.input.noise_reduction.type",
             "near_field",
         ),
@@ -294,7 +294,7 @@ def test_ga_refusals(fields: dict[str, Any], param: str, says: str) -> None:
         ({"modalities": ["text", "audio"]}, "session.modalities"),
         ({"voice": "joe"}, "session.voice"),
         (
-            {"input_audio_noise_reduction": {"type": "far"}},
+            {"input_audio_noise_reduction": {"type": "studio"}},
             "session.input_audio_noise_reduction.type",
         ),
         (

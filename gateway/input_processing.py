@@ -1,0 +1,167 @@
+"""A session's input audio cleaned before anything hears it: WebRTC's audio processing
+module (AEC3 echo canceller, noise suppression, high-pass filter) from the `livekit`
+wheel.
+
+Rules of this module:
+
+1. It sits on the one input path, after the resampler to 16 kHz (`gateway.input_buffer`)
+   and before voice activity, turn detection, speech-to-text and the committed item's
+   samples: the detectors hear what is left after cancellation. The wire bytes stay as
+   the client sent them.
+2. The echo canceller's far-end reference is `FarEnd`: the audio the client plays, on the
+   session clock. Each 10 ms near-end frame at clock position `p` is processed right
+   after the far-end frame at `p`; the echo comes later than that by the network, the
+   device buffers and the room, a delay AEC3 estimates and follows as it drifts.
+3. Clean input loses nothing: with no noise suppression asked for, frames pass untouched
+   while no far-end audio played within `ECHO_TAIL_MS` before them, so speech on an
+   echo-free session (headphones, text output, a silent assistant) is the client's own.
+4. Like the resampler, it is a stream: it holds back a partial frame until more input
+   (or `last=True`, which pads the frame, processes it and returns only the real part).
+   `restart(at_ms)` puts its next input at `at_ms` of the session clock.
+5. AEC3 starts out unsure whether the far end comes back at all, and while it is unsure
+   it suppresses near-end speech over far-end audio: for the first 5 to 7 s of far-end
+   audio a headset user (or a browser that cancelled its own echo) who talks over an
+   answer would be cut. So before its first far-end frame the module hears `WARM_S` of
+   a synthetic far end over a silent microphone: it starts as it would on a headset,
+   passing near-end speech, and the first echo of a speakerphone makes it cancel.
+6. Processing runs on the caller's thread: about 15 ms of CPU per second of audio while
+   the canceller is active (bench/echo.py measures it), none while it passes frames on;
+   the warm-up costs about 90 ms once, when a session's first answer starts to play.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from livekit.rtc import AudioFrame, AudioProcessingModule
+
+from gateway.audio import ENGINE_RATE, Samples
+from gateway.far_end import FarEnd
+
+__all__ = ["ECHO_TAIL_MS", "FRAME", "WARM_S", "InputProcessing", "NoiseReduction"]
+
+FRAME = ENGINE_RATE // 100  # the module's 10 ms frame, in samples
+# How long after the far end's last played sample its echo may still arrive: the
+# longest delay AEC3 follows plus a reverberation tail.
+ECHO_TAIL_MS = 1500
+_TAIL = ECHO_TAIL_MS * ENGINE_RATE // 1000
+WARM_S = 6  # rule 5
+_WARM_LEVEL = 0.05  # the synthetic far end's RMS (-26 dBFS), about a voice's level
+_INT16 = 32767.0
+_NO_SAMPLES: Samples = np.zeros(0, np.float32)
+
+
+@dataclass(frozen=True)
+class NoiseReduction:
+    """OpenAI's `noise_reduction`: `near_field` (a headset or a phone held to the ear),
+    `far_field` (a laptop or a conference room microphone)."""
+
+    type: Literal["near_field", "far_field"]
+
+
+class InputProcessing:
+    """The processing of one session's 16 kHz input stream, from session time `start_ms`."""
+
+    def __init__(
+        self,
+        far_end: FarEnd,
+        *,
+        echo_cancellation: bool,
+        noise_reduction: NoiseReduction | None,
+        start_ms: float,
+    ) -> None:
+        self._far_end = far_end
+        self._echo = echo_cancellation
+        self._noise = noise_reduction
+        self._apm = _module(echo_cancellation, noise_reduction)
+        self._warm = False  # the module has had its warm-up (rule 5)
+        self._held: Samples = _NO_SAMPLES
+        self._next = round(start_ms * ENGINE_RATE / 1000)  # clock index of the next frame
+        self.frames_processed = 0  # frames that went through the module (rule 5)
+
+    @property
+    def enabled(self) -> bool:
+        return self._apm is not None
+
+    def configure(self, *, echo_cancellation: bool, noise_reduction: NoiseReduction | None) -> None:
+        """New settings: a fresh module if they changed (the held frame is kept)."""
+        if (echo_cancellation, noise_reduction) != (self._echo, self._noise):
+            self._echo, self._noise = echo_cancellation, noise_reduction
+            self._apm = _module(echo_cancellation, noise_reduction)
+            self._warm = False
+
+    def push(self, samples: Samples, last: bool = False) -> Samples:
+        """The processed samples that are complete so far, in order (rule 4)."""
+        if self._apm is None:
+            # Nothing to do: pass everything on, keeping the clock position.
+            audio = np.concatenate([self._held, samples]) if self._held.size else samples
+            self._held = _NO_SAMPLES
+            self._next += len(audio)
+            self._far_end.forget_before(self._next)
+            return audio
+        audio = np.concatenate([self._held, samples]) if self._held.size else samples
+        whole = len(audio) // FRAME * FRAME
+        if last and whole < len(audio):
+            whole += FRAME
+            audio = np.concatenate([audio, np.zeros(whole - len(audio), np.float32)])
+            real = len(samples) + len(self._held)
+        else:
+            real = whole
+        out = np.empty(whole, np.float32)
+        for lo in range(0, whole, FRAME):
+            out[lo : lo + FRAME] = self._frame(audio[lo : lo + FRAME])
+        self._held = audio[whole:].copy() if not last else _NO_SAMPLES
+        self._far_end.forget_before(self._next)
+        return out[:real]
+
+    def restart(self, at_ms: float) -> None:
+        """The next input sample is at session time `at_ms` (after a flush, rule 4)."""
+        self._held = _NO_SAMPLES
+        self._next = round(at_ms * ENGINE_RATE / 1000)
+
+    def _frame(self, frame: Samples) -> Samples:
+        at, self._next = self._next, self._next + FRAME
+        assert self._apm is not None
+        until = self._far_end.played_until
+        played_recently = until is not None and until > at - _TAIL
+        if self._noise is None and not (self._echo and played_recently):
+            return frame  # rule 3
+        self.frames_processed += 1
+        if self._echo:
+            if not self._warm:
+                self._warm_up()
+            reverse = AudioFrame(_pcm(self._far_end.read(at, FRAME)), ENGINE_RATE, 1, FRAME)
+            self._apm.process_reverse_stream(reverse)
+            # The reference is already on the session clock: AEC3 estimates the rest.
+            self._apm.set_stream_delay_ms(0)
+        near = AudioFrame(_pcm(frame), ENGINE_RATE, 1, FRAME)
+        self._apm.process_stream(near)
+        return np.frombuffer(near.data, np.int16).astype(np.float32) / _INT16
+
+    def _warm_up(self) -> None:
+        """Rule 5: a synthetic far end over a silent microphone, as a headset hears it."""
+        assert self._apm is not None
+        self._warm = True
+        noise = np.random.default_rng(0).standard_normal(WARM_S * ENGINE_RATE) * _WARM_LEVEL
+        silence = bytes(FRAME * 2)
+        for lo in range(0, len(noise), FRAME):
+            far = noise[lo : lo + FRAME].astype(np.float32)
+            self._apm.process_reverse_stream(AudioFrame(_pcm(far), ENGINE_RATE, 1, FRAME))
+            self._apm.set_stream_delay_ms(0)
+            self._apm.process_stream(AudioFrame(bytearray(silence), ENGINE_RATE, 1, FRAME))
+
+
+def _module(echo: bool, noise: NoiseReduction | None) -> AudioProcessingModule | None:
+    if not echo and noise is None:
+        return None
+    # The high-pass filter removes DC and rumble below speech, which both the echo
+    # canceller and the noise suppressor otherwise spend effort on.
+    return AudioProcessingModule(
+        echo_cancellation=echo, noise_suppression=noise is not None, high_pass_filter=True
+    )
+
+
+def _pcm(samples: Samples) -> bytearray:
+    return bytearray((np.clip(samples, -1.0, 1.0) * _INT16).astype(np.int16).tobytes())

@@ -1,0 +1,278 @@
+"""The session's input processing: AEC3 against the far end on the session clock, noise
+suppression, and the settings that switch them, on synthetic rooms and real speech."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import soxr
+
+from gateway.actions import Hear
+from gateway.audio import ENGINE_RATE, PCM16, Samples
+from gateway.backend import ResponseOutput
+from gateway.config import GatewayConfig
+from gateway.far_end import KEPT_S, FarEnd
+from gateway.input_processing import FRAME, InputProcessing, NoiseReduction
+from gateway.realtime import RealtimeSession
+
+RECORDING = Path("/usr/share/sounds/alsa/Front_Center.wav")
+OTHER = Path("/usr/share/sounds/alsa/Rear_Left.wav")
+CHUNK = 640  # 40 ms at 16 kHz, as a client appends
+
+
+def recording(path: Path = RECORDING) -> Samples:
+    audio, rate = sf.read(path, dtype="float32")
+    return soxr.resample(audio, rate, ENGINE_RATE).astype(np.float32)
+
+
+def room(far: Samples, delay_ms: int, gain_db: float, seed: int = 0) -> Samples:
+    """What the microphone hears of `far`: delayed, attenuated, with a reverberant tail."""
+    rng = np.random.default_rng(seed)
+    delay = delay_ms * ENGINE_RATE // 1000
+    tail = np.arange(ENGINE_RATE // 5)
+    response = np.zeros(delay + len(tail), np.float32)
+    response[delay] = 1.0
+    response[delay:] += 0.1 * rng.standard_normal(len(tail)) * np.exp(-tail / 800)
+    response *= 10 ** (gain_db / 20) / np.sqrt(np.sum(response**2))
+    return np.convolve(far, response)[: len(far)].astype(np.float32)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.ms = 0.0
+
+    def __call__(self) -> float:
+        return self.ms
+
+
+def run(mic: Samples, far: Samples | None, **settings: object) -> Samples:
+    """Feed `mic` in 40 ms chunks, the far end playing `far` from time 0."""
+    clock = Clock()
+    far_end = FarEnd(clock)
+    if far is not None:
+        far_end.play("item_1", far, ENGINE_RATE)
+        far_end.flush()
+    processing = InputProcessing(
+        far_end,
+        echo_cancellation=bool(settings.get("echo", True)),
+        noise_reduction=settings.get("noise"),  # type: ignore[arg-type]
+        start_ms=0.0,
+    )
+    out = []
+    for lo in range(0, len(mic), CHUNK):
+        chunk = mic[lo : lo + CHUNK]
+        clock.ms += len(chunk) / 16
+        out.append(processing.push(chunk, last=lo + CHUNK >= len(mic)))
+    return np.concatenate(out)
+
+
+def power_db(samples: Samples) -> float:
+    return float(10 * np.log10(np.mean(samples.astype(np.float64) ** 2) + 1e-12))
+
+
+def test_a_synthetic_echo_is_cancelled() -> None:
+    far = np.tile(recording(), 4)
+    mic = room(far, delay_ms=140, gain_db=-6)
+    out = run(mic, far)
+    assert len(out) == len(mic)
+    settled = slice(len(mic) // 2, None)  # after the delay estimate and filter converge
+    erle = power_db(mic[settled]) - power_db(out[settled])
+    assert erle > 20, erle
+
+
+def test_a_person_over_the_echo_is_kept() -> None:
+    far = np.tile(recording(), 4)
+    near = recording(OTHER)
+    mic = room(far, delay_ms=80, gain_db=-4, seed=1)
+    start = len(mic) // 2
+    mic[start : start + len(near)] += near
+    out = run(mic, far)
+    talk = slice(start, start + len(near))
+    echo_only = slice(start - len(near), start)
+    # The person comes through near their own level; the echo alone does not.
+    assert power_db(out[talk]) > power_db(near) - 6
+    assert power_db(out[talk]) - power_db(out[echo_only]) > 15
+
+
+def test_speech_over_an_answer_without_echo_is_kept_from_the_start() -> None:
+    # A headset, or a browser that cancelled its own echo: the answer plays, none of it
+    # comes back, and the user talks over it one second in.
+    far = np.tile(recording(), 3)
+    near = recording(OTHER)
+    mic = np.zeros(len(far), np.float32)
+    mic[ENGINE_RATE : ENGINE_RATE + len(near)] = near
+    out = run(mic, far)
+    talk = slice(ENGINE_RATE, ENGINE_RATE + len(near))
+    assert abs(power_db(out[talk]) - power_db(near)) < 1.5
+
+
+def test_input_passes_untouched_while_nothing_plays() -> None:
+    mic = recording()
+    out = run(mic, None)
+    np.testing.assert_array_equal(out, mic)
+
+
+def test_the_stream_keeps_every_sample_in_order() -> None:
+    clock = Clock()
+    processing = InputProcessing(
+        FarEnd(clock), echo_cancellation=True, noise_reduction=None, start_ms=0.0
+    )
+    sizes = [7, FRAME, 333, 1, 2 * FRAME + 5]
+    out = [processing.push(np.ones(n, np.float32)) for n in sizes]
+    out.append(processing.push(np.zeros(0, np.float32), last=True))
+    assert sum(len(o) for o in out) == sum(sizes)
+
+
+def test_noise_suppression_lowers_stationary_noise() -> None:
+    noise = (0.05 * np.random.default_rng(2).standard_normal(3 * ENGINE_RATE)).astype(np.float32)
+    out = run(noise, None, echo=False, noise=NoiseReduction("far_field"))
+    settled = slice(ENGINE_RATE, None)
+    assert power_db(noise[settled]) - power_db(out[settled]) > 6
+
+
+def test_a_truncated_item_stops_playing_where_the_client_stopped() -> None:
+    clock = Clock()
+    far_end = FarEnd(clock)
+    far_end.play("item_1", np.ones(ENGINE_RATE, np.float32), ENGINE_RATE)
+    clock.ms = 100
+    far_end.truncate("item_1", 250)
+    assert far_end.played_until == 250 * 16
+    assert not far_end.read(250 * 16, 160).any() and far_end.read(0, 160).all()
+
+
+def test_audio_sent_ahead_plays_after_the_audio_before_it() -> None:
+    clock = Clock()
+    far_end = FarEnd(clock)
+    far_end.play("item_1", np.ones(1600, np.float32), ENGINE_RATE)
+    clock.ms = 20  # the next delta goes out while the first still plays
+    far_end.play("item_1", np.full(1600, 2.0, np.float32), ENGINE_RATE)
+    far_end.flush()
+    assert far_end.read(1590, 20).tolist() == [1.0] * 10 + [2.0] * 10
+    clock.ms = 1000  # after a gap, the next answer starts when it is sent
+    far_end.play("item_2", np.ones(160, np.float32), ENGINE_RATE)
+    far_end.flush()
+    assert far_end.read(16_000, 160).all() and not far_end.read(15_000, 160).any()
+
+
+def test_a_client_that_sends_no_input_keeps_a_bounded_far_end() -> None:
+    far_end = FarEnd(Clock())  # the clock never moves: no input arrives
+    second = np.ones(ENGINE_RATE, np.float32)
+    for n in range(KEPT_S + 5):
+        far_end.play(f"item_{n}", second, ENGINE_RATE)
+        far_end.flush()
+    assert far_end.end == (KEPT_S + 5) * ENGINE_RATE
+    assert far_end.read(0, 16).sum() == 0  # the oldest audio is gone
+    assert far_end.read(far_end.end - 16, 16).all()
+
+
+# ---- settings: the session fields, both shapes ------------------------------------------
+
+
+def session(beta: bool = False, **config: object) -> RealtimeSession:
+    rt = RealtimeSession(config=GatewayConfig(**config), model="m", beta=beta)  # type: ignore[arg-type]
+    rt.events_to_send()
+    return rt
+
+
+def update(rt: RealtimeSession, fields: dict[str, object]) -> dict:
+    body = fields if rt.beta else {"type": "realtime", **fields}
+    rt.receive_text(json.dumps({"type": "session.update", "session": body}))
+    (event,) = rt.events_to_send()
+    return event
+
+
+def heard(rt: RealtimeSession, samples: Samples) -> Samples:
+    """Append `samples` (16 kHz) as PCM16 24 kHz; what the engine hears of them."""
+    pcm = PCM16.encode(soxr.resample(samples, ENGINE_RATE, 24000))
+    rt.actions()
+    for lo in range(0, len(pcm), 1920):
+        audio = base64.b64encode(pcm[lo : lo + 1920]).decode()
+        rt.receive_text(json.dumps({"type": "input_audio_buffer.append", "audio": audio}))
+    return np.concatenate([a.samples for a in rt.actions() if isinstance(a, Hear)])
+
+
+GA_NEAR = {"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}
+BETA_FAR = {"input_audio_noise_reduction": {"type": "far_field"}}
+
+
+@pytest.mark.parametrize(
+    ("beta", "fields", "kind"), [(False, GA_NEAR, "near_field"), (True, BETA_FAR, "far_field")]
+)
+def test_noise_reduction_is_accepted_and_applied(beta: bool, fields: dict, kind: str) -> None:
+    noise = (0.05 * np.random.default_rng(3).standard_normal(3 * ENGINE_RATE)).astype(np.float32)
+    plain = session(beta)
+    update(plain, {})
+    reduced = session(beta)
+    event = update(reduced, fields)
+    assert event["type"] == "session.updated", event
+    shown = event["session"]
+    value = shown["input_audio_noise_reduction"] if beta else shown["audio"]["input"]
+    assert (value if beta else value["noise_reduction"]) == {"type": kind}
+    settled = slice(ENGINE_RATE, None)
+    before, after = heard(plain, noise)[settled], heard(reduced, noise)[settled]
+    assert power_db(before) - power_db(after) > 6
+    # null turns it off again, as with OpenAI.
+    off = (
+        {"input_audio_noise_reduction": None}
+        if beta
+        else {"audio": {"input": {"noise_reduction": None}}}
+    )
+    event = update(reduced, off)
+    value = event["session"]["input_audio_noise_reduction" if beta else "audio"]
+    assert (value if beta else value["input"]["noise_reduction"]) is None
+
+
+@pytest.mark.parametrize(
+    ("beta", "fields"),
+    [
+        (False, {"audio": {"input": {"echo_cancellation": False}}}),
+        (True, {"input_audio_echo_cancellation": False}),
+    ],
+)
+def test_the_session_field_turns_echo_cancellation_off(beta: bool, fields: dict) -> None:
+    far = np.tile(recording(), 2)
+    on, off = session(beta), session(beta)
+    event = update(off, fields)
+    assert event["type"] == "session.updated", event
+    for rt in (on, off):
+        play(rt, far)
+    echo = room(far, delay_ms=60, gain_db=-6)
+    settled = slice(len(far) // 2, None)
+    assert power_db(heard(off, echo)[settled]) - power_db(heard(on, echo)[settled]) > 15
+
+
+def test_the_profile_turns_echo_cancellation_off() -> None:
+    far = np.tile(recording(), 2)
+    rt = session(echo_cancellation=False)
+    assert rt.settings.echo_cancellation is False
+    play(rt, far)
+    echo = room(far, delay_ms=60, gain_db=-6)
+    out = heard(rt, echo)
+    assert abs(power_db(out) - power_db(echo)) < 1
+
+
+def play(rt: RealtimeSession, far: Samples) -> None:
+    """A spoken answer: its audio goes out to the client now, as the engine produced it."""
+    rt.receive_text(
+        json.dumps(
+            {
+                "type": "conversation.item.create",
+                "item": {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "hi"}],
+                },
+            }
+        )
+    )
+    rt.receive_text(json.dumps({"type": "response.create"}))
+    (start,) = [a for a in rt.actions() if type(a).__name__ == "StartResponse"]
+    rt.receive_response_event(
+        ResponseOutput(start.response_id, "audio", audio=far.tobytes(), sample_rate=ENGINE_RATE)
+    )
+    rt.events_to_send()

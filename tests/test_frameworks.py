@@ -180,3 +180,58 @@ async def test_pipecat_openai_realtime_service_in_a_pipeline(gateway: str, tmp_p
     await asyncio.gather(PipelineRunner(handle_sigint=False).run(task), talk())
     assert heard.turn_ended and "".join(heard.words).strip()
     assert heard.audio > RATE  # over half a second of the spoken answer (PCM16 at 24 kHz)
+
+
+async def test_livekit_openai_realtime_model_session(gateway: str) -> None:
+    """LiveKit Agents' OpenAI `RealtimeModel` with its defaults (voice "marin", its input
+    transcription and turn detection). An `AgentSession` needs a LiveKit room, so the
+    model's own `RealtimeSession` is driven as the agent session drives it: audio pushed
+    as `rtc.AudioFrame`s, and what it reports read from its events: the transcript
+    callback, the generation's text stream and its audio frames."""
+    from livekit import rtc
+    from livekit.plugins.openai.realtime import RealtimeModel
+
+    model = RealtimeModel(api_key=KEY, base_url=gateway.replace("ws://", "http://"))
+    session = model.session()
+    transcripts: list[str] = []
+    errors: list[Any] = []
+    words: list[str] = []
+    samples = 0
+    answered = asyncio.Event()
+
+    async def read(generation: Any) -> None:
+        nonlocal samples
+
+        async def text(message: Any) -> None:
+            async for piece in message.text_stream:
+                words.append(piece)
+
+        async def audio(message: Any) -> None:
+            nonlocal samples
+            async for frame in message.audio_stream:
+                samples += frame.samples_per_channel
+
+        async for message in generation.message_stream:
+            await asyncio.gather(text(message), audio(message))
+        if transcripts:
+            answered.set()  # the answer to the question, not an earlier reply
+
+    readers: list[asyncio.Task[None]] = []
+    session.on("input_audio_transcription_completed", lambda e: transcripts.append(e.transcript))
+    session.on("error", errors.append)
+    session.on("generation_created", lambda e: readers.append(asyncio.create_task(read(e))))
+    try:
+        pcm = question_audio()
+        for frame in frames(pcm):
+            session.push_audio(rtc.AudioFrame(frame, RATE, 1, len(frame) // 2))
+            await asyncio.sleep(FRAME_MS / 1000)
+        async with asyncio.timeout(180):
+            await answered.wait()
+    finally:
+        await session.aclose()
+        await model.aclose()
+        await asyncio.gather(*readers, return_exceptions=True)
+    assert not errors, errors
+    assert any("weather" in t.lower() for t in transcripts), transcripts
+    assert "".join(words).strip()
+    assert samples > RATE // 2  # over half a second of the spoken answer

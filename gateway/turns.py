@@ -4,8 +4,8 @@ A response's turn answers the last item of its context when that is a user item:
 audio not transcribed yet (the turn enters at speech-to-text) or else its words; with no
 user item last, the reply follows the history alone, and with no history at all the
 instructions alone (the assistant speaks first, as the service does). The turn ends in
-speech when the response's output modalities include audio, else in text. Everything before the answered
-item is the history, led by the instructions as a system message.
+speech when the response's output modalities include audio, else in text. Everything
+before the answered item is the history, led by the instructions as a system message.
 
 The response's tools and tool choice travel with the turn; the calls and results in the
 history are messages of their own (an assistant message carrying the calls, a `tool`

@@ -56,7 +56,7 @@ from gateway.session_config import (
 )
 from gateway.transcription import TranscriptionJobs, report_transcript
 from gateway.turn_taking import TurnTaking
-from gateway.turns import answered_item, has_input, response_turn
+from gateway.turns import answered_item, response_turn
 
 __all__ = ["ClientError", "RealtimeSession"]
 
@@ -332,14 +332,6 @@ class RealtimeSession:
             raise ClientError(str(exc), exc.code, exc.param) from None
         except ValidationError as exc:
             raise validation_error(exc, prefix="response.") from None
-        if not has_input(self._context(options)):
-            raise ClientError(
-                "there is nothing to answer: the response's context holds no user message "
-                "and no function_call_output; add one with conversation.item.create (or "
-                "response.input) first",
-                "invalid_value",
-                "response",
-            )
         if options.out_of_band:
             self._start_response(options, self._context(options))
             return

@@ -133,7 +133,7 @@ def _ga_overrides(spec: GAResponseIn, config: GatewayConfig) -> dict[str, Any]:
             output.format.model_dump(exclude_none=True), "response.audio.output.format"
         )
     if output and output.voice is not None:
-        changes["voice"] = voice_name(output.voice)
+        changes["voice"] = voice_name(output.voice, config, "response.voice")
     if output and output.speed is not None:
         raise SettingError("speed is a session setting", "response.audio.output.speed")
     return changes

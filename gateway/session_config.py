@@ -593,7 +593,7 @@ def _ga_changes(
                 audio.output.format.model_dump(exclude_none=True), "session.audio.output.format"
             )
         if audio.output.voice is not None:
-            changes["voice"] = voice_name(audio.output.voice)
+            changes["voice"] = voice_name(audio.output.voice, config, "session.voice")
         if audio.output.speed is not None:
             changes["speed"] = audio.output.speed
     return changes
@@ -643,9 +643,17 @@ def _beta_changes(update: BetaSessionIn, current: SessionSettings) -> dict[str, 
     return changes
 
 
-def voice_name(value: str | VoiceIdIn) -> str:
-    """The voice a client asked for; a custom voice's id is looked up as a name."""
-    return value.id if isinstance(value, VoiceIdIn) else value
+def voice_name(value: str | VoiceIdIn, config: GatewayConfig, param: str) -> str:
+    """The voice a client asked for; a custom voice's id only names a voice it has."""
+    if not isinstance(value, VoiceIdIn):
+        return value
+    if config.speaker(value.id) is None:
+        raise SettingError(
+            f"custom voice {value.id!r} is not available: this server makes no voices "
+            f"from samples; use one of {', '.join(config.voice_names)}",
+            param,
+        )
+    return value.id
 
 
 def stored_prompt(value: PromptIn | None, config: GatewayConfig, param: str) -> StoredPrompt | None:

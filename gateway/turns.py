@@ -2,9 +2,10 @@
 
 A response's turn answers the last item of its context when that is a user item: its
 audio not transcribed yet (the turn enters at speech-to-text) or else its words; with no
-user item last, the reply follows the history alone. The turn ends in speech when the
-response's output modalities include audio, else in text. Everything before the answered
-item is the history, led by the instructions as a system message.
+user item last, the reply follows the history alone, and with no history at all the
+instructions alone (the assistant speaks first, as the service does). The turn ends in
+speech when the response's output modalities include audio, else in text. Everything
+before the answered item is the history, led by the instructions as a system message.
 
 The response's tools and tool choice travel with the turn; the calls and results in the
 history are messages of their own (an assistant message carrying the calls, a `tool`
@@ -28,18 +29,12 @@ from gateway.conversation import Item
 from gateway.responses import ResponseOptions
 from gateway.session_config import LiveTranscription, SessionSettings
 
-__all__ = ["answered_item", "has_input", "response_turn", "transcription_turn"]
+__all__ = ["answered_item", "response_turn", "transcription_turn"]
 
 
 def answered_item(context: Sequence[Item]) -> Item | None:
     """The user item a response to `context` answers, if the context ends with one."""
     return context[-1] if context and context[-1].role == "user" else None
-
-
-def has_input(context: Sequence[Item]) -> bool:
-    """Whether `context` gives a reply something to answer: a user message or a
-    function call's result."""
-    return any(item.role == "user" or item.type == "function_call_output" for item in context)
 
 
 def response_turn(

@@ -119,6 +119,21 @@ async def test_saturated_by_count_queues_then_refuses_and_recovers_in_order() ->
     assert metric(metrics, "duplex_gateway_admissions_total", outcome="refused") == 1
 
 
+async def test_rate_limits_report_the_spoken_responses_that_may_start() -> None:
+    adm, _ = admission(max_speaking=2, max_queued=2, max_wait_s=2.5)
+    calls = Calls(adm)
+    limits = {"name": "requests", "limit": 2, "remaining": 2, "reset_seconds": 0.0}
+    assert adm.rate_limits() == [limits]
+    calls.request("a")
+    assert adm.rate_limits() == [{**limits, "remaining": 1}]
+    calls.request("b")
+    calls.request("c")  # waits
+    assert adm.rate_limits() == [{**limits, "remaining": 0, "reset_seconds": 2.5}]
+    for response_id in ("a", "b", "c"):
+        adm.finished(response_id)
+    assert adm.rate_limits() == [limits]
+
+
 async def test_a_runway_under_the_floor_saturates_until_audio_catches_up() -> None:
     clock = Clock()
     adm, metrics = admission(clock, max_speaking=4, runway_floor_s=0.5)

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import soundfile as sf
 import yaml
 
 from tests.helpers import ROOT, running_gateway
@@ -102,3 +105,133 @@ def _transcript(item: Any) -> str:
     """The words of a history item of the Agents SDK: its text or audio transcripts."""
     parts = getattr(item, "content", None) or []
     return " ".join(getattr(p, "transcript", None) or getattr(p, "text", None) or "" for p in parts)
+
+
+def question_wav(folder: Path) -> Path:
+    """The question as a 24 kHz mono wav file."""
+    path = folder / "question.wav"
+    samples = np.frombuffer(question_audio(), dtype="<i2")
+    sf.write(path, samples, RATE, subtype="PCM_16")
+    return path
+
+
+async def test_pipecat_openai_realtime_service_in_a_pipeline(gateway: str, tmp_path: Path) -> None:
+    """pipecat's `OpenAIRealtimeLLMService` in a pipeline fed from a wav file: the
+    service opens the conversation (a response with nothing to answer), the user's
+    speech is heard by the server's VAD, and the spoken answer comes back as pipecat's
+    own frames (its words as LLMTextFrames, its audio as TTSAudioRawFrames)."""
+    from pipecat.frames.frames import (
+        EndFrame,
+        InputAudioRawFrame,
+        LLMContextFrame,
+        LLMFullResponseEndFrame,
+        LLMTextFrame,
+        ProposedUserStoppedSpeakingFrame,
+        TTSAudioRawFrame,
+    )
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.pipeline.runner import PipelineRunner
+    from pipecat.pipeline.task import PipelineParams, PipelineTask
+    from pipecat.processors.aggregators.llm_context import LLMContext
+    from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+    from pipecat.services.openai.realtime.llm import OpenAIRealtimeLLMService
+
+    class Heard(FrameProcessor):
+        """Records what the service pushes downstream after the user's turn ended."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.turn_ended = False
+            self.words: list[str] = []
+            self.audio = 0
+            self.answered = asyncio.Event()
+
+        async def process_frame(self, frame: Any, direction: FrameDirection) -> None:
+            await super().process_frame(frame, direction)
+            if isinstance(frame, ProposedUserStoppedSpeakingFrame):
+                self.turn_ended = True
+            elif self.turn_ended and isinstance(frame, LLMTextFrame):
+                self.words.append(frame.text)
+            elif self.turn_ended and isinstance(frame, TTSAudioRawFrame):
+                self.audio += len(frame.audio)
+            elif self.turn_ended and isinstance(frame, LLMFullResponseEndFrame) and self.audio:
+                self.answered.set()
+            await self.push_frame(frame, direction)
+
+    llm = OpenAIRealtimeLLMService(api_key=KEY, base_url=f"{gateway}/realtime")
+    heard = Heard()
+    task = PipelineTask(Pipeline([llm, heard]), params=PipelineParams(audio_in_sample_rate=RATE))
+    samples, rate = sf.read(question_wav(tmp_path), dtype="int16")
+    pcm = samples.astype("<i2").tobytes()
+
+    async def talk() -> None:
+        await task.queue_frame(LLMContextFrame(LLMContext()))
+        for frame in frames(pcm):
+            await task.queue_frame(
+                InputAudioRawFrame(audio=frame, sample_rate=rate, num_channels=1)
+            )
+            await asyncio.sleep(FRAME_MS / 1000)
+        try:
+            async with asyncio.timeout(180):
+                await heard.answered.wait()
+        finally:
+            await task.queue_frame(EndFrame())
+
+    await asyncio.gather(PipelineRunner(handle_sigint=False).run(task), talk())
+    assert heard.turn_ended and "".join(heard.words).strip()
+    assert heard.audio > RATE  # over half a second of the spoken answer (PCM16 at 24 kHz)
+
+
+async def test_livekit_openai_realtime_model_session(gateway: str) -> None:
+    """LiveKit Agents' OpenAI `RealtimeModel` with its defaults (voice "marin", its input
+    transcription and turn detection). An `AgentSession` needs a LiveKit room, so the
+    model's own `RealtimeSession` is driven as the agent session drives it: audio pushed
+    as `rtc.AudioFrame`s, and what it reports read from its events: the transcript
+    callback, the generation's text stream and its audio frames."""
+    from livekit import rtc
+    from livekit.plugins.openai.realtime import RealtimeModel
+
+    model = RealtimeModel(api_key=KEY, base_url=gateway.replace("ws://", "http://"))
+    session = model.session()
+    transcripts: list[str] = []
+    errors: list[Any] = []
+    words: list[str] = []
+    samples = 0
+    answered = asyncio.Event()
+
+    async def read(generation: Any) -> None:
+        nonlocal samples
+
+        async def text(message: Any) -> None:
+            async for piece in message.text_stream:
+                words.append(piece)
+
+        async def audio(message: Any) -> None:
+            nonlocal samples
+            async for frame in message.audio_stream:
+                samples += frame.samples_per_channel
+
+        async for message in generation.message_stream:
+            await asyncio.gather(text(message), audio(message))
+        if transcripts:
+            answered.set()  # the answer to the question, not an earlier reply
+
+    readers: list[asyncio.Task[None]] = []
+    session.on("input_audio_transcription_completed", lambda e: transcripts.append(e.transcript))
+    session.on("error", errors.append)
+    session.on("generation_created", lambda e: readers.append(asyncio.create_task(read(e))))
+    try:
+        pcm = question_audio()
+        for frame in frames(pcm):
+            session.push_audio(rtc.AudioFrame(frame, RATE, 1, len(frame) // 2))
+            await asyncio.sleep(FRAME_MS / 1000)
+        async with asyncio.timeout(180):
+            await answered.wait()
+    finally:
+        await session.aclose()
+        await model.aclose()
+        await asyncio.gather(*readers, return_exceptions=True)
+    assert not errors, errors
+    assert any("weather" in t.lower() for t in transcripts), transcripts
+    assert "".join(words).strip()
+    assert samples > RATE // 2  # over half a second of the spoken answer

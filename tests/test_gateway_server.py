@@ -463,6 +463,37 @@ async def test_text_turn_and_errors_over_the_socket() -> None:
         await server.shutdown()
 
 
+async def test_rate_limits_after_each_response_and_a_trace_line_per_response(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = await start_server(capacity={"max_speaking": 3})
+    caplog.set_level(logging.INFO, logger="gateway.trace")
+    try:
+        async with connect(url(server)) as ws:
+            await ws.recv()
+            session = {
+                "type": "realtime",
+                "output_modalities": ["text"],
+                "tracing": {"workflow_name": "support", "group_id": "g7"},
+            }
+            await ws.send(json.dumps({"type": "session.update", "session": session}))
+            await recv(ws, "session.updated")
+            content = [{"type": "input_text", "text": "hi"}]
+            item = {"type": "message", "role": "user", "content": content}
+            await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
+            await ws.send(json.dumps({"type": "response.create"}))
+            done = (await recv(ws, "response.done"))[-1]
+            (limits,) = await recv(ws, "rate_limits.updated")
+            # Text answers are not counted by admission: every spoken slot is free.
+            assert limits["rate_limits"] == [
+                {"name": "requests", "limit": 3, "remaining": 3, "reset_seconds": 0.0}
+            ]
+    finally:
+        await server.shutdown()
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "gateway.trace"]
+    assert "workflow=support group=g7" in line and done["response"]["id"] in line
+
+
 async def send_audio(ws: ClientConnection, pattern: list[bool]) -> None:
     """One 100 ms append per entry: a loud tone (True) or silence (False)."""
     for loud in pattern:

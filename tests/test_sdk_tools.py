@@ -231,11 +231,16 @@ async def test_cancel_during_a_call(gateway: str) -> None:
         assert events[-1].response.status == "completed" and not calls_in(events)
 
 
-async def test_nothing_to_answer_is_refused(gateway: str) -> None:
+async def test_the_assistant_may_speak_first(gateway: str) -> None:
+    """A response with nothing to answer follows the instructions alone, as the service
+    does: the reply that opens a conversation."""
     async with client(gateway).realtime.connect(model=MODEL) as conn:
+        await conn.session.update(session={"type": "realtime", "output_modalities": ["text"]})
         await conn.response.create()
-        (error,) = [e for e in await until(conn, "error") if e.type == "error"]
-        assert "nothing to answer" in error.error.message
+        events = await until(conn, "response.done")
+        assert not [e for e in events if e.type == "error"]
+        done = events[-1].response
+        assert done.status == "completed" and done.output[0].content[0].text.strip()
 
 
 async def test_agents_sdk_realtime_agent_calls_a_function_tool(gateway: str) -> None:

@@ -74,7 +74,8 @@ def test_an_unknown_voice_is_refused_and_nothing_applied() -> None:
     assert "alloy" in event["error"]["message"] and "joe" in event["error"]["message"]
     assert session.settings.instructions == ""
     event = update(session, audio={"output": {"voice": {"id": "voice_1234"}}})
-    assert event["type"] == "error" and "voice_1234" in event["error"]["message"]
+    assert event["type"] == "error" and event["error"]["param"] == "session.voice"
+    assert "custom voice 'voice_1234' is not available" in event["error"]["message"]
 
 
 def test_a_voice_table_naming_a_voice_the_profile_lacks_is_refused() -> None:

@@ -298,17 +298,16 @@ def test_client_made_calls_are_items_too() -> None:
     assert event["type"] == "error" and event["error"]["param"] == "item.name"
 
 
-def test_a_response_with_nothing_to_answer_is_refused() -> None:
+def test_a_response_with_nothing_to_answer_follows_the_instructions_alone() -> None:
     rt = make()
-    configure(rt)
-    (event,) = send(rt, type="response.create", event_id="e1")
-    assert event["type"] == "error" and event["error"]["param"] == "response"
-    assert "nothing to answer" in event["error"]["message"]
-    assert rt.actions() == [] and rt.active_id is None
-    (event,) = send(rt, type="response.create", response={"conversation": "none", "input": []})
-    assert event["type"] == "error"
-    ask(rt)
-    start(rt)  # and the session goes on
+    configure(rt, instructions="Greet the user.")
+    first = start(rt)  # the assistant speaks first, as the service lets it
+    assert first.turn.text is None and first.turn.audio is None
+    assert [(m.role, m.content) for m in first.turn.messages] == [("system", "Greet the user.")]
+    rt.receive_response_event(ResponseDone(first.response_id, "completed"))
+    assert types(rt.events_to_send())[-1] == "response.done"
+    out_of_band = start(rt, conversation="none", input=[]).turn
+    assert out_of_band.text is None and len(out_of_band.messages) == 1
 
 
 def test_cancel_during_a_call_leaves_it_incomplete_and_out_of_the_context() -> None:

@@ -211,7 +211,7 @@ async def lone_session(url: str, base: str, clips: list[bytes], tally: Tally) ->
     assert client is not None and client.mic is not None, "the lone user was refused"
     turns = []
     try:
-        await client.mic.sent(1000)
+        await asyncio.sleep(1.0)
         for n in range(LONE_TURNS):
             try:
                 turns.append(await lone_turn(client, base, clips[n % len(clips)]))
@@ -258,8 +258,9 @@ async def lone_turn(client: Client, base: str, clip: bytes) -> dict[str, Any]:
     _, _, done = await client.next(i, of("response.done"))
     usage = done["response"].get("usage") or {}
     details = usage.get("input_token_details") or {}
-    # Let the gateway finish the turn's bookkeeping before reading the counter.
-    await client.mic.sent(client.mic.frames_sent * 40 + 1000)
+    # Let the gateway finish the turn's bookkeeping before reading the counter (the
+    # microphone streams silence meanwhile).
+    await asyncio.sleep(1.0)
     after = await asyncio.to_thread(prefill_tokens, base)
     audio = first["type"] != "response.done"
     return {
@@ -288,7 +289,7 @@ async def voice_user(url: str, clips: list[bytes], end: float, tally: Tally, see
         assert client.mic is not None
         abrupt = False
         try:
-            await client.mic.sent(500)
+            await asyncio.sleep(0.5)
             for _ in range(rng.randint(2, 5)):
                 if time.monotonic() >= end:
                     break
@@ -322,7 +323,7 @@ async def voice_user(url: str, clips: list[bytes], end: float, tally: Tally, see
                     tally.closed_by_gateway += 1
                     log(f"voice session {exc}")
                     break
-                await client.mic.sent(client.mic.frames_sent * 40 + rng.randint(300, 1500))
+                await asyncio.sleep(rng.uniform(0.3, 1.5))
         finally:
             client.settle(tally)
             await client.close(abrupt=abrupt)
@@ -421,6 +422,14 @@ class RssSampler:
         return max(m for _, m in self.samples)
 
 
+async def bounded(user: Awaitable[None], timeout: float, tally: Tally) -> None:
+    try:
+        await asyncio.wait_for(user, timeout)
+    except TimeoutError:
+        tally.stuck += 1
+        log("a client was still waiting long after the end: counted as stuck")
+
+
 async def report_progress(rss: RssSampler, tally: Tally, every: float = 60.0) -> None:
     while True:
         await asyncio.sleep(every)
@@ -466,6 +475,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await no_sessions(base)
         await asyncio.sleep(IDLE_AFTER_S)
         baseline = rss.now()
+        log(f"warm baseline rss {baseline:.1f} MiB")
         load_start = time.monotonic()
         end = load_start + args.duration
         users: list[Awaitable[None]] = [
@@ -474,13 +484,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         users += [text_user(url, end, tally, 100 + seed) for seed in range(args.text_users)]
         users.append(idle_waves(url, args.idle, args.idle_every, end, tally))
         progress = asyncio.create_task(report_progress(rss, tally))
-        await asyncio.gather(*users)
+        # A client the gateway failed would hang the run: each gets its stuck time past the end.
+        await asyncio.gather(*(bounded(u, args.duration + 2 * STUCK_S, tally) for u in users))
         progress.cancel()
         load_end = time.monotonic()
         await no_sessions(base)
         left_at = rss.now()
         await asyncio.sleep(IDLE_AFTER_S)
         idle = rss.now()
+        log(f"rss when the last client left {left_at:.1f} MiB, {IDLE_AFTER_S:g} s later {idle:.1f}")
         caches_idle = await asyncio.to_thread(cache_gauges, base)
         after = await lone_session(url, base, clips, tally)
         sampler.cancel()

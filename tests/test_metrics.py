@@ -89,6 +89,11 @@ async def test_pending_is_read_at_scrape_and_a_blocked_loop_shows_as_lag() -> No
         tokens = "duplex_gateway_llm_tokens_total"
         assert samples[(tokens, (("phase", "prefill"),))] == 700
         assert samples[(tokens, (("phase", "decode"),))] == 40
+        caches = "duplex_gateway_engine_cache_"
+        assert samples[(caches + "bytes", (("cache", "llm_prompt_cache"),))] == 4096
+        assert samples[(caches + "entries", (("cache", "llm_prompt_cache"),))] == 2
+        assert samples[(caches + "bytes", (("cache", "mlx_buffer_pool"),))] == 512
+        assert (caches + "entries", (("cache", "mlx_buffer_pool"),)) not in samples
         backend.counts.update(llm=0, vad=4)
         samples = await asyncio.to_thread(scrape, server.port)
         assert pending(samples) == {"asr": 0, "llm": 0, "tts": 1, "vad": 4}

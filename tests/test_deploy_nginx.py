@@ -218,8 +218,10 @@ async def test_two_instances_behind_nginx_and_a_drain(profile: Path, tmp_path: P
             assert health(other)["sessions"] == 4
             code, reason, events = await busy.closed_with()
             assert (code, reason) == (1001, DRAIN_REASON)
-            assert events[-1].type == "response.done", [e.type for e in events]
-            assert events[-1].response.status in ("completed", "incomplete")
+            # As the service orders them: the response ends, then its rate limits.
+            types = [e.type for e in events]
+            assert types[-2:] == ["response.done", "rate_limits.updated"], types
+            assert events[-2].response.status in ("completed", "incomplete")
             assert drained.proc.wait(120) == 0, "".join(drained.lines[-30:])
 
             await asyncio.gather(

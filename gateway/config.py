@@ -209,9 +209,10 @@ class GatewayConfig(BaseModel):
     prepare_after_silence_ms: int | None = Field(default=150, ge=0)
     # Whether the engine has the turn-end model behind semantic_vad (the CLI sets it).
     semantic_vad: bool = False
-    # Sessions cancel the echo of their own output audio in their input
-    # (gateway.input_processing); a session turns it off with its echo_cancellation field.
-    echo_cancellation: bool = True
+    # Whether sessions cancel the echo of their own output audio in their input
+    # (gateway.input_processing); a session sets it with its echo_cancellation field.
+    # Off until the live speakerphone bench is measured (docs/protocol.md).
+    echo_cancellation: bool = False
     turns: TurnSettings = TurnSettings()
     capacity: CapacitySettings = CapacitySettings()
     web_root: Path | None = None

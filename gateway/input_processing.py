@@ -32,13 +32,15 @@ Rules of this module:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-from livekit.rtc import AudioFrame, AudioProcessingModule
 
 from gateway.audio import ENGINE_RATE, Samples
 from gateway.far_end import FarEnd
+
+if TYPE_CHECKING:  # livekit's library starts threads of its own: loaded only when used
+    from livekit.rtc import AudioFrame, AudioProcessingModule
 
 __all__ = ["ECHO_TAIL_MS", "FRAME", "WARM_S", "InputProcessing", "NoiseReduction"]
 
@@ -132,11 +134,11 @@ class InputProcessing:
         if self._echo:
             if not self._warm:
                 self._warm_up()
-            reverse = AudioFrame(_pcm(self._far_end.read(at, FRAME)), ENGINE_RATE, 1, FRAME)
+            reverse = _frame(_pcm(self._far_end.read(at, FRAME)))
             self._apm.process_reverse_stream(reverse)
             # The reference is already on the session clock: AEC3 estimates the rest.
             self._apm.set_stream_delay_ms(0)
-        near = AudioFrame(_pcm(frame), ENGINE_RATE, 1, FRAME)
+        near = _frame(_pcm(frame))
         self._apm.process_stream(near)
         return np.frombuffer(near.data, np.int16).astype(np.float32) / _INT16
 
@@ -148,19 +150,27 @@ class InputProcessing:
         silence = bytes(FRAME * 2)
         for lo in range(0, len(noise), FRAME):
             far = noise[lo : lo + FRAME].astype(np.float32)
-            self._apm.process_reverse_stream(AudioFrame(_pcm(far), ENGINE_RATE, 1, FRAME))
+            self._apm.process_reverse_stream(_frame(_pcm(far)))
             self._apm.set_stream_delay_ms(0)
-            self._apm.process_stream(AudioFrame(bytearray(silence), ENGINE_RATE, 1, FRAME))
+            self._apm.process_stream(_frame(bytearray(silence)))
 
 
 def _module(echo: bool, noise: NoiseReduction | None) -> AudioProcessingModule | None:
     if not echo and noise is None:
         return None
+    from livekit.rtc import AudioProcessingModule
+
     # The high-pass filter removes DC and rumble below speech, which both the echo
     # canceller and the noise suppressor otherwise spend effort on.
     return AudioProcessingModule(
         echo_cancellation=echo, noise_suppression=noise is not None, high_pass_filter=True
     )
+
+
+def _frame(pcm: bytearray) -> AudioFrame:
+    from livekit.rtc import AudioFrame
+
+    return AudioFrame(pcm, ENGINE_RATE, 1, FRAME)
 
 
 def _pcm(samples: Samples) -> bytearray:

@@ -134,7 +134,12 @@ class Speakerphone:
 async def test_a_speakerphone_does_not_interrupt_itself_and_a_person_does(gateway: str) -> None:
     async with client(gateway).realtime.connect(model="duplex-smollm2") as conn:
         await conn.session.update(
-            session={"type": "realtime", "instructions": STORYTELLER, "max_output_tokens": 80}
+            session={
+                "type": "realtime",
+                "instructions": STORYTELLER,
+                "max_output_tokens": 80,
+                "audio": {"input": {"echo_cancellation": True}},
+            }
         )
         assert (await conn.recv()).type == "session.created"
         updated = await conn.recv()

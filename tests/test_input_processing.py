@@ -174,6 +174,7 @@ def test_a_client_that_sends_no_input_keeps_a_bounded_far_end() -> None:
 
 
 def session(beta: bool = False, **config: object) -> RealtimeSession:
+    config = {"echo_cancellation": True, **config}
     rt = RealtimeSession(config=GatewayConfig(**config), model="m", beta=beta)  # type: ignore[arg-type]
     rt.events_to_send()
     return rt

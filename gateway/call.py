@@ -16,7 +16,8 @@ Rules of this module:
    `output_audio_buffer.cleared` goes out.
 4. The call ends when the peer connection fails or closes, the data channel closes, the
    call is hung up, or any reason a session ends (drain, limits); its peer connection
-   and tracks are closed with it, its sidebands closed with 1000.
+   and tracks are closed with it, its sidebands closed with the session's close code
+   (1001 on a drain), or 1000 when the call simply ended.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from av import AudioFrame
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
+from gateway.actions import CloseSession
 from gateway.audio import MEDIA_PCM
 from gateway.backend import Backend
 from gateway.call_audio import PacedAudioTrack, mono_pcm
@@ -144,7 +146,7 @@ class CallEvents:
         if self._channel is not None:
             self._channel.close()
         await asyncio.gather(
-            *(ws.close(1000 if code == 1001 else code, reason) for ws in self._sidebands),
+            *(ws.close(code, reason) for ws in list(self._sidebands)),
             return_exceptions=True,
         )
 
@@ -186,7 +188,11 @@ class CallConnection(RealtimeConnection):
         peer.on("connectionstatechange", self._on_state)
 
     def hang_up(self) -> None:
-        self._finish(None)
+        self._finish(CloseSession(1000, "call hung up"))
+
+    def _finish(self, close: CloseSession | None) -> None:
+        # The caller leaving (None) still closes the call's sidebands, with 1000.
+        super()._finish(close or CloseSession(1000, "call ended"))
 
     async def abandon(self) -> None:
         """The call was never answered: free what it holds (`run` never started)."""
@@ -204,6 +210,7 @@ class CallConnection(RealtimeConnection):
         finally:
             listen.cancel()
             await asyncio.gather(listen, return_exceptions=True)
+            await self.events.close(1000, "call ended")  # if `_release` could not
             self.track.stop()
             await self.peer.close()
 

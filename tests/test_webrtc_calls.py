@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import numpy as np
 import pytest
 from websockets.asyncio.client import connect as ws_connect
@@ -167,14 +168,19 @@ async def test_the_unified_form_and_hangup_with_the_real_key() -> None:
         await call.answer(answer.text)
         created = await call.until("session.created")
         assert created["session"]["instructions"] == "Unified."
-        import httpx
-
         location = answer.headers["location"]
-        async with httpx.AsyncClient() as client:
-            hangup = f"{base(server)}{location}/hangup"
-            assert (await client.post(hangup)).status_code == 401
-            ok = await client.post(hangup, headers={"Authorization": f"Bearer {KEY}"})
-            assert ok.status_code == 200
+        call_id = location.rsplit("/", 1)[1]
+        headers = {"Authorization": f"Bearer {KEY}"}
+        sideband_url = f"ws://127.0.0.1:{server.port}/v1/realtime?call_id={call_id}"
+        async with ws_connect(sideband_url, additional_headers=headers) as sideband:
+            async with httpx.AsyncClient() as client:
+                hangup = f"{base(server)}{location}/hangup"
+                assert (await client.post(hangup)).status_code == 401
+                ok = await client.post(hangup, headers=headers)
+                assert ok.status_code == 200
+            # The sideband ends with the call.
+            await asyncio.wait_for(sideband.wait_closed(), 10)
+            assert sideband.close_code == 1000
         await wait_until(lambda: not server.connections, 10, "the call ended")
         assert not server.calls
     finally:
@@ -211,6 +217,32 @@ async def test_a_sideband_websocket_joins_the_call_session() -> None:
             ):
                 pass
     finally:
+        if call is not None:
+            await call.close()
+        await server.shutdown()
+
+
+async def test_calls_count_as_sessions_for_room_health_and_drain() -> None:
+    server = await start_server(max_sessions=1, idle_session_s=None)
+    call: Call | None = None
+    other = Call()
+    try:
+        call = await connect(base(server), None)
+        await call.until("session.created")
+        health = (await asyncio.to_thread(httpx.get, f"{base(server)}/healthz")).json()
+        assert health["sessions"] == 1
+        full = await post_sdp(base(server), None, await other.offer())
+        assert full.status_code == 503 and full.json()["error"]["code"] == "too_many_sessions"
+        closed = asyncio.Event()
+        call.channel.on("close", closed.set)
+        await server.drain(5.0)  # idle: closed at once
+        await asyncio.wait_for(closed.wait(), 10)
+        assert not server.connections and not server.calls
+        draining = await post_sdp(base(server), None, await other.offer())
+        assert draining.status_code == 503
+        assert draining.json()["error"]["code"] == "server_draining"
+    finally:
+        await other.close()
         if call is not None:
             await call.close()
         await server.shutdown()

@@ -183,6 +183,7 @@ class GatewayServer:
         self.secrets = ClientSecrets()
         self.calls: dict[str, CallConnection] = {}
         self._call_tasks: set[asyncio.Task[None]] = set()
+        self._answering = 0  # calls admitted, their answers not yet made
 
     @property
     def port(self) -> int:
@@ -584,12 +585,16 @@ class GatewayServer:
         )
         if session:
             conn.core.start_with(session)
+        self._answering += 1  # holds its place while its answer is made
         try:
             answer = await calls.answer_offer(peer, offer.sdp, conn.track)
         except BaseException:
             await conn.abandon()
             raise
+        finally:
+            self._answering -= 1
         self.calls[call_id] = conn
+        self.connections.add(conn)  # counted from now: `_serve` starts on the next step
         task = asyncio.create_task(self._serve_call(conn), name=f"call-{call_id}")
         self._call_tasks.add(task)
         task.add_done_callback(self._call_tasks.discard)
@@ -605,7 +610,8 @@ class GatewayServer:
 
     async def _make_room(self) -> None:
         """A call takes a session's place as a WebSocket does (`_check_room`)."""
-        if len(self.connections) - len(self._giving_way) < self.config.max_sessions:
+        open_now = len(self.connections) + self._answering - len(self._giving_way)
+        if open_now < self.config.max_sessions:
             return
         idlest = self._idlest()
         if idlest is None:

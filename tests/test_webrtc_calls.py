@@ -107,11 +107,15 @@ async def test_a_spoken_turn_plays_on_the_track_between_started_and_stopped() ->
         call.mic.say(np.concatenate([tone(600), np.zeros(48 * 800, np.float32)]))
         await call.until("input_audio_buffer.speech_started")
         await call.until("input_audio_buffer.speech_stopped")
-        started = await call.until("output_audio_buffer.started")
-        done = await call.until("response.done")
-        assert started["response_id"] == done["response"]["id"]
+        # `stopped` comes once the response is done and played out; `started` and
+        # `response.done` come before it, in either order (answers outrun playback).
         stopped = await call.until("output_audio_buffer.stopped")
-        assert stopped["response_id"] == done["response"]["id"]
+        started = await call.first("output_audio_buffer.started")
+        done = await call.first("response.done")
+        assert started["response_id"] == done["response"]["id"] == stopped["response_id"]
+        assert call.types().index("output_audio_buffer.started") < call.types().index(
+            "output_audio_buffer.stopped"
+        )
         # Audio goes on the track, never in events.
         assert "response.output_audio.delta" not in call.types()
         assert "response.output_audio_transcript.delta" in call.types()
@@ -130,17 +134,23 @@ async def test_barge_in_and_clear_cut_the_track_and_truncate_what_was_played() -
     try:
         call = await connect(base(server), None)
         await call.until("session.created")
+        # Speech interrupts, but answers only come when asked for.
+        detection = {"type": "server_vad", "create_response": False, "interrupt_response": True}
+        update = {"type": "realtime", "audio": {"input": {"turn_detection": detection}}}
+        call.send({"type": "session.update", "session": update})
+        await call.until("session.updated")
         call.send({"type": "response.create"})
         started = await call.until("output_audio_buffer.started")
-        await call.until("response.done")
+        await call.first("response.done")
         call.mic.say(tone(600))  # barge-in while the answer plays
         await call.until("input_audio_buffer.speech_started")
         truncated = await call.until("conversation.item.truncated")
         cleared = await call.until("output_audio_buffer.cleared")
         assert cleared["response_id"] == started["response_id"]
         assert 0 <= truncated["audio_end_ms"] < 10_000
+        assert "output_audio_buffer.stopped" not in call.types()
         # The client's own clear, over a second answer.
-        await call.until("response.done")
+        await call.until("input_audio_buffer.speech_stopped")
         call.send({"type": "response.create"})
         second = await call.until("output_audio_buffer.started")
         call.send({"type": "output_audio_buffer.clear"})

@@ -88,10 +88,10 @@ async def test_a_voice_turn_over_opus(gateway: str) -> None:
         assert {"front", "center"} <= set(words(user["transcript"])), user["transcript"]
         started = await call.until("output_audio_buffer.started", 120)
         await asyncio.wait_for(call.speaker.loud.wait(), 30)
-        done = await call.until("response.done", 120)
+        stopped = await call.until("output_audio_buffer.stopped", 120)
+        done = await call.first("response.done")
         assert done["response"]["status"] == "completed"
-        assert started["response_id"] == done["response"]["id"]
-        await call.until("output_audio_buffer.stopped", 120)
+        assert started["response_id"] == done["response"]["id"] == stopped["response_id"]
         assert "response.output_audio.delta" not in call.types()
         heard = call.speaker.heard()
         assert (np.abs(heard) > 0.05).sum() > 48000 * 0.3  # at least 0.3 s of voice

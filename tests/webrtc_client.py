@@ -100,6 +100,13 @@ class Call:
                 if event["type"] == kind:
                     return event
 
+    async def first(self, kind: str, timeout: float = 10.0) -> dict[str, Any]:
+        """The first event of type `kind`, whether already seen or still to come."""
+        for event in self.seen:
+            if event["type"] == kind:
+                return event
+        return await self.until(kind, timeout)
+
     def types(self) -> list[str]:
         return [e["type"] for e in self.seen]
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -66,6 +65,7 @@ class CallEvents:
         self._drained.set()
         self._sidebands: set[ServerConnection] = set()
         self._ended = False
+        self._ended_event = asyncio.Event()
 
     def attach(self, channel: RTCDataChannel) -> None:
         """The client's `oai-events` channel arrived; another label is ignored."""
@@ -86,12 +86,11 @@ class CallEvents:
         """No more frames come: the call is over (rule 4)."""
         if not self._ended:
             self._ended = True
+            self._ended_event.set()  # a sideband waiting for room gives up
             self._open.set()  # a sender waiting for the channel gives up
-            with contextlib.suppress(asyncio.QueueFull):
-                self._inbox.put_nowait(_END)
-            if self._inbox.full():  # the end must get through
+            if self._inbox.full():  # the end must get through: a frame makes room
                 self._inbox.get_nowait()
-                self._inbox.put_nowait(_END)
+            self._inbox.put_nowait(_END)
 
     def _receive(self, message: str | bytes) -> None:
         if self._ended:
@@ -107,13 +106,25 @@ class CallEvents:
         self._sidebands.add(websocket)
         try:
             async for frame in websocket:
-                if self._ended:
+                if self._ended or not await self._put(frame):
                     break
-                await self._inbox.put(frame)
         except ConnectionClosed:
             pass
         finally:
             self._sidebands.discard(websocket)
+
+    async def _put(self, frame: str | bytes) -> bool:
+        """Queue a sideband's frame, waiting for room (its backpressure); False if the
+        call ended meanwhile."""
+        if not self._inbox.full():
+            self._inbox.put_nowait(frame)
+            return True
+        put = asyncio.ensure_future(self._inbox.put(frame))
+        ended = asyncio.ensure_future(self._ended_event.wait())
+        done, pending = await asyncio.wait({put, ended}, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        return put in done
 
     def __aiter__(self) -> AsyncIterator[str | bytes]:
         return self._frames()

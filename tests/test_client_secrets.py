@@ -139,3 +139,23 @@ def test_a_request_is_read_whole_and_bounded() -> None:
     truncated.feed(head)
     with pytest.raises(HttpError):
         truncated.feed(b"")
+
+
+def test_ice_servers_from_the_profile_and_the_command_line() -> None:
+    from gateway.cli import _overrides, _parser
+    from gateway.config import GatewayConfig
+
+    profile = GatewayConfig.model_validate(
+        {
+            "ice_servers": [
+                {"urls": "stun:stun.example.org:3478"},
+                {"urls": ["turn:turn.example.org:3478"], "username": "u", "credential": "c"},
+            ]
+        }
+    )
+    assert profile.ice_servers[0].urls == ("stun:stun.example.org:3478",)
+    assert profile.ice_servers[1].username == "u"
+    assert GatewayConfig().ice_servers == ()  # host candidates only
+    args = _parser().parse_args(["--ice-server", "stun:a:1", "--ice-server", "stun:b:2"])
+    config = GatewayConfig.model_validate(_overrides(args))
+    assert [s.urls for s in config.ice_servers] == [("stun:a:1",), ("stun:b:2",)]

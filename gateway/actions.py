@@ -113,6 +113,12 @@ class WatchWords:
 
 
 @dataclass(frozen=True)
+class ClearOutputAudio:
+    """A WebRTC call's client sent `output_audio_buffer.clear`: stop the audio its track
+    still has to play, and truncate the item there."""
+
+
+@dataclass(frozen=True)
 class CloseSession:
     code: int
     reason: str
@@ -130,5 +136,6 @@ Action = (
     | Listen
     | ConfigureVad
     | WatchWords
+    | ClearOutputAudio
     | CloseSession
 )

@@ -19,6 +19,7 @@ __all__ = [
     "AudioFormat",
     "AudioFormatError",
     "ENGINE_RATE",
+    "MEDIA_PCM",
     "PCM16",
     "PCMA",
     "PCMU",
@@ -64,7 +65,7 @@ class AudioFormat:
                 f"{self.beta_name} audio must be a whole number of {self.sample_bytes}-byte "
                 f"samples, got {len(data)} bytes"
             )
-        if self is PCM16:
+        if self.ga_type == PCM16.ga_type:
             pcm = np.frombuffer(data, dtype="<i2")
         else:
             table = _ULAW_DECODE if self is PCMU else _ALAW_DECODE
@@ -75,7 +76,7 @@ class AudioFormat:
     def encode(self, samples: NDArray[np.floating]) -> bytes:
         """Float32 in [-1, 1] at `self.rate` to wire bytes."""
         pcm = np.clip(np.round(samples * 32768.0), -32768, 32767).astype(np.int16)
-        if self is PCM16:
+        if self.ga_type == PCM16.ga_type:
             return pcm.astype("<i2").tobytes()
         encoder = _ulaw_encode if self is PCMU else _alaw_encode
         return encoder(pcm).tobytes()
@@ -87,6 +88,9 @@ class AudioFormat:
 PCM16 = AudioFormat("audio/pcm", "pcm16", 24000, 2)
 PCMU = AudioFormat("audio/pcmu", "g711_ulaw", 8000, 1)
 PCMA = AudioFormat("audio/pcma", "g711_alaw", 8000, 1)
+# A WebRTC call's audio as its Opus codec decodes and encodes it: PCM16 at 48 kHz, mono.
+# Never named by a client: it stands for the RTP track, whatever the session's formats.
+MEDIA_PCM = AudioFormat("audio/pcm", "pcm16", 48000, 2)
 _FORMATS = (PCM16, PCMU, PCMA)
 
 

@@ -66,6 +66,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-sessions", type=int, help="concurrent realtime sessions")
     parser.add_argument(
+        "--ice-server",
+        action="append",
+        dest="ice_servers",
+        metavar="URL",
+        help="STUN or TURN server for WebRTC calls, e.g. stun:stun.example.org:3478 "
+        "(repeatable; TURN credentials go in the profile's ice_servers; default: host "
+        "candidates only, for loopback and the LAN)",
+    )
+    parser.add_argument(
         "--max-speaking",
         type=int,
         help="spoken responses running at once before new ones wait or are refused with "
@@ -108,6 +117,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "allowed_origins": tuple(args.allowed_origins) if args.allowed_origins else None,
         "max_sessions": args.max_sessions,
         "instance": args.instance,
+        "ice_servers": tuple({"urls": url} for url in args.ice_servers)
+        if args.ice_servers
+        else None,
     }
     return {k: v for k, v in given.items() if v is not None}
 

@@ -160,6 +160,21 @@ class TurnSettings(BaseModel):
         return self
 
 
+class IceServer(BaseModel):
+    """A STUN or TURN server for WebRTC calls (`ice_servers`), as a browser names one."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    urls: tuple[str, ...]
+    username: str | None = None
+    credential: str | None = None
+
+    @field_validator("urls", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value
+
+
 class GatewayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -183,6 +198,10 @@ class GatewayConfig(BaseModel):
     # This process's name in /healthz, so that behind a load balancer an operator can
     # tell instances apart; the CLI fills in host name and port when none is given.
     instance: str = ""
+    # WebRTC calls (/v1/realtime/calls): the STUN/TURN servers the gateway gathers its
+    # ICE candidates with. None: host candidates only, enough on loopback and the LAN;
+    # a gateway behind NAT names a STUN server, or a TURN relay where UDP cannot pass.
+    ice_servers: tuple[IceServer, ...] = ()
     # On SIGTERM: sessions with a response running may finish it for this long; then
     # every session left is closed with 1001 and the process exits.
     drain_timeout_s: float = Field(default=30.0, ge=0)

@@ -1,6 +1,9 @@
 """The asyncio shell around one `RealtimeSession`: WebSocket frames, engine outputs and
 VAD decisions in; server events out through one bounded send queue.
 
+The frames come and go on a `Transport`: the WebSocket, or a WebRTC call's `oai-events`
+data channel (`gateway.call`, which adds the call's audio tracks to this shell).
+
 Send-queue policy: at most `limits.send_queue_events` server events wait for a client.
 A client that stops reading blocks the socket writer (websockets drains at its write
 limit), the queue fills, and at the bound the session is closed with code 1008 ("send
@@ -16,16 +19,16 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 from typing_extensions import assert_never
-from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from gateway.actions import (
     Action,
     CancelResponse,
+    ClearOutputAudio,
     CloseSession,
     ConfigureVad,
     DiscardPrepared,
@@ -38,13 +41,14 @@ from gateway.actions import (
     StartUtterance,
     WatchWords,
 )
+from gateway.audio import AudioFormat
 from gateway.backend import Backend, SpeechEvent
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import TracingIn, new_id
 from gateway.realtime import RealtimeSession
 
-__all__ = ["RealtimeConnection", "SEND_OVERFLOW_CODE"]
+__all__ = ["RealtimeConnection", "SEND_OVERFLOW_CODE", "Transport", "TransportClosed"]
 
 logger = logging.getLogger(__name__)
 # A traced session (`session.tracing`) logs a line here per response, at INFO.
@@ -55,10 +59,25 @@ INTERNAL_ERROR_CODE = 1011
 IDLE_REASON = "idle session closed to make room for a new one"
 
 
+class TransportClosed(Exception):
+    """The peer is gone: what a transport other than the WebSocket raises on `send`."""
+
+
+class Transport(Protocol):
+    """Where a session's client frames come from and its events go: websockets'
+    `ServerConnection` is one; iterating ends (or raises ConnectionClosed) at the close."""
+
+    def __aiter__(self) -> AsyncIterator[str | bytes]: ...
+
+    async def send(self, message: str) -> None: ...
+
+    async def close(self, code: int, reason: str) -> None: ...
+
+
 class RealtimeConnection:
     def __init__(
         self,
-        websocket: ServerConnection,
+        websocket: Transport,
         backend: Backend,
         config: GatewayConfig,
         metrics: GatewayMetrics,
@@ -66,11 +85,14 @@ class RealtimeConnection:
         model: str,
         beta: bool,
         rate_limits: Callable[[], list[dict[str, Any]]] | None = None,
+        media_format: AudioFormat | None = None,
     ) -> None:
         self.websocket = websocket
         self.config = config
         self.metrics = metrics
-        self.core = RealtimeSession(config=config, model=model, beta=beta)
+        self.core = RealtimeSession(
+            config=config, model=model, beta=beta, media_format=media_format
+        )
         self.session = backend.open_session(self.core.settings.id)
         self.speech = backend.open_speech(self.core.settings.id)
         self._queue: deque[str] = deque()
@@ -178,7 +200,7 @@ class RealtimeConnection:
                     self.core.receive_text(frame)
                 self._pump()
                 await self.speech.room()
-        except ConnectionClosed:
+        except (ConnectionClosed, TransportClosed):
             pass
         finally:
             self._finish(None)
@@ -285,10 +307,16 @@ class RealtimeConnection:
                 self.speech.configure(settings, start_ms, pause_after_ms)
             case WatchWords():
                 self.speech.watch_words()
+            case ClearOutputAudio():
+                self._clear_output_audio()
             case CloseSession():
                 self._finish(action)
             case _:
                 assert_never(action)
+
+    def _clear_output_audio(self) -> None:
+        """Only a call's core asks for it (`gateway.call`): a WebSocket client plays and
+        truncates its audio itself."""
 
     def _observe(self, event: dict[str, Any]) -> None:
         """Count a server event about to be queued for the client."""
@@ -358,5 +386,5 @@ class RealtimeConnection:
                 while self._queue:
                     await self.websocket.send(self._queue.popleft())
                 self._ready.clear()
-        except ConnectionClosed:
+        except (ConnectionClosed, TransportClosed):
             self._finish(None)

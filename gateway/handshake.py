@@ -3,7 +3,8 @@ HEAD, and an answer to every request websockets' parser refuses.
 
 websockets' HTTP parser only knows GET and closes without a word on anything else;
 `GatewayConnection` (the server's `create_connection`) sits in front of it to admit
-HEAD, answer a malformed request with its status (405, 414, 431, 400) and bound the
+HEAD, hand POST and OPTIONS to the server's HTTP routes (`gateway.http_requests`),
+answer a malformed request with its status (405, 414, 431, 400) and bound the
 connections still sending their request. It is written against websockets 15, whose
 server connection it extends (pyproject.toml pins the major version).
 """
@@ -14,8 +15,11 @@ import asyncio
 import json
 import logging
 from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
 from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
@@ -23,11 +27,13 @@ from websockets.exceptions import InvalidHandshake, InvalidMessage, SecurityErro
 from websockets.http11 import MAX_LINE_LENGTH, Response
 
 from gateway.config import SessionLimits
+from gateway.http_requests import BODY_METHODS, HttpError, HttpRequest, RequestReader
 from gateway.metrics import GatewayMetrics
 
 __all__ = [
     "ALLOW_HTTP",
     "GatewayConnection",
+    "HttpRoutes",
     "PendingHandshakes",
     "connection_type",
     "error_response",
@@ -38,6 +44,17 @@ __all__ = [
 logger = logging.getLogger("gateway.server")
 
 ALLOW_HTTP = "GET, HEAD"  # every route but /v1/realtime, which takes GET only
+
+
+@dataclass(frozen=True)
+class HttpRoutes:
+    """The server's routes for requests with a body (`gateway.http_requests`)."""
+
+    answer: Callable[[HttpRequest], Awaitable[Response]]
+    takes_body: Callable[[str, str], bool]  # (method, path): whether a route takes it
+
+
+MAX_BODY_BYTES = 256 * 1024  # an SDP offer is a few kB; a session config, a few more
 
 
 class PendingHandshakes:
@@ -72,6 +89,8 @@ class GatewayConnection(ServerConnection):
       timeout (`open_timeout`) still closes the ones inside the bound that never finish.
     - HEAD is admitted: the parser accepts only GET, so the method is read off the
       first bytes and a HEAD is handed on as a GET; `_process_request` drops the body.
+    - POST and OPTIONS never reach websockets: the request is read whole (bounded) and
+      answered by `http_routes`; the connection then closes.
     - A request the parser refuses gets its status instead of a silent close, and a
       client's mistake is logged as one line, not an ERROR with a traceback.
 
@@ -80,6 +99,7 @@ class GatewayConnection(ServerConnection):
 
     pending: ClassVar[PendingHandshakes]
     metrics: ClassVar[GatewayMetrics]
+    http_routes: ClassVar[HttpRoutes]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -89,6 +109,9 @@ class GatewayConnection(ServerConnection):
         self._request_line_ended = False
         self._pending_address: str | None = None
         self._answered = False
+        self._with_body: bytearray | None = None  # a POST's or OPTIONS' first bytes
+        self._reader: RequestReader | None = None  # reading it, once its route takes it
+        self._serving: asyncio.Task[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -112,6 +135,9 @@ class GatewayConnection(ServerConnection):
         super().process_event(event)
 
     def data_received(self, data: bytes) -> None:
+        if self._with_body is not None:
+            self._read_http(data)
+            return
         if not self._request_line_ended:
             end = data.find(b"\n")
             self._request_line_ended = end >= 0
@@ -124,7 +150,62 @@ class GatewayConnection(ServerConnection):
             self.method = method.decode("ascii", "replace")
             data = b"GET " + rest if self.method == "HEAD" else self._first_bytes
             self._first_bytes = b""
+            if self.method in BODY_METHODS:
+                self._with_body = bytearray()
+                self._read_http(data)
+                return
         super().data_received(data)
+
+    def eof_received(self) -> None:
+        if self._with_body is not None:
+            self._read_http(b"")  # the client stopped before a whole request: 400
+            return
+        super().eof_received()
+
+    def _read_http(self, data: bytes) -> None:
+        """A request with a body: its request line names a route that takes one (else
+        405), then h11 reads it whole and `http_routes` answers it."""
+        if self._answered or self._serving is not None or self._with_body is None:
+            return  # one request per connection: anything after it is ignored
+        if self._reader is None:
+            self._with_body += data
+            line, newline, _ = bytes(self._with_body).partition(b"\n")
+            if not newline:
+                if not data:
+                    self._answer_http(error_response(HTTPStatus.BAD_REQUEST, "no request line"))
+                elif len(self._with_body) > MAX_LINE_LENGTH:
+                    self._answer_http(
+                        error_response(HTTPStatus.REQUEST_URI_TOO_LONG, "request line too long")
+                    )
+                return
+            target = line.split(b" ")[1] if line.count(b" ") >= 2 else b""
+            path = urlsplit(target.decode("latin-1")).path
+            if not self.http_routes.takes_body(self.method or "", path):
+                self._answer_http(not_allowed(ALLOW_HTTP))
+                return
+            self._reader = RequestReader(MAX_BODY_BYTES)
+            data = bytes(self._with_body)
+        try:
+            request = self._reader.feed(data)
+        except HttpError as exc:
+            self._answer_http(error_response(exc.status, str(exc)))
+            return
+        if request is not None:
+            self._leave_pending()
+            self._serving = asyncio.create_task(self._serve_http(request), name="http")
+
+    def _answer_http(self, response: Response) -> None:
+        self._leave_pending()
+        self._answer(response)
+
+    async def _serve_http(self, request: HttpRequest) -> None:
+        try:
+            response = await self.http_routes.answer(request)
+        except Exception:
+            logger.exception("%s %s failed", request.method, request.path)
+            response = error_response(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error")
+        if not self.transport.is_closing():
+            self._answer(response)
 
     def send_data(self) -> None:
         # A request the parser refused sets `handshake_exc` and queues a half-close,
@@ -174,15 +255,18 @@ class GatewayConnection(ServerConnection):
         return _peer_address(self.transport)
 
 
-def connection_type(pending: PendingHandshakes, metrics: GatewayMetrics) -> type[GatewayConnection]:
-    """A `GatewayConnection` class bound to one server's counters (websockets builds
-    each connection from a class)."""
+def connection_type(
+    pending: PendingHandshakes, metrics: GatewayMetrics, http_routes: HttpRoutes
+) -> type[GatewayConnection]:
+    """A `GatewayConnection` class bound to one server's counters and routes (websockets
+    builds each connection from a class)."""
 
     class BoundConnection(GatewayConnection):
         """A `GatewayConnection` counted by this server."""
 
     BoundConnection.pending = pending
     BoundConnection.metrics = metrics
+    BoundConnection.http_routes = http_routes
     return BoundConnection
 
 

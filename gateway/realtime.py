@@ -27,7 +27,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from gateway.actions import Action, CloseSession
+from gateway.actions import Action, ClearOutputAudio, CloseSession
+from gateway.audio import AudioFormat
 from gateway.backend import ResponseOutput, SessionEvent, TranscriptDelta
 from gateway.config import GatewayConfig
 from gateway.conversation import Conversation, Item
@@ -78,8 +79,18 @@ def _route(model: type[EventT], handle: Callable[[EventT], None]) -> _Handler:
 
 
 class RealtimeSession:
-    def __init__(self, *, config: GatewayConfig, model: str, beta: bool) -> None:
+    def __init__(
+        self,
+        *,
+        config: GatewayConfig,
+        model: str,
+        beta: bool,
+        media_format: AudioFormat | None = None,
+    ) -> None:
+        """`media_format`: the session is a WebRTC call's, whose audio comes and goes on
+        RTP tracks in that format (`gateway.call`); None: audio travels in events."""
         self.config = config
+        self.media_format = media_format
         self.limits = config.limits
         self.beta = beta
         self.settings = SessionSettings(
@@ -102,6 +113,7 @@ class RealtimeSession:
             session_id=self.settings.id,
             chunk_ms=self.limits.output_chunk_ms,
             far_end=self._far_end,
+            media_format=media_format,
         )
         self._jobs = TranscriptionJobs(self._out, self.conversation)
         self._items = ItemEditor(self._out, self.conversation, self._responses, self._jobs)
@@ -116,6 +128,7 @@ class RealtimeSession:
             jobs=self._jobs,
             respond=self._create_default_response,
             far_end=self._far_end,
+            media_format=media_format,
         )
         self._closed = False
         turns, items = self._turns, self._items
@@ -202,6 +215,47 @@ class RealtimeSession:
         self._closed = True
         self._responses.close()
         self._jobs.close()
+
+    def start_with(self, session: dict[str, Any]) -> None:
+        """A call made with a session config (a client secret's, or the unified form's):
+        the session starts with it applied, and is greeted as such. Called before
+        anything of the session was sent; raises ClientError for a config it refuses."""
+        try:
+            new = apply_update(
+                self.settings, session, beta=self.beta, config=self.config, voice_locked=False
+            )
+        except SettingError as exc:
+            raise ClientError(str(exc), exc.code, exc.param) from None
+        except ValidationError as exc:
+            raise validation_error(exc, prefix="session.") from None
+        self._out.take_events()  # the greeting, replaced
+        self._apply_settings(new)
+        self._greet()
+
+    def receive_audio(self, data: bytes) -> None:
+        """A WebRTC call's input audio, decoded from its track in `media_format`: the
+        same input path as an `input_audio_buffer.append`."""
+        try:
+            self._turns.append_audio(data)
+        except ClientError as exc:
+            self._out.error(exc, None)
+
+    def truncate_played(self, item_id: str, audio_end_ms: int) -> None:
+        """A WebRTC call's track stopped playing `item_id` at `audio_end_ms` (a barge-in,
+        `output_audio_buffer.clear`): as a client's `conversation.item.truncate`."""
+        if self.conversation.get(item_id) is None:
+            return  # deleted meanwhile: nothing to truncate
+        event = TruncateIn(
+            type="conversation.item.truncate",
+            item_id=item_id,
+            content_index=0,
+            audio_end_ms=audio_end_ms,
+        )
+        self._on_item_truncate(event)
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        """A server event the shell decides (a call's `output_audio_buffer.*`)."""
+        self._out.emit(kind, **fields)
 
     # -- client frames ------------------------------------------------------------------
 
@@ -299,6 +353,9 @@ class RealtimeSession:
         return self.settings.beta_object() if self.beta else self.settings.ga_object()
 
     def _on_output_audio_clear(self, event: EmptyIn) -> None:
+        if self.media_format is not None:
+            self._out.act(ClearOutputAudio())
+            return
         raise ClientError(
             "output_audio_buffer.clear applies to WebRTC/SIP sessions; over WebSocket stop "
             "playback locally and send conversation.item.truncate",

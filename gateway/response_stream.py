@@ -81,8 +81,12 @@ class ResponseStream:
         session_id: str,
         chunk_ms: int,
         far_end: FarEnd,
+        media_format: AudioFormat | None = None,
     ) -> None:
         self._out = outbox
+        # A WebRTC call speaks on its RTP track in this format, whatever the response's
+        # output format says: its deltas go to the track, not to the client (rule 3).
+        self._media_format = media_format
         self._far_end = far_end
         self._conversation = conversation
         self.conversation_id = "conv_" + session_id.removeprefix("sess_")
@@ -164,7 +168,7 @@ class ResponseStream:
         if not response.spoken:
             return
         item = self._open_item(response)
-        fmt = response.options.output_format
+        fmt = self._output_format(response)
         if response.resampler is None:
             response.resampler = StreamResampler(out.sample_rate, fmt.rate)
         elif response.resampler.in_rate != out.sample_rate:
@@ -207,13 +211,16 @@ class ResponseStream:
         """Send the resampler's held-back tail: the engine's audio is complete."""
         if response.resampler is None or response.item is None:
             return
-        fmt = response.options.output_format
+        fmt = self._output_format(response)
         resampled = response.resampler.push(np.zeros(0, np.float32), last=True)
         tail = fmt.encode(resampled)
         self._send_audio(response, fmt, tail)
         self._far_end.play(response.item.id, resampled, fmt.rate)
         self._far_end.flush()
         response.item.add_audio(tail, "")
+
+    def _output_format(self, response: Response) -> AudioFormat:
+        return self._media_format or response.options.output_format
 
     def _send_audio(self, response: Response, fmt: AudioFormat, encoded: bytes) -> None:
         chunk = int(self._chunk_ms * fmt.bytes_per_ms) // fmt.sample_bytes * fmt.sample_bytes
@@ -255,7 +262,7 @@ class ResponseStream:
         if response.item is not None:
             return response.item
         item = Item.assistant(new_id("item"), response.options.output_modalities)
-        item.set_output_format(response.options.output_format)
+        item.set_output_format(self._output_format(response))
         response.item = item
         self.voice_locked = self.voice_locked or response.spoken
         self._add_output(response, item)

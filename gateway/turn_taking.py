@@ -39,7 +39,7 @@ from gateway.actions import (
     StartUtterance,
     WatchWords,
 )
-from gateway.audio import AudioFormatError, decode_base64
+from gateway.audio import AudioFormat, AudioFormatError, decode_base64
 from gateway.config import GatewayConfig
 from gateway.conversation import AudioLimitError, Conversation, Item
 from gateway.errors import ClientError
@@ -78,8 +78,12 @@ class TurnTaking:
         jobs: TranscriptionJobs,
         respond: Callable[[ResponseOptions], None],
         far_end: FarEnd,
+        media_format: AudioFormat | None = None,
     ) -> None:
         self.settings = settings
+        # A WebRTC call's input comes decoded from its RTP track in this format, whatever
+        # the session's input format says; None: the client appends in that format.
+        self._media_format = media_format
         self._config = config
         self._out = outbox
         self._conversation = conversation
@@ -93,7 +97,7 @@ class TurnTaking:
             noise_reduction=settings.noise_reduction,
             start_ms=0.0,
         )
-        self.input = InputBuffer(settings.input_format, processing=self._processing)
+        self.input = InputBuffer(self._wire_format(settings), processing=self._processing)
         self._speech_item_id: str | None = None  # the user item of the speech under way
         self._speech_start_ms = 0.0
         # The start of speech heard over a running response, not yet confirmed (rule 3).
@@ -114,14 +118,16 @@ class TurnTaking:
     def update(self, new: SessionSettings) -> None:
         """The session's settings changed (a valid `session.update`)."""
         old, self.settings = self.settings, new
-        if new.input_format != old.input_format:
+        new_format = self._wire_format(new)
+        format_changed = new_format != self._wire_format(old)
+        if format_changed:
             # Buffered audio is in the old format; it cannot be reinterpreted.
             self._processing.restart(self.now_ms)
-            self.input = InputBuffer(new.input_format, self.now_ms, self._processing)
+            self.input = InputBuffer(new_format, self.now_ms, self._processing)
         self._processing.configure(
             echo_cancellation=_cancels_echo(new), noise_reduction=new.noise_reduction
         )
-        if new.turn_detection != old.turn_detection or new.input_format != old.input_format:
+        if new.turn_detection != old.turn_detection or format_changed:
             self._configure_vad()
         if new.live_transcription() != old.live_transcription():
             self._out.act(Listen(new.live_transcription()))
@@ -150,12 +156,30 @@ class TurnTaking:
 
     # -- client events ------------------------------------------------------------------
 
+    def _wire_format(self, settings: SessionSettings) -> AudioFormat:
+        return self._media_format or settings.input_format
+
     def append(self, event: AppendIn) -> None:
+        if self._media_format is not None:
+            raise ClientError(
+                "a WebRTC call's input audio comes on its audio track; "
+                "input_audio_buffer.append is not taken on the data channel",
+                "invalid_value",
+                "type",
+            )
+        try:
+            data = decode_base64(event.audio)
+        except AudioFormatError as exc:
+            raise ClientError(str(exc), "invalid_value", "audio") from None
+        self.append_audio(data)
+
+    def append_audio(self, data: bytes) -> None:
+        """Audio in the buffer's wire format: an append's, or a call's decoded track."""
         manual = self.settings.turn_detection is None
         limit = self._config.limits.max_input_buffer_ms
         appended_from_ms = self.now_ms
         try:
-            self.input.append(decode_base64(event.audio), limit_ms=limit if manual else None)
+            self.input.append(data, limit_ms=limit if manual else None)
         except BufferFullError:
             raise ClientError(
                 f"the input audio buffer is full ({limit} ms); commit or clear it",

@@ -3,7 +3,9 @@
 Chromium's fake microphone plays a WAV: a spoken request for a long story, a pause
 long enough for the answer to start playing, then a second spoken question that cuts
 the answer off. The page must show both transcripts, play the answer, flush playback on
-barge-in and send `conversation.item.truncate` with what it actually played.
+barge-in and send `conversation.item.truncate` with what it actually played. Over WebRTC
+(the demo's other transport) the gateway plays the answer on the call's track and
+truncates it itself.
 
 Captions only (a transcription session): the microphone plays recorded speech, and the
 page shows the user's words as live captions, then the completed transcripts, and
@@ -170,6 +172,50 @@ def test_voice_conversation_with_barge_in(web_url: str, microphone_wav: Path) ->
             assert "capital" in _words(" ".join(state["userTranscripts"])), state
             assert state["assistantTexts"] and state["assistantTexts"][-1].strip(), state
             assert state["staleChunks"] == 0, state
+            assert state["latencyMs"], state
+            assert not state["errors"], state["errors"]
+        finally:
+            browser.close()
+    assert not problems, problems
+
+
+def test_the_demo_talks_over_webrtc(web_url: str, microphone_wav: Path) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    problems: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM, headless=True, args=_chromium_args(microphone_wav)
+        )
+        try:
+            page = browser.new_page()
+            page.on("console", lambda m: m.type == "error" and problems.append(m.text))
+            page.on("pageerror", lambda e: problems.append(str(e)))
+            page.goto(web_url)
+            page.select_option("#transport", "webrtc")
+            page.click("#connect")
+            state = _wait_for(page, lambda s: s["state"] == "connected", 30)
+            assert state["transport"] == "webrtc", state
+
+            state = _wait_for(page, lambda s: s["userTranscripts"], 120)
+            assert "dragon" in _words(" ".join(state["userTranscripts"])), state
+
+            # The answer plays on the call's track; the second question cuts it, and
+            # the gateway truncates it where the track had got to.
+            state = _wait_for(page, lambda s: s["truncated"], 120)
+            assert state["eventCounts"].get("output_audio_buffer.started", 0) >= 1, state
+            assert state["eventCounts"].get("output_audio_buffer.cleared", 0) >= 1, state
+            assert state["truncated"][0]["audio_end_ms"] > 0, state
+            assert page.locator(".bubble.assistant.interrupted").count() >= 1
+            assert not state["truncatesSent"], state  # the page sends none over WebRTC
+            assert "response.output_audio.delta" not in state["eventCounts"], state
+
+            state = _wait_for(
+                page,
+                lambda s: len(s["userTranscripts"]) >= 2 and s["responses"][-1:] == ["completed"],
+                180,
+            )
+            page.screenshot(path=str(ARTIFACTS / "web-demo-webrtc.png"))
+            assert "capital" in _words(" ".join(state["userTranscripts"])), state
             assert state["latencyMs"], state
             assert not state["errors"], state["errors"]
         finally:

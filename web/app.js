@@ -1,5 +1,9 @@
-// duplex-gateway voice demo: one WebSocket speaking the OpenAI Realtime protocol (GA
-// shape), microphone in through an AudioWorklet, speech out through another.
+// duplex-gateway voice demo: the OpenAI Realtime protocol (GA shape) over one WebSocket
+// (microphone in through an AudioWorklet, speech out through another, the page
+// truncating what it did not play), or over WebRTC (the "over" menu, ?transport=webrtc)
+// as OpenAI's WebRTC guide does it: the microphone and the answer as Opus tracks with
+// the browser's echo canceller and jitter buffer, events on the "oai-events" data
+// channel, the gateway truncating on barge-in.
 // The user's words show as live captions while they speak (input transcription deltas),
 // then as the completed transcript. "Captions only" opens a transcription session
 // (?intent=transcription): the same captions, and nothing answers.
@@ -25,10 +29,15 @@ const demo = {
   latencyMs: [],
   eventCounts: {},
   toolCalls: [], // {name, arguments, output} of every call the page answered
+  transport: null, // "webrtc" or "websocket", once connecting
+  truncated: [], // conversation.item.truncated events (WebRTC: the gateway cut the answer)
 };
 window.duplexDemo = demo;
 
 let ws = null;
+let pc = null; // the WebRTC call, when connected over WebRTC
+let dc = null; // its "oai-events" data channel
+let remoteAudio = null;
 let audioCtx = null;
 let micStream = null;
 let captureNode = null;
@@ -84,6 +93,7 @@ function showError(message) {
 
 function send(event) {
   if (ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify(event));
+  if (dc && dc.readyState === "open") dc.send(JSON.stringify(event));
 }
 
 function bubble(itemId, role) {
@@ -134,6 +144,7 @@ async function startAudio() {
 
 function stopAudio() {
   if (micStream) micStream.getTracks().forEach((t) => t.stop());
+  if (remoteAudio) remoteAudio.srcObject = null;
   if (audioCtx) audioCtx.close();
   micStream = audioCtx = captureNode = playbackNode = null;
 }
@@ -171,8 +182,11 @@ function playPcm16(itemId, base64) {
 }
 
 // Barge-in: drop queued speech at once, then tell the server how much was heard so
-// the assistant's transcript (and the model's memory of it) is cut to match.
-function interruptPlayback() {
+// the assistant's transcript (and the model's memory of it) is cut to match. Over
+// WebRTC the gateway plays the audio, so it cuts and truncates by itself on speech;
+// a typed message asks it to with output_audio_buffer.clear.
+function interruptPlayback(typed = false) {
+  if (pc && typed) send({ type: "output_audio_buffer.clear" });
   if (!playbackNode || !playingItem) return;
   playbackNode.port.postMessage({ type: "flush" });
 }
@@ -199,9 +213,16 @@ async function servedModel(params) {
   return health.model;
 }
 
+function chosenTransport(params) {
+  if ($("captionsOnly").checked || params.get("intent") === "transcription") return "websocket";
+  return params.get("transport") || $("transport").value;
+}
+
 async function connect() {
   const params = new URLSearchParams(location.search);
   setState("connecting");
+  demo.transport = chosenTransport(params);
+  if (demo.transport === "webrtc") return connectWebRTC(params);
   let model;
   try {
     model = await servedModel(params);
@@ -234,8 +255,52 @@ async function connect() {
   };
 }
 
-function disconnect() {
+// OpenAI's WebRTC guide, with the real key (when the gateway has one) in place of an
+// ephemeral one: this page is served by the gateway itself.
+async function connectWebRTC(params) {
+  const key = $("apiKey").value.trim() || params.get("api_key") || "";
+  $("error").hidden = true;
+  try {
+    pc = new RTCPeerConnection();
+    remoteAudio = document.createElement("audio");
+    remoteAudio.autoplay = true;
+    pc.ontrack = (e) => (remoteAudio.srcObject = e.streams[0]);
+    pc.onconnectionstatechange = () => {
+      if (pc && ["failed", "closed"].includes(pc.connectionState)) disconnect(`call ${pc.connectionState}`);
+    };
+    micStream = await navigator.mediaDevices.getUserMedia({
+      audio: { channelCount: 1, echoCancellation: true, noiseSuppression: true, autoGainControl: true },
+    });
+    pc.addTrack(micStream.getTracks()[0]);
+    dc = pc.createDataChannel("oai-events");
+    dc.onopen = () => setState("connected");
+    dc.onmessage = (event) => onServerEvent(JSON.parse(event.data));
+    dc.onclose = () => disconnect();
+    const offer = await pc.createOffer();
+    await pc.setLocalDescription(offer);
+    const headers = { "Content-Type": "application/sdp" };
+    if (key) headers.Authorization = `Bearer ${key}`;
+    const answer = await fetch("/v1/realtime/calls", { method: "POST", body: offer.sdp, headers });
+    if (answer.status !== 201) {
+      const body = await answer.json().catch(() => ({}));
+      throw new Error((body.error && body.error.message) || `HTTP ${answer.status}`);
+    }
+    await pc.setRemoteDescription({ type: "answer", sdp: await answer.text() });
+  } catch (err) {
+    showError(`WebRTC call failed: ${err.message}`);
+    disconnect();
+  }
+}
+
+function disconnect(reason = "") {
   if (ws) ws.close(1000, "user disconnected");
+  if (pc) {
+    const call = pc;
+    pc = dc = null;
+    call.close();
+    stopAudio();
+    setState("disconnected", reason);
+  }
 }
 
 const handlers = {
@@ -299,6 +364,21 @@ const handlers = {
     playPcm16(e.item_id, e.delta);
   },
   "response.output_audio.done": () => playbackNode && playbackNode.port.postMessage({ type: "end" }),
+  // WebRTC: the answer plays on the call's track; the gateway reports it.
+  "output_audio_buffer.started": () => {
+    setState("connected", "speaking");
+    if (awaitingFirstAudio && speechStoppedAt !== null) {
+      const ms = Math.round(performance.now() - speechStoppedAt);
+      demo.latencyMs.push(ms);
+      $("latency").textContent = `${ms} ms`;
+      awaitingFirstAudio = false;
+    }
+  },
+  "conversation.item.truncated": (e) => {
+    demo.truncated.push(e);
+    const el = bubbles.get(e.item_id);
+    if (el) el.classList.add("interrupted");
+  },
   "response.done": (e) => {
     const r = e.response;
     demo.responses.push(r.status);
@@ -375,7 +455,7 @@ function sendText(event) {
   event.preventDefault();
   const text = $("text").value.trim();
   if (!text) return;
-  interruptPlayback();
+  interruptPlayback(true);
   send({ type: "conversation.item.create", item: { type: "message", role: "user", content: [{ type: "input_text", text }] } });
   send({ type: "response.create" });
   $("text").value = "";
@@ -404,7 +484,12 @@ function base64ToBytes(b64) {
   return bytes;
 }
 
-$("connect").addEventListener("click", () => (ws ? disconnect() : connect()));
+$("connect").addEventListener("click", () => (ws || pc ? disconnect() : connect()));
+$("mute").addEventListener("change", () => {
+  if (pc && micStream) micStream.getTracks().forEach((t) => (t.enabled = !$("mute").checked));
+});
+const chosen = new URLSearchParams(location.search).get("transport");
+if (chosen) $("transport").value = chosen;
 $("settings").addEventListener("submit", applySettings);
 $("composer").addEventListener("submit", sendText);
 $("commit").addEventListener("click", commitAudio);

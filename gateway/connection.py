@@ -1,5 +1,6 @@
-"""The asyncio shell around one `RealtimeSession`: WebSocket frames, engine outputs and
-VAD decisions in; server events out through one bounded send queue.
+"""The asyncio shell around one `RealtimeSession`: WebSocket frames, engine outputs,
+VAD decisions and the input processing's output (`gateway.input_lane`) in; server
+events out through one bounded send queue.
 
 Send-queue policy: at most `limits.send_queue_events` server events wait for a client.
 A client that stops reading blocks the socket writer (websockets drains at its write

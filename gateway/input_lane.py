@@ -11,7 +11,12 @@ Rules of this module:
 2. A session's jobs run one after another in the order submitted (the module is a
    stream), while other sessions' jobs run on the pool's other threads.
 3. Bounded: at most `MAX_JOBS` jobs wait or run per session; `room()` waits below that,
-   and the connection's reader waits on it before it reads the next client frame.
+   and the connection's reader waits on it before it reads the next client frame. The
+   bound is seconds of audio, not a few frames: while the reader waits, the session
+   clock stops, and the far end sent meanwhile is laid on the clock too early for
+   the echo that comes back (`gateway.far_end`, rule 1). A lane thread starved by a
+   busy machine catches up on the canceller's warm-up (90 ms of CPU at once) and on a
+   burst of appends without stopping the clock.
 4. Each finished job is announced on the loop (`notify`), which collects its output.
 5. `aclose()` cancels the jobs not started and waits for the one running: nothing of a
    session runs after its connection is released.
@@ -33,7 +38,7 @@ from gateway.priority import lower_this_thread
 
 __all__ = ["MAX_JOBS", "InputLane", "pool"]
 
-MAX_JOBS = 16  # a session's jobs waiting or running: 640 ms of 40 ms appends
+MAX_JOBS = 100  # a session's jobs waiting or running: 4 s of 40 ms appends (rule 3)
 _THREADS = 2
 
 

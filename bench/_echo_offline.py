@@ -243,3 +243,56 @@ def offline_rooms(rooms: int) -> dict[str, Any]:
             "per_room": rows,
         }
     return result
+
+
+def loop_cost(seconds: int = 20) -> dict[str, Any]:
+    """CPU the calling thread (the event loop's, in the gateway) spends per second of
+    audio while the canceller works: in place (as before `gateway.input_lane`) against
+    on a session's lane, in one run. The same echo, 40 ms appends, a fresh canceller
+    each (its warm-up included), the far end playing throughout."""
+    import asyncio
+
+    from gateway.input_lane import InputLane, pool
+
+    far = to_engine(espeak(STORY))
+    far = np.tile(far, -(-seconds * ENGINE_RATE // len(far)))[: seconds * ENGINE_RATE]
+    room = ROOMS[0]
+    phone = Speakerphone(room, 10 ** ((VOICE_DBFS - room.echo_db) / 20) / active_rms(far))
+    phone.play("item", far)
+    step = ENGINE_RATE * 40 // 1000
+    mic = to_engine(np.concatenate([phone.microphone(FRAME) for _ in range(seconds * 25)]))
+
+    async def run(on_lane: bool) -> tuple[float, float]:
+        clock = [0.0]
+        far_end = FarEnd(lambda: clock[0])
+        far_end.play("item", far, ENGINE_RATE)
+        far_end.flush()
+        lane = InputLane(pool(0), notify=lambda: None) if on_lane else None
+        processing = InputProcessing(
+            far_end,
+            echo_cancellation=True,
+            noise_reduction=None,
+            start_ms=0.0,
+            **({"runner": lane.submit} if lane is not None else {}),
+        )
+        loop_cpu, wall = 0.0, time.perf_counter()
+        for lo in range(0, len(mic) - step + 1, step):
+            clock[0] += 40
+            begin = time.thread_time()
+            processing.push(mic[lo : lo + step])
+            loop_cpu += time.thread_time() - begin
+            await asyncio.sleep(0.001)  # the loop's other work between appends
+        begin = time.thread_time()
+        processing.push(np.zeros(0, np.float32), last=True)
+        loop_cpu += time.thread_time() - begin
+        if lane is not None:
+            await lane.aclose()
+        return 1000 * loop_cpu / seconds, time.perf_counter() - wall
+
+    in_place, _ = asyncio.run(run(False))
+    on_lane, _ = asyncio.run(run(True))
+    return {
+        "audio_s": seconds,
+        "loop_cpu_ms_per_audio_s_in_place": round(in_place, 2),
+        "loop_cpu_ms_per_audio_s_on_lane": round(on_lane, 2),
+    }

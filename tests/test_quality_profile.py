@@ -91,6 +91,23 @@ def test_new_models_are_registered_from_their_parts() -> None:
     assert table["whisper-base"].stage == "asr"
 
 
+def test_a_bare_models_prepare_leaves_the_on_demand_models_out(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prepared: list[str] = []
+    monkeypatch.setattr(registry, "prepare", lambda name, **kw: prepared.append(name) or name)
+    assert registry.models_command(["prepare"]) == 0
+    on_demand = {s.name for s in registry.specs() if s.on_demand}
+    assert on_demand == {
+        "qwen2.5-coder-0.5b-instruct",
+        "qwen2.5-coder-1.5b-instruct",
+        "whisper-base",
+    }
+    assert "smollm2-135m-instruct" in prepared and not on_demand & set(prepared)
+    assert registry.models_command(["prepare", "whisper-base"]) == 0
+    assert prepared[-1] == "whisper-base"
+
+
 # -- the real carriers -------------------------------------------------------------------
 
 

@@ -29,7 +29,7 @@ import numpy as np
 __all__ = ["CONVERTER_VERSION", "convert", "read_ct2", "to_mlx_weights"]
 
 # Bump when the output changes, so cached conversions are redone.
-CONVERTER_VERSION = "2"
+CONVERTER_VERSION = "3"
 
 _DTYPES = {
     0: np.float32,
@@ -39,6 +39,7 @@ _DTYPES = {
     4: np.float16,
 }
 _SUPPORTED_BINARY_VERSION = 6
+MULTILINGUAL_VOCAB = 51865
 
 
 class _Reader:
@@ -185,7 +186,9 @@ def _token_config(model_dir: Path, n_vocab: int) -> dict:
     special = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
     sot = special["<|startoftranscript|>"]
     start = [sot]
-    if ct2_config.get("lang_ids"):  # multilingual: English, transcribed (not translated)
+    # Multilingual models have one more token than English-only ones (as openai-whisper
+    # tells them apart; both list language ids): ask for English, transcribed.
+    if n_vocab >= MULTILINGUAL_VOCAB:
         start += [special["<|en|>"], special["<|transcribe|>"]]
     # Everything from <|startoftranscript|> on is control or timestamp tokens: a plain
     # transcript never contains them, so greedy decoding must never pick them.

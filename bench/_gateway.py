@@ -25,7 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RATE", "Gateway", "append_event", "gateway_process", "send_paced", "stream_audio"]
+__all__ = [
+    "RATE",
+    "Gateway",
+    "append_event",
+    "gateway_process",
+    "recv_until",
+    "send_paced",
+    "stream_audio",
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 RATE = 24000
@@ -114,6 +122,19 @@ def _stop(proc: subprocess.Popen[str]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+async def recv_until(ws: Any, kind: str, timeout_s: float = 180.0) -> list[dict[str, Any]]:
+    """The server's events up to and including the first of type `kind`; an `error`
+    event raises."""
+    events = []
+    while True:
+        event = json.loads(await asyncio.wait_for(ws.recv(), timeout_s))
+        if event["type"] == "error":
+            raise RuntimeError(f"the gateway refused an event: {event['error']}")
+        events.append(event)
+        if event["type"] == kind:
+            return events
 
 
 def append_event(pcm: bytes) -> str:

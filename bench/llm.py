@@ -1,9 +1,13 @@
-"""LLM speed: the embedded SmolLM2-135M-Instruct through the project's LLM stage
+"""LLM speed: the embedded SmolLM2-135M-Instruct (or `--model`) through the project's LLM stage
 (`engine.llm.LlmStage` on the engine's llama model file), beside plain
 `mlx_lm.stream_generate` on mlx-lm's own llama class, same converted directory, same
 prompt, same run; plus cold (convert) and cached model start times.
 
-    python bench/llm.py [--precision auto] [--max-tokens 96] [--rounds 3] [--json]
+    python bench/llm.py [--model NAME] [--precision auto] [--max-tokens 96] [--rounds 3]
+                        [--shared-cache] [--json]
+
+`--shared-cache` uses the model cache as it is (no cold conversion into a fresh one:
+`load_s_cold` is then null), for models whose conversion takes minutes.
 
 Prefill tok/s is prompt tokens over the time to the first token; decode tok/s is the
 tokens after the first over the time they took. Each figure is the best of `--rounds`
@@ -116,11 +120,13 @@ def best(runs: list[dict[str, float]], key: str) -> float:
     return max(r[key] for r in runs)
 
 
-def measure(precision: str, max_tokens: int, rounds: int) -> dict[str, Any]:
+def measure(precision: str, max_tokens: int, rounds: int, shared: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="duplex-gateway-bench-") as cache:
-        os.environ[registry.CACHE_ENV] = cache
-        load_cold, path, _ = timed_load(precision)
-        load_cached, _, stage = timed_load(precision)
+        load_cold: float | None = None
+        if not shared:
+            os.environ[registry.CACHE_ENV] = cache
+            load_cold, path, _ = timed_load(precision)
+        load_cached, path, stage = timed_load(precision)
         start_cached = process_start_s(precision)
         plain_model = mlx_lm.load(str(path))[0]  # mlx-lm's own model class, same weights
         tokenizer = stage.tokenizer
@@ -152,20 +158,24 @@ def measure(precision: str, max_tokens: int, rounds: int) -> dict[str, Any]:
         "compact_twins": gemv_forward.live_twins(),
         "decode_tok_s_fp32_weights": round(fp32_decode, 2),
         "twin_speedup": round(decode / fp32_decode, 3),
-        "load_s_cold": round(load_cold, 2),
+        "load_s_cold": None if load_cold is None else round(load_cold, 2),
         "load_s_cached": round(load_cached, 3),
         "process_start_s_cached": round(start_cached, 2),
     }
 
 
 def main() -> None:
+    global MODEL
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=MODEL, help="a registry LLM name")
     parser.add_argument("--precision", choices=registry.PRECISIONS, default="auto")
+    parser.add_argument("--shared-cache", action="store_true", help="no cold conversion")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
-    result = measure(args.precision, args.max_tokens, args.rounds)
+    MODEL = args.model
+    result = measure(args.precision, args.max_tokens, args.rounds, args.shared_cache)
     if args.json:
         print(json.dumps(result))
         return

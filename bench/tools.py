@@ -28,10 +28,10 @@ from typing import Any
 
 import jsonschema
 import yaml
-from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.client import connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _gateway import gateway_process  # noqa: E402
+from _gateway import gateway_process, recv_until  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = [
@@ -101,17 +101,6 @@ SHOULD_NOT_CALL = [
     "Why do leaves fall in autumn?",
     "Translate good morning into Spanish.",
 ]
-
-
-async def recv_until(ws: ClientConnection, kind: str) -> list[dict[str, Any]]:
-    events = []
-    while True:
-        event = json.loads(await asyncio.wait_for(ws.recv(), 180))
-        if event["type"] == "error":
-            raise RuntimeError(f"the gateway refused an event: {event['error']}")
-        events.append(event)
-        if event["type"] == kind:
-            return events
 
 
 async def ask(url: str, prompt: str, choice: str) -> tuple[list[dict[str, Any]], float | None]:

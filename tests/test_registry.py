@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -16,7 +17,7 @@ import huggingface_hub as hub
 import pytest
 
 import engine.registry as registry
-from engine import device
+from engine import carriers, device
 from engine.registry import ConversionError, ModelSourceError, ModelSpec
 from tests.helpers import lock_contention_code, share_carriers
 
@@ -225,12 +226,14 @@ def test_corrupt_package_names_the_package_and_the_fix(
     recorded: dict[str, int],
     problem: str,
 ) -> None:
-    # A name of its own per case: in the full suite, the second case once resolved a
-    # complete `fake-weights` found elsewhere (importlib.metadata caches its directory
-    # lookups), and a unique name cannot meet one.
+    # The distribution is handed over, not found on sys.path: in the full suite (never
+    # alone) the second case has resolved without an error, its cause not found. Finding
+    # installed carriers is tested in test_carriers.py and by the intact package below.
     name = f"fake-weights-{len(recorded)}"
     _fake_distribution(tmp_path / "site", files, recorded, name)
-    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    (info,) = (tmp_path / "site").glob("*.dist-info")
+    installed = importlib.metadata.PathDistribution(info)
+    monkeypatch.setattr(carriers, "_installed", lambda d: installed if d == name else None)
     with pytest.raises(ModelSourceError) as err:
         registry.resolve_source(f"pypi:{name}")
     assert problem in str(err.value)

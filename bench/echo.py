@@ -3,7 +3,6 @@
     .venv/bin/python bench/echo.py [--url ws://HOST:PORT/v1 | --config PROFILE.yaml]
                                    [--rooms 8] [--clean 8] [--json]
     .venv/bin/python bench/echo.py --offline [--rooms 8] [--json]
-    .venv/bin/python bench/echo.py --loop-cost [--json]
 
 Without `--url` the gateway is started through its CLI (real models). Each client runs
 in real time: it streams its microphone in 40 ms appends, plays every answer on its
@@ -34,10 +33,6 @@ gateway's input processing, through speexdsp and through nothing, and the output
 by the gateway's VAD (Silero): how long the echo reads as speech, ERLE, how soon a person
 over the echo is heard and how much of their level is kept, and speech over an answer on
 a headset.
-
-`--loop-cost` runs no gateway either: the CPU the calling thread (the event loop's, in
-the gateway) spends per second of audio with the canceller working in place, as it did
-before `gateway/input_lane.py`, and with its work on a session's lane.
 """
 
 from __future__ import annotations
@@ -46,7 +41,6 @@ import argparse
 import asyncio
 import base64
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -71,7 +65,7 @@ from _clips import (  # noqa: E402
     pct,
     wer,
 )
-from _echo_offline import loop_cost, offline, offline_rooms  # noqa: E402
+from _echo_offline import offline, offline_rooms  # noqa: E402
 from _gateway import gateway_process  # noqa: E402
 from _rooms import RATE, ROOMS, Room, Speakerphone  # noqa: E402
 
@@ -386,11 +380,12 @@ async def measure_voice(url: str) -> float:
 
 
 async def run(url: str, rooms: int, clean: int) -> dict[str, Any]:
-    load_before = os.getloadavg()[0]
     voice_rms = await measure_voice(url)
     questions = [espeak(q) for q in QUESTIONS]
     persons = [espeak(PERSON[0], "en-us+m3"), espeak(PERSON[1], "en-gb")]
     clips = [espeak(text) for text in CLEAN[:clean]]
+    clean_on = await clean_run(url, clips, True)
+    clean_off = await clean_run(url, clips, False)
     chosen = [ROOMS[i % len(ROOMS)] for i in range(rooms)]
     trials: dict[bool, list[Trial]] = {True: [], False: []}
     person_len: dict[str, int] = {}
@@ -408,13 +403,9 @@ async def run(url: str, rooms: int, clean: int) -> dict[str, Any]:
                 f"answer {trial.answer_s} s, person detected in {trial.detect_ms} ms "
                 f"{trial.failed or ''}"
             )
-    # The rooms first: on a busy machine the self-interruptions are the figures a
-    # stopped run must not lose (each room's are logged as it ends).
-    clean_on = await clean_run(url, clips, True)
-    clean_off = await clean_run(url, clips, False)
     refs = list(CLEAN[:clean])
-    wer_on = wer(refs, [r["transcript"] for r in clean_on]) if refs else 0.0
-    wer_off = wer(refs, [r["transcript"] for r in clean_off]) if refs else 0.0
+    wer_on = wer(refs, [r["transcript"] for r in clean_on])
+    wer_off = wer(refs, [r["transcript"] for r in clean_off])
 
     def timing(key: str) -> float | None:
         pairs = [(a[key], b[key]) for a, b in zip(clean_on, clean_off, strict=True)]
@@ -445,9 +436,6 @@ async def run(url: str, rooms: int, clean: int) -> dict[str, Any]:
         }
 
     return {
-        # The machine's 1-minute load average as the run began and ended: the engine's
-        # pace, and so the answers' timing, follow it.
-        "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "assistant_voice_dbfs": round(20 * np.log10(voice_rms), 1),
         "rooms": [room.__dict__ for room in chosen],
         "on": summary(True),
@@ -473,15 +461,7 @@ def main() -> int:
     parser.add_argument(
         "--offline", action="store_true", help="no gateway: the rooms through each candidate"
     )
-    parser.add_argument(
-        "--loop-cost",
-        action="store_true",
-        help="no gateway: the calling thread's CPU with the canceller in place and on a lane",
-    )
     args = parser.parse_args()
-    if args.loop_cost:
-        print(json.dumps(loop_cost(), indent=None if args.json else 2))
-        return 0
     if args.offline:
         print(json.dumps(offline_rooms(args.rooms), indent=None if args.json else 2))
         return 0

@@ -230,8 +230,7 @@ class GatewayConfig(BaseModel):
     semantic_vad: bool = False
     # Whether sessions cancel the echo of their own output audio in their input
     # (gateway.input_processing); a session sets it with its echo_cancellation field.
-    # Off by default: with it on, speech over an answer is transcribed live only after it
-    # stops (docs/protocol.md, bench/RESULTS.md).
+    # Off until the live speakerphone bench is measured (docs/protocol.md).
     echo_cancellation: bool = False
     turns: TurnSettings = TurnSettings()
     capacity: CapacitySettings = CapacitySettings()

@@ -1,6 +1,5 @@
-"""The asyncio shell around one `RealtimeSession`: WebSocket frames, engine outputs,
-VAD decisions and the input processing's output (`gateway.input_lane`) in; server
-events out through one bounded send queue.
+"""The asyncio shell around one `RealtimeSession`: WebSocket frames, engine outputs and
+VAD decisions in; server events out through one bounded send queue.
 
 The frames come and go on a `Transport`: the WebSocket, or a WebRTC call's `oai-events`
 data channel (`gateway.call`, which adds the call's audio tracks to this shell).
@@ -45,7 +44,6 @@ from gateway.actions import (
 from gateway.audio import AudioFormat
 from gateway.backend import Backend, SpeechEvent
 from gateway.config import GatewayConfig
-from gateway.input_lane import InputLane, pool
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import TracingIn, new_id
 from gateway.realtime import RealtimeSession
@@ -92,14 +90,8 @@ class RealtimeConnection:
         self.websocket = websocket
         self.config = config
         self.metrics = metrics
-        # The session's input processing runs off the loop, in order (gateway.input_lane).
-        self._input = InputLane(pool(config.engine_nice), notify=self._input_ready)
         self.core = RealtimeSession(
-            config=config,
-            model=model,
-            beta=beta,
-            media_format=media_format,
-            runner=self._input.submit,
+            config=config, model=model, beta=beta, media_format=media_format
         )
         self.session = backend.open_session(self.core.settings.id)
         self.speech = backend.open_speech(self.core.settings.id)
@@ -183,7 +175,6 @@ class RealtimeConnection:
         self._done.set()
 
     async def _release(self) -> None:
-        await self._input.aclose()
         self.core.close()
         self._dispatch(self.core.actions())
         await self.session.close()
@@ -209,22 +200,10 @@ class RealtimeConnection:
                     self.core.receive_text(frame)
                 self._pump()
                 await self.speech.room()
-                await self._input.room()
         except (ConnectionClosed, TransportClosed):
             pass
         finally:
             self._finish(None)
-
-    def _input_ready(self) -> None:
-        """Processed input came back from the input lane: the core hears it."""
-        if self._done.is_set():
-            return
-        try:
-            self.core.input_ready()
-            self._pump()
-        except Exception:  # a failure there is a bug, as in a task of the connection
-            logger.exception("session %s: input processing failed", self.session_id)
-            self._finish(CloseSession(INTERNAL_ERROR_CODE, "internal error"))
 
     async def _outputs(self) -> None:
         while await self.session.wait_events():

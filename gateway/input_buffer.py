@@ -19,9 +19,7 @@ Rules of this module:
 5. With `processing` (echo cancellation, noise suppression: `gateway.input_processing`),
    the resampled samples pass through it before they are kept: everything that reads
    the 16 kHz samples hears the cleaned audio. It is a stream like the resampler, and
-   is flushed with it. Its work runs off the caller's thread, so its output may come
-   later than the append that caused it: `collect()` keeps what has come since, and
-   until then the samples end before `now_ms`, as with audio the resampler holds.
+   is flushed with it.
 """
 
 from __future__ import annotations
@@ -85,11 +83,6 @@ class InputBuffer:
         self._data.extend(data)
         self.now_ms += self.fmt.duration_ms(len(data))
         self._keep(self._to_engine(samples))
-
-    def collect(self) -> None:
-        """Keep the processed samples that came since the last append (rule 5)."""
-        if self._processing is not None:
-            self._keep(self._processing.ready())
 
     def take_fresh(self) -> Samples:
         """The 16 kHz samples produced since the last call, in order."""

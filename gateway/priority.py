@@ -7,8 +7,7 @@ CPU at once; at equal priority the loop waits its turn behind a matrix product. 
 higher nice value (Linux, per thread) makes the scheduler run the loop as soon as it
 wakes. Threads started later by a lowered thread inherit its priority; the loop's own
 helper threads started later (`asyncio.to_thread`) do not, and need not: they wait on
-I/O or on the engine. Threads the gateway starts for work of its own (the input
-processing's, `gateway.input_lane`) lower themselves as they start.
+I/O or on the engine.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import os
 import threading
 from pathlib import Path
 
-__all__ = ["lower_other_threads", "lower_this_thread"]
+__all__ = ["lower_other_threads"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +43,3 @@ def lower_other_threads(by: int) -> int:
             lowered += 1
     logger.info("%d compute threads run %d nice levels below the event loop", lowered, by)
     return lowered
-
-
-def lower_this_thread(by: int) -> None:
-    """Raise the calling thread's nice value by `by`; the threads it starts inherit it.
-    Nothing where threads have no priority of their own (not Linux)."""
-    if by <= 0 or not TASKS.is_dir():
-        return
-    tid = threading.get_native_id()
-    os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + by, 19))

@@ -2,9 +2,8 @@
 
 Rule 1: nothing here does I/O or reads a clock. The shell (`gateway.connection`) feeds
 client frames (`receive_text`, `receive_binary`), VAD decisions (`speech_started`,
-`speech_paused`, `speech_resumed`, `speech_stopped`), the backend's events
-(`receive_response_event`) and the input processing its `runner` ran apart
-(`input_ready`), then drains `events_to_send()` and `actions()` and carries
+`speech_paused`, `speech_resumed`, `speech_stopped`) and the backend's events
+(`receive_response_event`), then drains `events_to_send()` and `actions()` and carries
 the actions out in order.
 Rule 2: every `*_ms` value counts audio appended to this session (one clock, kept by the
 input buffer), in ms.
@@ -35,7 +34,6 @@ from gateway.config import GatewayConfig
 from gateway.conversation import Conversation, Item
 from gateway.errors import ClientError, validation_error
 from gateway.far_end import FarEnd
-from gateway.input_processing import Runner, run_inline
 from gateway.items import ItemEditor
 from gateway.outbox import Outbox, ServerEvent
 from gateway.protocol import (
@@ -88,11 +86,9 @@ class RealtimeSession:
         model: str,
         beta: bool,
         media_format: AudioFormat | None = None,
-        runner: Runner = run_inline,
     ) -> None:
         """`media_format`: the session is a WebRTC call's, whose audio comes and goes on
-        RTP tracks in that format (`gateway.call`); None: audio travels in events.
-        `runner` runs the input processing's jobs (`gateway.input_lane`)."""
+        RTP tracks in that format (`gateway.call`); None: audio travels in events."""
         self.config = config
         self.media_format = media_format
         self.limits = config.limits
@@ -133,7 +129,6 @@ class RealtimeSession:
             respond=self._create_default_response,
             far_end=self._far_end,
             media_format=media_format,
-            runner=runner,
         )
         self._closed = False
         turns, items = self._turns, self._items
@@ -191,11 +186,6 @@ class RealtimeSession:
         self._turns.speech_stopped(audio_end_ms)
 
     # -- the shell's side ---------------------------------------------------------------
-
-    def input_ready(self) -> None:
-        """Input processing that `runner` ran apart finished: its output is heard."""
-        if not self._closed:
-            self._turns.input_ready()
 
     def events_to_send(self) -> list[ServerEvent]:
         return self._out.take_events()

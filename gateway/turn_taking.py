@@ -45,7 +45,7 @@ from gateway.conversation import AudioLimitError, Conversation, Item
 from gateway.errors import ClientError
 from gateway.far_end import FarEnd
 from gateway.input_buffer import BufferFullError, InputBuffer
-from gateway.input_processing import InputProcessing, Runner, run_inline
+from gateway.input_processing import InputProcessing
 from gateway.items import ItemEditor
 from gateway.outbox import Outbox
 from gateway.protocol import AppendIn, EmptyIn, new_id
@@ -79,7 +79,6 @@ class TurnTaking:
         respond: Callable[[ResponseOptions], None],
         far_end: FarEnd,
         media_format: AudioFormat | None = None,
-        runner: Runner = run_inline,
     ) -> None:
         self.settings = settings
         # A WebRTC call's input comes decoded from its RTP track in this format, whatever
@@ -97,7 +96,6 @@ class TurnTaking:
             echo_cancellation=_cancels_echo(settings),
             noise_reduction=settings.noise_reduction,
             start_ms=0.0,
-            runner=runner,
         )
         self.input = InputBuffer(self._wire_format(settings), processing=self._processing)
         self._speech_item_id: str | None = None  # the user item of the speech under way
@@ -123,10 +121,8 @@ class TurnTaking:
         new_format = self._wire_format(new)
         format_changed = new_format != self._wire_format(old)
         if format_changed:
-            # Buffered audio is in the old format; it cannot be reinterpreted. What the
-            # old buffer's resampler and processing still hold is heard first (rule 5).
-            self.input.settle()
-            self._hear_fresh()
+            # Buffered audio is in the old format; it cannot be reinterpreted.
+            self._processing.restart(self.now_ms)
             self.input = InputBuffer(new_format, self.now_ms, self._processing)
         self._processing.configure(
             echo_cancellation=_cancels_echo(new), noise_reduction=new.noise_reduction
@@ -148,7 +144,9 @@ class TurnTaking:
         # The VAD starts over at the clock's now; what the resampler still holds is audio
         # from before, so it goes into the buffer (and is heard) without being fed.
         self.input.settle()
-        self._hear_fresh()
+        fresh = self.input.take_fresh()
+        if fresh.size:
+            self._out.act(Hear(fresh))
         self._discard_prepared()
         pause = self._config.prepare_after_silence_ms if detection is not None else None
         if detection is not None and detection.semantic:
@@ -210,17 +208,6 @@ class TurnTaking:
         self._end_utterance()
         self._candidate_ms = None
         self._out.emit("input_audio_buffer.cleared")
-
-    def input_ready(self) -> None:
-        """Processed input came in after its append (`gateway.input_processing`, rule 6)."""
-        self.input.collect()
-        self._feed_vad()
-
-    def _hear_fresh(self) -> None:
-        """The backend hears the samples made since, which the VAD does not (rule 5)."""
-        fresh = self.input.take_fresh()
-        if fresh.size:
-            self._out.act(Hear(fresh))
 
     def _feed_vad(self) -> None:
         """Hand the backend and server VAD the 16 kHz samples made since (rule 5)."""

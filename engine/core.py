@@ -113,6 +113,11 @@ class EngineCore:
             self._cond.notify()
         return future
 
+    def call_on_each_thread(self, fn: Callable[[], object]) -> None:
+        """Run `fn()` on this core's thread once what is queued there is done; its result
+        and any error are dropped."""
+        self.call(next(iter(self._stages)), lambda _: fn())
+
     def set_output_callback(self, cb: OutputCallback) -> None:
         self._callback = cb
 
@@ -265,6 +270,9 @@ class EngineThreads(Protocol):
 
     def call(self, stage: str, fn: Callable[[Any], T]) -> concurrent.futures.Future[T]: ...
 
+    def call_on_each_thread(self, fn: Callable[[], object]) -> None:
+        """`fn()` once on every engine thread, after what is queued there (not waited for)."""
+
     def set_output_callback(self, cb: OutputCallback) -> None: ...
 
     def pending(self) -> dict[str, int]: ...
@@ -316,6 +324,11 @@ class AsyncEngine:
         """`fn(stage)` on the engine thread, not waited for; its result and any error are
         dropped (for hints such as the LLM's `set_runway`)."""
         self._core.call(stage, fn)
+
+    def notify_each_thread(self, fn: Callable[[], object]) -> None:
+        """`fn()` once on every engine thread, after what is queued there, not waited for
+        (for work on state all threads share, such as MLX's buffer cache)."""
+        self._core.call_on_each_thread(fn)
 
     def abort(self, stage: str, request_id: str) -> None:
         self._streams.close((stage, request_id))

@@ -50,6 +50,10 @@ class EngineLanes:
     def call(self, stage: str, fn: Callable[[Any], T]) -> concurrent.futures.Future[T]:
         return self._core(stage).call(stage, fn)
 
+    def call_on_each_thread(self, fn: Callable[[], object]) -> None:
+        for core in self._cores.values():
+            core.call_on_each_thread(fn)
+
     def set_output_callback(self, cb: OutputCallback) -> None:
         for core in self._cores.values():
             core.set_output_callback(cb)

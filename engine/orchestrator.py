@@ -303,8 +303,9 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         for key in self._cache_keys.pop(session_id, ()):
             self.llm.forget(key)
         if self.session_count() == 0:
-            # Queued behind the session's aborts and forgets: what they free goes back too.
-            clients.asr(self.engine).notify(lambda _: memory.release_free_memory())
+            # On every engine thread, behind the session's aborts and forgets queued there:
+            # what each of them frees afterwards goes back too, whichever thread ends last.
+            self.engine.notify_each_thread(memory.release_free_memory)
 
     def session_count(self) -> int:
         """Sessions this port still keeps something for (0 once every one has closed)."""

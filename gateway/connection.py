@@ -177,8 +177,9 @@ class RealtimeConnection:
     async def _release(self) -> None:
         self.core.close()
         self._dispatch(self.core.actions())
-        await self.session.close()
+        # Speech detection first: the session's close is the engine's last word on it.
         await self.speech.close()
+        await self.session.close()
         if self._close is not None and self._close.code != SEND_OVERFLOW_CODE:
             # Events already decided (an error before the close, say) still go out.
             with contextlib.suppress(Exception):

@@ -95,6 +95,8 @@ class Tally:
     closed_by_gateway: int = 0
     errors: list[str] = field(default_factory=list)
     sessions: int = 0
+    # For each stuck wait, the event types the client saw while it waited.
+    stuck_seen: list[list[str]] = field(default_factory=list)
 
 
 def stale_deltas(log: list[tuple[float, dict[str, Any]]]) -> int:
@@ -126,6 +128,7 @@ class Client:
         self._tasks = [asyncio.create_task(self._read())]
         if self.mic is not None:
             self._tasks.append(asyncio.create_task(self.mic.run()))
+        self.stuck_seen: list[list[str]] = []
 
     async def _read(self) -> None:
         with contextlib.suppress(ConnectionClosed):
@@ -139,6 +142,10 @@ class Client:
         reader = self._tasks[0]
         await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
         if waiter.done():
+            if isinstance(waiter.exception(), TimeoutError):
+                seen = [event["type"] for _, event in self.events.log[since:]]
+                self.stuck_seen.append(seen[-12:])
+                log(f"stuck: no match within {timeout:g} s; saw {seen[-12:]}")
             return waiter.result()
         waiter.cancel()
         raise Closed(f"closed with {self.ws.close_code} {self.ws.close_reason!r}")
@@ -158,6 +165,7 @@ class Client:
 
     def settle(self, tally: Tally) -> None:
         tally.stale += stale_deltas(self.events.log)
+        tally.stuck_seen += self.stuck_seen
         count_errors(self.events.log, tally)
 
 
@@ -519,6 +527,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "error_samples": sorted(set(tally.errors))[:5],
             "stale_deltas": tally.stale,
             "stuck_turns": tally.stuck,
+            "stuck_saw": tally.stuck_seen[:5],
             "rss_mib_start": round(started_rss, 1),
             "rss_mib_warm_baseline": round(baseline, 1),
             "rss_mib_peak": round(rss.peak(), 1),

@@ -143,9 +143,9 @@ class Client:
         await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
         if waiter.done():
             if isinstance(waiter.exception(), TimeoutError):
-                seen = [event["type"] for _, event in self.events.log[since:]]
-                self.stuck_seen.append(seen[-12:])
-                log(f"stuck: no match within {timeout:g} s; saw {seen[-12:]}")
+                seen = [event["type"] for _, event in self.events.log[since:]][-12:]
+                self.stuck_seen.append(seen)
+                log(f"stuck: no match within {timeout:g} s; saw {seen}")
             return waiter.result()
         waiter.cancel()
         raise Closed(f"closed with {self.ws.close_code} {self.ws.close_reason!r}")

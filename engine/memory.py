@@ -37,8 +37,8 @@ _malloc_trim = _find_malloc_trim()
 
 def release_free_memory() -> int:
     """Empty MLX's buffer cache and return the C heap's free pages to the system (run it
-    on the engine thread: trimming a large heap takes milliseconds). Returns the bytes
-    MLX's cache held."""
+    on engine threads, never the event loop: trimming a large heap takes milliseconds).
+    Returns the bytes MLX's cache held."""
     cached = int(mx.get_cache_memory())
     mx.clear_cache()
     if _malloc_trim is not None:

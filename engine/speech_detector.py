@@ -182,6 +182,13 @@ class SpeechDetector:
         self._confirmed = True
         return SpeechConfirmed(audio_start_ms=self._start_ms, detected_ms=self.position_ms)
 
+    def reopen(self) -> None:
+        """The speech under way is not confirmed after all: count its length again from
+        here, and let its words or its length confirm it once more."""
+        if self._speaking:
+            self._confirmed = False
+            self._voiced = 0
+
     @property
     def silent_since_ms(self) -> int | None:
         """Where the open silence in speech began (None: speaking, or no speech)."""

@@ -109,7 +109,11 @@ class ConfigureVad:
 @dataclass(frozen=True)
 class WatchWords:
     """The speech under way started over a running response: have its words checked, so
-    that more than a backchannel confirms it as an interruption early."""
+    that more than a backchannel confirms it as an interruption early. `again`: it was
+    confirmed, but what confirmed it was the answer's own echo; it is a candidate again,
+    confirmed afresh by its length or its words from now on."""
+
+    again: bool = False
 
 
 @dataclass(frozen=True)

@@ -179,9 +179,10 @@ class SpeechSource(Protocol):
         """Return once the audio fed and not yet heard is within its bound: the
         connection reads no more of the client's frames until then."""
 
-    def watch_words(self) -> None:
+    def watch_words(self, again: bool = False) -> None:
         """Check the words of the speech under way: if they are more than a backchannel,
-        report it `confirmed` before it has lasted the minimum interruption."""
+        report it `confirmed` before it has lasted the minimum interruption. `again`:
+        its confirmation did not count (`WatchWords`); count its length from now."""
 
     def events(self) -> AsyncIterator[SpeechEvent]:
         """Speech decisions, in order, until `close()`."""

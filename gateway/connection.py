@@ -306,8 +306,8 @@ class RealtimeConnection:
                 self.session.listen(options)
             case ConfigureVad(settings, start_ms, pause_after_ms):
                 self.speech.configure(settings, start_ms, pause_after_ms)
-            case WatchWords():
-                self.speech.watch_words()
+            case WatchWords(again):
+                self.speech.watch_words(again)
             case ClearOutputAudio():
                 self._clear_output_audio()
             case CloseSession():

@@ -24,7 +24,11 @@ Rules of this module:
    answer would be cut. So before its first far-end frame the module hears `WARM_S` of
    a synthetic far end over a silent microphone: it starts as it would on a headset,
    passing near-end speech, and the first echo of a speakerphone makes it cancel.
-6. Processing runs on the caller's thread: about 15 ms of CPU per second of audio while
+6. While the echo canceller runs, the module keeps the last `HISTORY_S` of the raw
+   microphone and of the far end it was given: `echo_share` tells from them whether
+   speech heard over an answer is that answer's echo (`gateway.double_talk`), which is
+   what the canceller lets through while it learns the room.
+7. Processing runs on the caller's thread: about 15 ms of CPU per second of audio while
    the canceller is active (bench/echo.py measures it), none while it passes frames on;
    the warm-up costs about 90 ms once, when a session's first answer starts to play.
 """
@@ -37,12 +41,21 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from gateway.audio import ENGINE_RATE, Samples
+from gateway.double_talk import MAX_DELAY, echo_share
 from gateway.far_end import FarEnd
 
 if TYPE_CHECKING:  # livekit's library starts threads of its own: loaded only when used
     from livekit.rtc import AudioFrame, AudioProcessingModule
 
-__all__ = ["ECHO_TAIL_MS", "FRAME", "WARM_S", "InputProcessing", "NoiseReduction"]
+__all__ = [
+    "CHECKED_MS",
+    "ECHO_TAIL_MS",
+    "FRAME",
+    "HISTORY_S",
+    "WARM_S",
+    "InputProcessing",
+    "NoiseReduction",
+]
 
 FRAME = ENGINE_RATE // 100  # the module's 10 ms frame, in samples
 # How long after the far end's last played sample its echo may still arrive: the
@@ -50,6 +63,8 @@ FRAME = ENGINE_RATE // 100  # the module's 10 ms frame, in samples
 ECHO_TAIL_MS = 1500
 _TAIL = ECHO_TAIL_MS * ENGINE_RATE // 1000
 WARM_S = 6  # rule 5
+HISTORY_S = 4  # rule 6: longer than the speech a check looks at, and its far end's delay
+CHECKED_MS = 1000  # the most recent speech `echo_share` looks at
 _WARM_LEVEL = 0.05  # the synthetic far end's RMS (-26 dBFS), about a voice's level
 _INT16 = 32767.0
 _NO_SAMPLES: Samples = np.zeros(0, np.float32)
@@ -81,6 +96,8 @@ class InputProcessing:
         self._warm = False  # the module has had its warm-up (rule 5)
         self._held: Samples = _NO_SAMPLES
         self._next = round(start_ms * ENGINE_RATE / 1000)  # clock index of the next frame
+        self._heard = _History()  # rule 6: the raw microphone...
+        self._played = _History()  # ...and the far end it was given
         self.frames_processed = 0  # frames that went through the module (rule 5)
 
     @property
@@ -118,6 +135,22 @@ class InputProcessing:
         self._far_end.forget_before(self._next)
         return out[:real]
 
+    def echo_share(self, start_ms: float, end_ms: float) -> float | None:
+        """How much of the microphone's energy from `start_ms` to `end_ms` (its last
+        `CHECKED_MS` at most) is the far end's echo (rule 6); None if the canceller is
+        off or heard none of that span while the far end played."""
+        if not self._echo or self._apm is None:
+            return None
+        end = min(round(end_ms * ENGINE_RATE / 1000), self._next)
+        start = max(round(start_ms * ENGINE_RATE / 1000), end - CHECKED_MS * ENGINE_RATE // 1000)
+        start = max(start, self._heard.oldest, self._played.oldest + MAX_DELAY)
+        if end <= start:
+            return None
+        far = self._played.read(start - MAX_DELAY, end - start + MAX_DELAY)
+        if not far.any():
+            return None
+        return echo_share(self._heard.read(start, end - start), far)
+
     def restart(self, at_ms: float) -> None:
         """The next input sample is at session time `at_ms` (after a flush, rule 4)."""
         self._held = _NO_SAMPLES
@@ -128,13 +161,17 @@ class InputProcessing:
         assert self._apm is not None
         until = self._far_end.played_until
         played_recently = until is not None and until > at - _TAIL
-        if self._noise is None and not (self._echo and played_recently):
+        far = self._far_end.read(at, FRAME) if self._echo and played_recently else None
+        if self._echo:
+            self._heard.write(at, frame)
+            self._played.write(at, far)
+        if self._noise is None and far is None:
             return frame  # rule 3
         self.frames_processed += 1
-        if self._echo:
+        if far is not None:
             if not self._warm:
                 self._warm_up()
-            reverse = _frame(_pcm(self._far_end.read(at, FRAME)))
+            reverse = _frame(_pcm(far))
             self._apm.process_reverse_stream(reverse)
             # The reference is already on the session clock: AEC3 estimates the rest.
             self._apm.set_stream_delay_ms(0)
@@ -153,6 +190,38 @@ class InputProcessing:
             self._apm.process_reverse_stream(_frame(_pcm(far)))
             self._apm.set_stream_delay_ms(0)
             self._apm.process_stream(_frame(bytearray(silence)))
+
+
+class _History:
+    """The last `HISTORY_S` of a stream, written frame by frame on the session clock."""
+
+    _SIZE = HISTORY_S * ENGINE_RATE
+
+    def __init__(self) -> None:
+        self._ring = np.zeros(self._SIZE, np.float32)
+        self._end = 0  # the clock index after the last sample written
+        self._start = 0  # the clock index of the oldest sample still held
+
+    @property
+    def oldest(self) -> int:
+        return self._start
+
+    def write(self, at: int, frame: Samples | None) -> None:
+        """`frame` (None: silence) from clock index `at`, right after what came before;
+        a jump of the clock (a restart) starts the history again there."""
+        if at != self._end:
+            self._start = at
+        self._end = at + FRAME
+        self._start = max(self._start, self._end - self._SIZE)
+        self._ring[np.arange(at, at + FRAME) % self._SIZE] = 0.0 if frame is None else frame
+
+    def read(self, start: int, count: int) -> Samples:
+        """`count` samples from clock index `start`, silence where none are held."""
+        out = np.zeros(count, np.float32)
+        lo, hi = max(start, self._start), min(start + count, self._end)
+        if hi > lo:
+            out[lo - start : hi - start] = self._ring[np.arange(lo, hi) % self._SIZE]
+        return out
 
 
 def _module(echo: bool, noise: NoiseReduction | None) -> AudioProcessingModule | None:

@@ -180,6 +180,7 @@ class EngineSpeechSource:
         self._unsure_wait_ms = 0  # silence an unsure ending needs (semantic_unsure_wait)
         self._stream_start_ms = 0.0
         self._watch_words = False  # the speech under way is a candidate interruption
+        self._reopen = False  # its confirmation did not count: confirm it afresh
         # (silence start, silence length at which the turn is next scored)
         self._next_score: tuple[int, int] | None = None
         # (silence start, the transcript of the speech before it): the words do not
@@ -222,8 +223,9 @@ class EngineSpeechSource:
         """Whether a turn-end scoring or a words check is still waiting for its answer."""
         return bool(self._scoring)
 
-    def watch_words(self) -> None:
+    def watch_words(self, again: bool = False) -> None:
         self._watch_words = True
+        self._reopen = self._reopen or again
 
     def feed(self, samples: np.ndarray) -> None:
         if self._stream_id is not None and samples.size:
@@ -326,7 +328,7 @@ class EngineSpeechSource:
             for decision in detector.push(probabilities):
                 if isinstance(decision, SpeechStarted):
                     speech_start_ms = decision.audio_start_ms
-                    self._watch_words = False
+                    self._watch_words = self._reopen = False
                     event = SpeechEvent("started", start_ms + decision.audio_start_ms)
                 elif isinstance(decision, SpeechConfirmed):
                     event = SpeechEvent("confirmed", start_ms + decision.audio_start_ms)
@@ -339,6 +341,10 @@ class EngineSpeechSource:
                 else:
                     event = SpeechEvent("stopped", start_ms + decision.audio_end_ms)
                 self._events.put_nowait(event)
+            if self._reopen:
+                self._reopen = False
+                detector.reopen()
+                next_word_check_ms = detector.heard_ms
             next_word_check_ms = self._check_words(detector, speech_start_ms, next_word_check_ms)
             if self._semantic:
                 self._follow_silence(detector, speech_start_ms, start_ms)

@@ -9,7 +9,10 @@ Rules of this module:
    answers it when the settings say so, otherwise a transcription job transcribes it.
 3. Speech heard while a response is running is a candidate interruption: nothing is sent
    and nothing cancelled until it is confirmed (by its length or its words, see
-   `GatewayConfig.turns`), and then `speech_started` carries its true start. A candidate
+   `GatewayConfig.turns`), and then `speech_started` carries its true start. With echo
+   cancellation, a confirmation counts only if the far end does not explain most of the
+   speech's energy (`gateway.double_talk`): it was the answer's own echo, and the
+   speech is confirmed afresh. A candidate
    that stops unconfirmed (a backchannel, a cough) is no turn: no event, no item; the
    response goes on, and it stays no turn if the response ended meanwhile.
 4. While a silence may still become the stop, the turn that the stop would start is
@@ -26,6 +29,7 @@ Rules of this module:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from gateway.actions import (
@@ -42,6 +46,7 @@ from gateway.actions import (
 from gateway.audio import AudioFormat, AudioFormatError, decode_base64
 from gateway.config import GatewayConfig
 from gateway.conversation import AudioLimitError, Conversation, Item
+from gateway.double_talk import ECHO_SHARE
 from gateway.errors import ClientError
 from gateway.far_end import FarEnd
 from gateway.input_buffer import BufferFullError, InputBuffer
@@ -63,6 +68,8 @@ MIN_COMMIT_MS = 100
 # in bounded pieces), so its decisions about that append find the audio still kept; the
 # margin covers a VAD still hearing earlier appends and the prefix padding.
 VAD_KEEP_MS = 30_000
+
+logger = logging.getLogger(__name__)
 
 
 class TurnTaking:
@@ -282,9 +289,17 @@ class TurnTaking:
         self._begin_speech(audio_start_ms)
 
     def speech_confirmed(self, audio_start_ms: float) -> None:
-        if self._candidate_ms is not None:
-            self._candidate_ms = None
-            self._begin_speech(audio_start_ms)
+        if self._candidate_ms is None:
+            return
+        share = self._processing.echo_share(audio_start_ms, self.now_ms)
+        logger.debug("speech over the answer confirmed; the far end explains %s of it", share)
+        if share is not None and share >= ECHO_SHARE:
+            # Rule 3: the canceller let part of the answer's echo through while it learns
+            # the room; that is no interruption, but a person may still join in.
+            self._out.act(WatchWords(again=True))
+            return
+        self._candidate_ms = None
+        self._begin_speech(audio_start_ms)
 
     def _begin_speech(self, audio_start_ms: float) -> None:
         detection = self.settings.turn_detection

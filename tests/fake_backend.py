@@ -168,7 +168,7 @@ class NoSpeech:
     async def room(self) -> None:
         """Never behind: nothing fed waits to be heard."""
 
-    def watch_words(self) -> None:
+    def watch_words(self, again: bool = False) -> None:
         """No speech, so no words to check."""
 
     async def events(self) -> AsyncIterator[SpeechEvent]:

@@ -44,7 +44,7 @@ class ScriptedSpeech:
     async def room(self) -> None:
         """Never behind: nothing fed waits to be heard."""
 
-    def watch_words(self) -> None:
+    def watch_words(self, again: bool = False) -> None:
         """Decisions come from the test."""
 
     async def events(self) -> AsyncIterator[SpeechEvent]:

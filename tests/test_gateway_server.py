@@ -86,7 +86,7 @@ class EnergySpeech:
     async def room(self) -> None:
         """Never behind: `feed` decides at once."""
 
-    def watch_words(self) -> None:
+    def watch_words(self, again: bool = False) -> None:
         """Speech over an answer interrupts at once here (no minimum to confirm)."""
 
     def feed(self, samples: np.ndarray) -> None:

@@ -12,7 +12,7 @@ import pytest
 import soundfile as sf
 import soxr
 
-from gateway.actions import Hear
+from gateway.actions import CancelResponse, Hear, WatchWords
 from gateway.audio import ENGINE_RATE, PCM16, Samples
 from gateway.backend import ResponseOutput
 from gateway.config import GatewayConfig
@@ -277,3 +277,40 @@ def play(rt: RealtimeSession, far: Samples) -> None:
         ResponseOutput(start.response_id, "audio", audio=far.tobytes(), sample_rate=ENGINE_RATE)
     )
     rt.events_to_send()
+
+
+# ---- double talk: what confirms an interruption ------------------------------------------
+
+
+def test_the_answers_echo_does_not_confirm_an_interruption_and_a_person_does() -> None:
+    # A canceller that has not yet learnt the room lets the first answer's echo through;
+    # the voice detector hears speech and confirms it. The far end explains it: it is a
+    # candidate again. A person talking over the echo is confirmed.
+    far = np.tile(recording(), 3)
+    rt = session(turns={"min_interruption_ms": 1000})
+    play(rt, far)
+    answer = rt.active_id
+    echo = room(far, delay_ms=120, gain_db=-6)
+    heard(rt, echo[:ENGINE_RATE])
+    rt.speech_started(200)
+    rt.speech_confirmed(200)
+    assert rt.events_to_send() == [] and rt.active_id == answer
+    actions = rt.actions()
+    assert WatchWords(again=True) in actions
+    assert not [a for a in actions if isinstance(a, CancelResponse)]
+    person = recording(OTHER)
+    heard(rt, echo[ENGINE_RATE : ENGINE_RATE + len(person)] + person)
+    rt.speech_confirmed(1000)
+    events = rt.events_to_send()
+    assert [e["type"] for e in events] == ["input_audio_buffer.speech_started"]
+    assert CancelResponse(answer, "turn_detected") in rt.actions()
+
+
+def test_without_echo_cancellation_a_confirmation_stands() -> None:
+    far = np.tile(recording(), 3)
+    rt = session(echo_cancellation=False, turns={"min_interruption_ms": 1000})
+    play(rt, far)
+    heard(rt, room(far, delay_ms=120, gain_db=-6)[:ENGINE_RATE])
+    rt.speech_started(200)
+    rt.speech_confirmed(200)
+    assert [e["type"] for e in rt.events_to_send()] == ["input_audio_buffer.speech_started"]

@@ -462,6 +462,22 @@ async def test_a_confirmed_interruption_is_not_checked_again() -> None:
     await source.close()
 
 
+async def test_a_confirmation_that_did_not_count_is_made_afresh() -> None:
+    # The session found the confirmed speech to be the answer's echo (WatchWords(again)):
+    # its words are checked again, and its length counts from there.
+    engine = ScriptedEngine(score=0.1, transcript="Wait, stop")
+    source, _ = await speech_over_an_answer(engine, min_interruption_ms=2000)
+    engine.push(*[0.9] * 7)
+    (first,) = await decisions(source, 1)
+    assert first.kind == "confirmed"
+    source.watch_words(again=True)
+    engine.push(*[0.9] * 2)
+    (second,) = await decisions(source, 1)
+    assert (second.kind, second.ms) == ("confirmed", first.ms)
+    assert len(engine.requests) == 2
+    await source.close()
+
+
 class HeldWords(ScriptedEngine):
     """Transcripts that answer only once the test lets them."""
 

@@ -99,7 +99,8 @@ def offline(trials: Sequence[Replayable], person_len: dict[str, int]) -> dict[st
             kept.append(person_kept_db(near, out, trial.person_at, person_len[trial.room]))
             cpu, worked = cpu + seconds, worked + audio_s
         result[name] = {
-            "erle_db_median": pct(erles, 50),
+            # A room whose answer was cut within the first second has no echo-only frames.
+            "erle_db_median": pct([e for e in erles if not np.isnan(e)], 50),
             "erle_db": [round(e, 1) for e in erles],
             "double_talk_person_kept_db_median": pct(kept, 50),
             "cpu_ms_per_audio_s": round(1000 * cpu / max(worked, 1e-9), 1),

@@ -404,8 +404,9 @@ async def run(url: str, rooms: int, clean: int) -> dict[str, Any]:
                 f"{trial.failed or ''}"
             )
     refs = list(CLEAN[:clean])
-    wer_on = wer(refs, [r["transcript"] for r in clean_on])
-    wer_off = wer(refs, [r["transcript"] for r in clean_off])
+    # --clean 0 runs the rooms alone: no clip, no WER.
+    wer_on = wer(refs, [r["transcript"] for r in clean_on]) if refs else float("nan")
+    wer_off = wer(refs, [r["transcript"] for r in clean_off]) if refs else float("nan")
 
     def timing(key: str) -> float | None:
         pairs = [(a[key], b[key]) for a, b in zip(clean_on, clean_off, strict=True)]

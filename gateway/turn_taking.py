@@ -10,9 +10,10 @@ Rules of this module:
 3. Speech heard while a response is running is a candidate interruption: nothing is sent
    and nothing cancelled until it is confirmed (by its length or its words, see
    `GatewayConfig.turns`), and then `speech_started` carries its true start. With echo
-   cancellation, a confirmation counts only if the far end does not explain most of the
-   speech's energy (`gateway.double_talk`): it was the answer's own echo, and the
-   speech is confirmed afresh. A candidate
+   cancellation, speech while the answer's echo may still arrive (its audio still
+   playing, or just played) is a candidate too, even once the response is done; and a
+   confirmation counts only if the speech was not the answer's own echo
+   (`InputProcessing.heard_echo`); if it was, it is confirmed afresh. A candidate
    that stops unconfirmed (a backchannel, a cough) is no turn: no event, no item; the
    response goes on, and it stays no turn if the response ended meanwhile.
 4. While a silence may still become the stop, the turn that the stop would start is
@@ -29,7 +30,6 @@ Rules of this module:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 from gateway.actions import (
@@ -46,7 +46,6 @@ from gateway.actions import (
 from gateway.audio import AudioFormat, AudioFormatError, decode_base64
 from gateway.config import GatewayConfig
 from gateway.conversation import AudioLimitError, Conversation, Item
-from gateway.double_talk import ECHO_SHARE
 from gateway.errors import ClientError
 from gateway.far_end import FarEnd
 from gateway.input_buffer import BufferFullError, InputBuffer
@@ -68,8 +67,6 @@ MIN_COMMIT_MS = 100
 # in bounded pieces), so its decisions about that append find the audio still kept; the
 # margin covers a VAD still hearing earlier appends and the prefix padding.
 VAD_KEEP_MS = 30_000
-
-logger = logging.getLogger(__name__)
 
 
 class TurnTaking:
@@ -282,7 +279,10 @@ class TurnTaking:
         if detection is None or self._speech_item_id is not None:
             return
         needs_confirming = self._config.turns.min_interruption_ms > 0
-        if needs_confirming and self._responses.active_id is not None:
+        over_answer = self._responses.active_id is not None
+        # A finished answer's audio may still be playing, and its echo still arriving.
+        over_echo = self._processing.echo_may_arrive(audio_start_ms)
+        if needs_confirming and (over_answer or over_echo):
             self._candidate_ms = audio_start_ms  # rule 3: not yet an interruption
             self._out.act(WatchWords())
             return
@@ -291,11 +291,9 @@ class TurnTaking:
     def speech_confirmed(self, audio_start_ms: float) -> None:
         if self._candidate_ms is None:
             return
-        share = self._processing.echo_share(audio_start_ms, self.now_ms)
-        logger.debug("speech over the answer confirmed; the far end explains %s of it", share)
-        if share is not None and share >= ECHO_SHARE:
-            # Rule 3: the canceller let part of the answer's echo through while it learns
-            # the room; that is no interruption, but a person may still join in.
+        if self._processing.heard_echo(audio_start_ms, self.now_ms):
+            # Rule 3: what the canceller let through of the answer's echo; that is no
+            # interruption, but a person may still join in.
             self._out.act(WatchWords(again=True))
             return
         self._candidate_ms = None

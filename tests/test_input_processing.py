@@ -14,7 +14,7 @@ import soxr
 
 from gateway.actions import CancelResponse, Hear, WatchWords
 from gateway.audio import ENGINE_RATE, PCM16, Samples
-from gateway.backend import ResponseOutput
+from gateway.backend import ResponseDone, ResponseOutput
 from gateway.config import GatewayConfig
 from gateway.far_end import KEPT_S, FarEnd
 from gateway.input_processing import FRAME, InputProcessing, NoiseReduction
@@ -314,3 +314,23 @@ def test_without_echo_cancellation_a_confirmation_stands() -> None:
     rt.speech_started(200)
     rt.speech_confirmed(200)
     assert [e["type"] for e in rt.events_to_send()] == ["input_audio_buffer.speech_started"]
+
+
+def test_speech_while_a_finished_answer_still_plays_waits_to_be_confirmed() -> None:
+    # The answer was written out long before its audio finished playing: its echo
+    # still comes back, so speech then is a candidate, and the echo does not count.
+    far = np.tile(recording(), 3)
+    rt = session(turns={"min_interruption_ms": 1000})
+    play(rt, far)
+    answer = rt.active_id
+    assert answer is not None
+    rt.receive_response_event(ResponseDone(answer, "completed"))
+    rt.events_to_send()
+    assert rt.active_id is None
+    heard(rt, room(far, delay_ms=120, gain_db=-6)[:ENGINE_RATE])
+    rt.speech_started(200)
+    assert rt.events_to_send() == []
+    assert WatchWords() in rt.actions()
+    rt.speech_confirmed(200)
+    assert rt.events_to_send() == []
+    assert WatchWords(again=True) in rt.actions()

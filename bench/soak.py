@@ -22,7 +22,8 @@ its prompt and cached tokens from `response.done` usage.
 Reported: stale deltas (output of a response after its `response.done`) and stuck turns
 (no `response.done` within STUCK_S), both targets 0; gateway RSS at the warm baseline
 (idle after the first lone session), when the last load client left, and IDLE_AFTER_S
-later; its slope over the second half of the load; refused connections; the engine
+later; its slope over the second half of the load; refused connections and spoken
+responses refused for capacity (not stuck: their error and `response.done` came); the engine
 cache gauges at the end. Timing figures depend on what else runs on the machine.
 """
 
@@ -92,6 +93,7 @@ class Tally:
     stuck: int = 0
     stale: int = 0
     refused: int = 0
+    busy: int = 0  # spoken responses refused for capacity (an error, then response.done)
     closed_by_gateway: int = 0
     errors: list[str] = field(default_factory=list)
     sessions: int = 0
@@ -308,8 +310,13 @@ async def voice_user(url: str, clips: list[bytes], end: float, tally: Tally, see
                     rid = created["response"]["id"]
                     done = _done_of(rid)
                     roll = rng.random()
+                    if roll < 0.45:
+                        _, _, first = await client.next(i, _audio_or_done(rid))
+                        if first["type"] == "response.done":
+                            # Refused for capacity (its error came first): no audio to cut.
+                            tally.busy += 1
+                            continue
                     if roll < 0.25:  # barge-in once its audio plays
-                        await client.next(i, of("response.output_audio.delta"))
                         await asyncio.sleep(rng.uniform(0.2, 1.0))
                         client.mic.play(rng.choice(clips))
                         tally.barge_ins += 1
@@ -317,7 +324,6 @@ async def voice_user(url: str, clips: list[bytes], end: float, tally: Tally, see
                         j, _, _ = await client.next(i, _created_other(rid))
                         await client.next(j, of("response.done"))
                     elif roll < 0.45:  # the network drops in mid-answer
-                        await client.next(i, of("response.output_audio.delta"))
                         await asyncio.sleep(rng.uniform(0.1, 1.0))
                         abrupt = True
                         tally.disconnects += 1
@@ -339,6 +345,14 @@ async def voice_user(url: str, clips: list[bytes], end: float, tally: Tally, see
 
 def _done_of(response_id: str) -> Callable[[dict[str, Any]], bool]:
     return lambda e: e["type"] == "response.done" and e["response"]["id"] == response_id
+
+
+def _audio_or_done(response_id: str) -> Callable[[dict[str, Any]], bool]:
+    """The response's first audio, or its end if it has none (it was refused)."""
+    return lambda e: (
+        (e["type"] == "response.output_audio.delta" and e.get("response_id") == response_id)
+        or (e["type"] == "response.done" and e["response"]["id"] == response_id)
+    )
 
 
 def _created_other(response_id: str) -> Callable[[dict[str, Any]], bool]:
@@ -444,6 +458,7 @@ async def report_progress(rss: RssSampler, tally: Tally, every: float = 60.0) ->
         log(
             f"rss {rss.now():.0f} MiB, sessions {tally.sessions}, turns {tally.turns}, "
             f"stuck {tally.stuck}, stale {tally.stale}, refused {tally.refused}, "
+            f"busy {tally.busy}, "
             f"closed by the gateway {tally.closed_by_gateway}"
         )
 
@@ -522,6 +537,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "abrupt_disconnects": tally.disconnects,
             "text_cancels": tally.cancels,
             "refused_connections": tally.refused,
+            "responses_refused_for_capacity": tally.busy,
             "sessions_closed_by_gateway": tally.closed_by_gateway,
             "error_events": len(tally.errors),
             "error_samples": sorted(set(tally.errors))[:5],

@@ -156,9 +156,8 @@ class InputProcessing:
     def echo_may_arrive(self, at_ms: float) -> bool:
         """Whether the canceller is on and the far end played within `ECHO_TAIL_MS`
         before `at_ms` (or plays on): its echo may be in the microphone then."""
-        until = self._far_end.played_until
         at = round(at_ms * ENGINE_RATE / 1000)
-        return self._echo and self._apm is not None and until is not None and until > at - _TAIL
+        return self._echo and self._apm is not None and self._played_within_tail(at)
 
     def heard_echo(self, start_ms: float, end_ms: float) -> bool | None:
         """Whether the microphone from `start_ms` to `end_ms` (its last `CHECKED_MS` at
@@ -192,9 +191,7 @@ class InputProcessing:
     def _frame(self, frame: Samples) -> Samples:
         at, self._next = self._next, self._next + FRAME
         assert self._apm is not None
-        until = self._far_end.played_until
-        played_recently = until is not None and until > at - _TAIL
-        far = self._far_end.read(at, FRAME) if self._echo and played_recently else None
+        far = self._far_end.read(at, FRAME) if self._echo and self._played_within_tail(at) else None
         if self._echo:
             self._heard.write(at, frame)
             self._played.write(at, far)
@@ -216,6 +213,11 @@ class InputProcessing:
         if self._echo:
             self._cleaned.write(at, cleaned)
         return cleaned
+
+    def _played_within_tail(self, at: int) -> bool:
+        """Whether the far end played within `ECHO_TAIL_MS` before clock index `at`."""
+        until = self._far_end.played_until
+        return until is not None and until > at - _TAIL
 
     def _warm_up(self) -> None:
         """Rule 5: a synthetic far end over a silent microphone, as a headset hears it."""

@@ -3,9 +3,9 @@
 Chromium's fake microphone plays a WAV: a spoken request for a long story, a pause
 long enough for the answer to start playing, then a second spoken question that cuts
 the answer off. The page must show both transcripts, play the answer, flush playback on
-barge-in and send `conversation.item.truncate` with what it actually played. Over WebRTC
-(the demo's other transport) the gateway plays the answer on the call's track and
-truncates it itself.
+barge-in and send `conversation.item.truncate` with what it actually played over a
+WebSocket. Over WebRTC (the demo's default) the gateway plays the answer on the call's
+track and truncates it itself.
 
 Captions only (a transcription session): the microphone plays recorded speech, and the
 page shows the user's words as live captions, then the completed transcripts, and
@@ -141,10 +141,11 @@ def test_voice_conversation_with_barge_in(web_url: str, microphone_wav: Path) ->
             page.on("console", lambda m: m.type == "error" and problems.append(m.text))
             page.on("pageerror", lambda e: problems.append(str(e)))
             page.goto(web_url)
+            page.select_option("#transport", "websocket")
             page.click("#connect")
 
             state = _wait_for(page, lambda s: s["state"] == "connected", 30)
-            assert state["state"] == "connected", state
+            assert state["transport"] == "websocket", state
 
             # The spoken request shows up as the user's transcript.
             state = _wait_for(page, lambda s: s["userTranscripts"], 120)
@@ -191,7 +192,7 @@ def test_the_demo_talks_over_webrtc(web_url: str, microphone_wav: Path) -> None:
             page.on("console", lambda m: m.type == "error" and problems.append(m.text))
             page.on("pageerror", lambda e: problems.append(str(e)))
             page.goto(web_url)
-            page.select_option("#transport", "webrtc")
+            assert page.locator("#transport").input_value() == "webrtc"  # the default
             page.click("#connect")
             state = _wait_for(page, lambda s: s["state"] == "connected", 30)
             assert state["transport"] == "webrtc", state

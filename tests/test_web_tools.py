@@ -1,6 +1,7 @@
 """The browser demo's built-in tool, in Debian's headless Chromium against the real
 gateway: a typed question, a call the page answers itself (the local time), the call and
-its result shown, and a spoken answer after it."""
+its result shown, and a spoken answer after it, over the demo's default transport
+(WebRTC)."""
 
 from __future__ import annotations
 
@@ -95,7 +96,10 @@ def test_the_page_answers_its_local_time_tool(web_url: str, silent_microphone: P
             assert shown.startswith("get_local_time(") and call["output"] in shown
             # The call was not spoken; the answer after it was.
             assert state["assistantTexts"] and state["assistantTexts"][-1].strip(), state
-            assert state["samplesReceived"] > 0 and not state["errors"], state
+            # Over the demo's default transport, WebRTC, it plays on the call's track.
+            assert state["transport"] == "webrtc", state
+            assert state["eventCounts"].get("output_audio_buffer.started", 0) >= 1, state
+            assert not state["errors"], state
         finally:
             browser.close()
     assert not problems, problems

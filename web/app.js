@@ -1,9 +1,9 @@
-// duplex-gateway voice demo: the OpenAI Realtime protocol (GA shape) over one WebSocket
-// (microphone in through an AudioWorklet, speech out through another, the page
-// truncating what it did not play), or over WebRTC (the "over" menu, ?transport=webrtc)
-// as OpenAI's WebRTC guide does it: the microphone and the answer as Opus tracks with
-// the browser's echo canceller and jitter buffer, events on the "oai-events" data
-// channel, the gateway truncating on barge-in.
+// duplex-gateway voice demo: the OpenAI Realtime protocol (GA shape) over WebRTC by
+// default, as OpenAI's WebRTC guide does it: the microphone and the answer as Opus
+// tracks with the browser's echo canceller and jitter buffer, events on the
+// "oai-events" data channel, the gateway truncating on barge-in. Or over one WebSocket
+// (the "over" menu, ?transport=websocket): microphone in through an AudioWorklet,
+// speech out through another, the page truncating what it did not play.
 // The user's words show as live captions while they speak (input transcription deltas),
 // then as the completed transcript. "Captions only" opens a transcription session
 // (?intent=transcription): the same captions, and nothing answers.

@@ -1,12 +1,11 @@
 """The multi-stage pipeline (ASR → LLM → TTS) behind the duplex stage port.
 
-One submitted turn (a `duplex.turn.TurnRequest`, read typed from the submission's
-prompt) is one asyncio task on the event loop: it streams the turn's audio through the
-ASR stage, the transcript and history through the LLM, and each complete clause of the
-LLM's text through the TTS stage while the LLM is still decoding. The model work runs
-on the engine thread; this task only moves results between stages and hands them to
-the sink. Batching across sessions happens inside each stage, which sees every
-session's requests at once.
+`DuplexOrchestrator` keeps the port's books: the requests each session reserved and
+submitted, the sessions' stage options, their live inputs and prepared turns, and which
+turn runs under which ids. One submitted turn (a `duplex.turn.TurnRequest`, read typed
+from the submission's prompt) is one asyncio task of `engine.turn_runner`, which streams
+it through the stages and hands their outputs to the sink. Batching across sessions
+happens inside each stage, which sees every session's requests at once.
 
 Rules of this module:
 1. Every output carries its own stage request id (`...r.stage{N}-turn{T}`), so the
@@ -39,15 +38,12 @@ Rules of this module:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import numpy as np
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from duplex.appends import read_append
 from duplex.contracts import (
@@ -61,92 +57,20 @@ from duplex.contracts import (
 )
 from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput, DuplexStreamingStagePort
 from duplex.session import RESIDENT_ROLE
-from duplex.turn import Message, Stage, Tool, ToolChoice, TurnRequest
-from engine import clients, memory
-from engine.clauses import ClauseSplitter
+from duplex.turn import Stage, TurnRequest
+from engine import memory
 from engine.config import EngineConfig
 from engine.core import AsyncEngine
-from engine.listener import Listener, Utterance, final_text
-from engine.llm import LlmInput
-from engine.request import RequestOutput, SamplingParams
-from engine.stage import StageOutput
+from engine.listener import Listener, Utterance
+from engine.llm_backend import EngineLlm, LlmBackend
+from engine.stage_params import AsrParams, TtsParams, check_params
+from engine.turn_runner import Turn, TurnRunner
 
 __all__ = ["AsrParams", "DuplexOrchestrator", "EngineLlm", "LlmBackend", "TtsParams"]
 
 logger = logging.getLogger(__name__)
 
-ASR, LLM, TTS = Stage.ASR, Stage.LLM, Stage.TTS
-# The engine stage that runs each pipeline stage.
-STAGE_ENGINES = {ASR: "asr", LLM: "llm", TTS: "tts"}
-# Characters of text per second of speech (the default voice at speed 1): how a speaker
-# turns its unspoken text into seconds for the LLM stage's pacing (`set_runway`).
-CHARS_PER_SPEECH_S = 14.0
-
-
-@dataclass(frozen=True)
-class AsrParams:
-    """Stage-0 options: turns with more audio than `max_audio_s` are refused."""
-
-    max_audio_s: float = 120.0
-
-
-@dataclass(frozen=True)
-class TtsParams:
-    """Stage-2 options: which voice speaks, how fast, and its noise settings."""
-
-    voice: str
-    speed: float = 1.0
-    noise_scale: float | None = None
-    noise_w: float | None = None
-
-
-class LlmBackend(Protocol):
-    """Where stage 1 runs: the engine's LLM stage, or a remote server."""
-
-    def stream(self, request_id: str, inputs: LlmInput) -> AsyncIterator[StageOutput]: ...
-
-    def abort(self, request_id: str) -> None: ...
-
-    def forget(self, cache_key: str) -> None:
-        """The conversation under `cache_key` is over: free what is cached for it."""
-
-
-class EngineLlm:
-    """The engine thread's "llm" stage as an `LlmBackend`."""
-
-    def __init__(self, engine: AsyncEngine) -> None:
-        self._engine = engine
-
-    def stream(self, request_id: str, inputs: LlmInput) -> AsyncIterator[StageOutput]:
-        return self._engine.stream("llm", request_id, inputs)
-
-    def abort(self, request_id: str) -> None:
-        self._engine.abort("llm", request_id)
-
-    def forget(self, cache_key: str) -> None:
-        # Queued behind the session's aborts, which the engine thread takes first.
-        clients.llm(self._engine).notify(lambda llm: llm.forget(cache_key))
-
-
-@dataclass
-class _Turn:
-    session_id: str
-    ids: dict[int, str]  # stage id -> engine request id, entry stage .. final stage
-    out_ids: dict[int, str]  # stage id -> the request id its outputs carry
-    request: TurnRequest
-    params: tuple[Any, ...]
-    task: asyncio.Task[None] | None = None
-    marks: dict[str, float] = field(default_factory=dict)
-    # A prepared turn's outputs wait here until a submission adopts it (rule 4).
-    held: list[tuple[int, str, dict[str, Any]]] | None = None
-    held_finished: set[int] = field(default_factory=set)
-    # The live utterance this turn finishes (rule 5), claimed from the session's listener.
-    utterance: Utterance | None = None
-    asr_metrics: dict[str, float] = field(default_factory=dict)
-    transcribed: bool = False  # its transcript was emitted (held, for a prepared turn)
-
-    def since(self, mark: str) -> float:
-        return (time.perf_counter() - self.marks[mark]) * 1000.0
+ASR, TTS = Stage.ASR, Stage.TTS
 
 
 @dataclass
@@ -158,7 +82,7 @@ class _SessionParams:
 @dataclass
 class _Prepared:
     spec: DuplexPreparedTurn
-    turn: _Turn
+    turn: Turn
 
 
 class DuplexOrchestrator(DuplexStreamingStagePort):
@@ -170,13 +94,13 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         self.engine = engine
         self.config = config
         self.llm: LlmBackend = llm if llm is not None else EngineLlm(engine)
-        self._sink: Callable[[DuplexStageOutput], None] | None = None
         self._reserved: dict[str, DuplexStageRequestContext] = {}
         self._sessions: dict[str, _SessionParams] = {}
-        self._turns: dict[str, _Turn] = {}  # every id of a running turn -> the turn
-        self._open: set[str] = set()
+        self._turns: dict[str, Turn] = {}  # every id of a running turn -> the turn
         self._prepared: dict[str, _Prepared] = {}  # session id -> its prepared turn
         self._listeners: dict[str, Listener] = {}  # session id -> its live input (rule 5)
+        # The runner reads the listeners: a turn it stops gives its utterance back.
+        self._runner = TurnRunner(engine, config, self.llm, self._listeners)
         self._cache_keys: dict[str, set[str]] = {}  # session id -> its LLM prompt-cache keys
         self._resident_submitted: set[str] = set()
         self._serial = itertools.count()
@@ -198,14 +122,14 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         )
 
     def attach_output_sink(self, sink: Callable[[DuplexStageOutput], None]) -> None:
-        self._sink = sink
+        self._runner.sink = sink
 
     def ensure_request(self, context: DuplexStageRequestContext) -> None:
         if not 0 <= context.stage_id < self.stage_count:
             raise ValueError(f"stage {context.stage_id} does not exist (0..{self.stage_count - 1})")
         if len(context.sampling_params) != self.stage_count:
             raise ValueError(f"sampling_params needs one entry per stage ({self.stage_count})")
-        _check_params(context.sampling_params)
+        check_params(context.sampling_params)
         if _is_resident(context) and (context.stage_id, context.final_stage_id) != (0, 0):
             raise ValueError(f"resident request {context.request_id!r} runs stage 0 alone")
         self._reserved[context.request_id] = context
@@ -251,7 +175,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         previous prepared turn. A turn `submit` would refuse is not prepared."""
         self.discard_prepared(turn.session_id)
         try:
-            _check_params(turn.sampling_params)
+            check_params(turn.sampling_params)
             request = self._read_turn(
                 turn.prompt, turn.entry_stage_id, turn.final_stage_id, turn.sampling_params
             )
@@ -263,7 +187,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             stage: f"{turn.session_id}.prepared{serial}.stage{stage}"
             for stage in range(turn.entry_stage_id, turn.final_stage_id + 1)
         }
-        work = _Turn(turn.session_id, ids, {}, request, turn.sampling_params, held=[])
+        work = Turn(turn.session_id, ids, {}, request, turn.sampling_params, held=[])
         work.utterance = self._claim(turn.session_id, request)
         self._prepared[turn.session_id] = _Prepared(turn, work)
         self._launch(work)
@@ -272,13 +196,13 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         prepared = self._prepared.pop(session_id, None)
         if prepared is not None:
             self.prepare_stats["discarded"] += 1
-            self._stop(prepared.turn)
+            self._runner.stop(prepared.turn)
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         listening = self._stop_listening(request_ids)
         turns = self._close(request_ids)
         for turn in turns:
-            self._stop(turn)
+            self._runner.stop(turn)
         await self._wait_stopped(turns)
         if listening:
             await asyncio.wait(listening)
@@ -383,8 +307,9 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         metadata: dict[str, Any] = {"utterance_id": utterance_id}
         if logprobs:
             metadata["logprobs"] = logprobs
-        if self._sink is not None:
-            self._sink(
+        sink = self._runner.sink
+        if sink is not None:
+            sink(
                 DuplexStageOutput(
                     session_id=session_id,
                     request_id=rid,
@@ -431,33 +356,32 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
 
     def _start_turn(
         self, context: DuplexStageRequestContext, request: TurnRequest, params: tuple[Any, ...]
-    ) -> _Turn:
+    ) -> Turn:
         fence: DuplexFence = context.fence
         ids = {
             stage: duplex_ephemeral_stage_request_id(fence, stage_id=stage)
             for stage in range(context.stage_id, context.final_stage_id + 1)
         }
-        turn = _Turn(context.session_id, ids, dict(ids), request, params)
+        turn = Turn(context.session_id, ids, dict(ids), request, params)
         turn.utterance = self._claim(context.session_id, request)
         self._register(turn)
         self._launch(turn)
         return turn
 
-    def _register(self, turn: _Turn) -> None:
+    def _register(self, turn: Turn) -> None:
         for rid in turn.out_ids.values():
             self._turns[rid] = turn
-            self._open.add(rid)
+            self._runner.open_ids.add(rid)
 
-    def _launch(self, turn: _Turn) -> None:
+    def _launch(self, turn: Turn) -> None:
         if turn.request.cache_key is not None:
             self._cache_keys.setdefault(turn.session_id, set()).add(turn.request.cache_key)
-        turn.marks["submit"] = time.perf_counter()
-        turn.task = asyncio.create_task(self._run(turn), name=f"turn {turn.ids[min(turn.ids)]}")
+        turn.task = self._runner.start(turn)
         turn.task.add_done_callback(lambda _: self._forget(turn))
 
     def _take_prepared(
         self, context: DuplexStageRequestContext, request: TurnRequest, params: tuple[Any, ...]
-    ) -> _Turn | None:
+    ) -> Turn | None:
         """The session's prepared turn if it equals this submission; else it is stopped."""
         prepared = self._prepared.pop(context.session_id, None)
         if prepared is None:
@@ -472,12 +396,12 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         )
         if not same:
             self.prepare_stats["discarded"] += 1
-            self._stop(turn)
+            self._runner.stop(turn)
             return None
         self.prepare_stats["adopted"] += 1
         return turn
 
-    def _adopt(self, turn: _Turn, context: DuplexStageRequestContext) -> None:
+    def _adopt(self, turn: Turn, context: DuplexStageRequestContext) -> None:
         """Rule 4: the submission's ids take over the prepared turn's outputs."""
         turn.out_ids = {
             stage: duplex_ephemeral_stage_request_id(context.fence, stage_id=stage)
@@ -493,47 +417,29 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             sum(kind == "audio" for _, kind, _ in held),
         )
         for stage, kind, fields in held:
-            self._emit(turn, stage, kind, **fields)
+            self._runner.emit(turn, stage, kind, **fields)
         if turn.task is not None and turn.task.done():
             self._forget(turn)  # it finished while held: its done callback found no ids
 
-    def _close(self, request_ids: list[str]) -> list[_Turn]:
+    def _close(self, request_ids: list[str]) -> list[Turn]:
         """Close the ids and return their running turns (each once)."""
-        turns: dict[int, _Turn] = {}
+        turns: dict[int, Turn] = {}
         for rid in request_ids:
-            self._open.discard(rid)
+            self._runner.open_ids.discard(rid)
             turn = self._turns.get(rid)
             if turn is not None:
                 turns[id(turn)] = turn
         return list(turns.values())
 
-    def _stop(self, turn: _Turn) -> None:
-        """Stop a turn at once: no id of it outputs again, every stage drops its request;
-        a live utterance it had not transcribed yet goes back to the listener (rule 5)."""
-        unfinished = turn.held is not None or not turn.transcribed
-        listener = self._listeners.get(turn.session_id)
-        if turn.utterance is not None and unfinished and listener is not None:
-            listener.release(turn.utterance)
-        turn.utterance = None
-        for rid in turn.out_ids.values():
-            self._open.discard(rid)
-        if turn.task is not None and turn.task is not asyncio.current_task():
-            turn.task.cancel()
-        for stage, rid in turn.ids.items():
-            if stage == LLM:
-                self.llm.abort(rid)
-            else:
-                self.engine.abort(STAGE_ENGINES[Stage(stage)], rid)
-
-    async def _wait_stopped(self, turns: list[_Turn]) -> None:
+    async def _wait_stopped(self, turns: list[Turn]) -> None:
         current = asyncio.current_task()
         tasks = [t.task for t in turns if t.task is not None and t.task is not current]
         if tasks:
             await asyncio.wait(tasks)
 
-    def _forget(self, turn: _Turn) -> None:
+    def _forget(self, turn: Turn) -> None:
         for rid in turn.out_ids.values():
-            self._open.discard(rid)
+            self._runner.open_ids.discard(rid)
             if self._turns.get(rid) is turn:
                 del self._turns[rid]
 
@@ -554,360 +460,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
                 f"unknown voice {voice!r}; this engine speaks with {self.config.stages.tts.voice!r}"
             )
 
-    # --- output ----------------------------------------------------------------------
-
-    def _emit(self, turn: _Turn, stage: int, kind: str, **fields: Any) -> None:
-        if turn.held is not None:
-            if stage in turn.ids and stage not in turn.held_finished:
-                if fields.get("finished"):
-                    turn.held_finished.add(stage)
-                turn.held.append((stage, kind, fields))
-            return
-        rid = turn.out_ids.get(stage)
-        if rid is None or rid not in self._open:
-            return  # aborted, cleaned up or already finished: dropped by rule 2
-        if fields.get("finished"):
-            self._open.discard(rid)
-        if self._sink is None:
-            return
-        self._sink(
-            DuplexStageOutput(
-                session_id=turn.session_id, request_id=rid, stage_id=stage, kind=kind, **fields
-            )
-        )
-
-    def _fail(self, turn: _Turn, stage: int, error: str, *, code: str | None = None) -> None:
-        """Rule 3: one error output on `stage`, then the whole turn is stopped."""
-        metadata = {"error": error} if code is None else {"error": error, "error_code": code}
-        self._emit(turn, stage, "error", finished=True, metadata=metadata)
-        self._stop(turn)
-
-    # --- the pipeline ----------------------------------------------------------------
-
-    async def _run(self, turn: _Turn) -> None:
-        try:
-            text = turn.request.text
-            if turn.request.audio is not None:
-                text = await self._transcribe(turn)
-                if text is None or max(turn.ids) == ASR:
-                    return
-            await self._respond(turn, text)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a bug or a dead engine must fail the turn, not hang it
-            logger.exception("turn %s failed", turn.ids[min(turn.ids)])
-            still_open = self._open_stages(turn)
-            if still_open:
-                self._fail(turn, still_open[0], f"{type(exc).__name__}: {exc}")
-
-    def _open_stages(self, turn: _Turn) -> list[int]:
-        if turn.held is not None:
-            return [s for s in sorted(turn.ids) if s not in turn.held_finished]
-        return [s for s, rid in sorted(turn.out_ids.items()) if rid in self._open]
-
-    async def _transcribe(self, turn: _Turn) -> str | None:
-        """Stage 0 of a turn: finish the live utterance it names (rule 5), report the
-        words the gateway already heard, or transcribe its audio whole, with a transcript
-        of its own when it asks for a prompt or logprobs."""
-        request = turn.request
-        turn.marks["asr"] = time.perf_counter()
-        audio = np.frombuffer(request.audio or b"", dtype="<f4")
-        utterance = turn.utterance
-        live = utterance.live if utterance is not None else None
-        if live is None and request.heard is not None:
-            return self._transcribed(turn, request.heard.strip(), heard=True)
-        if live is None and (request.transcription_prompt or request.logprobs):
-            asr_prompt, asr_logprobs = request.transcription_prompt, request.logprobs
-            live = await clients.asr(self.engine).run(
-                lambda asr: asr.new_live_transcript(asr_prompt, asr_logprobs)
-            )
-        if live is None:
-            payload = await self._asr(turn, audio)
-            return None if payload is None else self._transcribed(turn, str(payload).strip())
-        result = await self._asr(turn, live.request(audio, final=True))
-        if result is None:
-            return None
-        tail = live.finish(result)
-        committed = utterance.committed if utterance is not None else ""
-        tokens = [*(utterance.tokens if utterance is not None else ()), *tail.tokens]
-        logprobs = tuple(tokens) if request.logprobs else ()
-        text = final_text(committed, tail.text)
-        return self._transcribed(turn, text, logprobs=logprobs, live=bool(committed))
-
-    async def _asr(self, turn: _Turn, inputs: Any) -> Any:
-        """The ASR stage's finished payload for `inputs`; None if it failed (the turn
-        failed with it) or was aborted."""
-        async for out in self.engine.stream("asr", turn.ids[ASR], inputs):
-            if out.error is not None:
-                self._fail(turn, ASR, out.error)
-                return None
-            if out.finished:
-                turn.asr_metrics = dict(out.metrics)
-                return out.payload
-        return None  # aborted: the stream ended without a result
-
-    def _transcribed(
-        self,
-        turn: _Turn,
-        text: str,
-        *,
-        logprobs: tuple[tuple[str, float], ...] = (),
-        live: bool = False,
-        heard: bool = False,
-    ) -> str:
-        metadata: dict[str, Any] = {"asr_ms": turn.since("asr"), **turn.asr_metrics}
-        if logprobs:
-            metadata["logprobs"] = logprobs
-        if live:
-            metadata["live"] = True
-        if heard:
-            metadata["heard"] = True  # the turn detector's words: no transcription ran
-        turn.transcribed = True
-        self._emit(turn, ASR, "transcript", text=text, metadata=metadata)
-        self._emit(turn, ASR, "done", finished=True)
-        return text
-
-    async def _respond(self, turn: _Turn, text: str | None) -> None:
-        """Answer `text`, or with no new input (None) continue from the history."""
-        if text is not None and not text.strip():
-            # Nothing was said: the turn ends without asking the model.
-            self._emit(turn, LLM, "done", finished=True, metadata={"skipped": True})
-            self._emit(turn, TTS, "done", finished=True, metadata={"skipped": True})
-            return
-        speaker = _Speaker(self, turn) if turn.request.final is TTS else None
-        speaking = asyncio.create_task(speaker.run()) if speaker else None
-        try:
-            final = await self._generate(turn, text, speaker)
-            if final is not None and speaking is not None:
-                await speaking
-        finally:
-            if speaking is not None and not speaking.done():
-                speaking.cancel()
-                self.engine.abort("tts", turn.ids[TTS])
-
-    async def _generate(
-        self, turn: _Turn, text: str | None, speaker: _Speaker | None
-    ) -> RequestOutput | None:
-        rid = turn.ids[LLM]
-        inputs = self._llm_inputs(turn, text)
-        splitter = ClauseSplitter(**self.config.clauses.model_dump())
-        turn.marks["llm"] = time.perf_counter()
-        final: RequestOutput | None = None
-        async for out in self.llm.stream(rid, inputs):
-            if out.error is not None:
-                self._fail(turn, LLM, out.error, code=out.error_code)
-                return None
-            delta: RequestOutput = out.payload
-            for call in delta.tool_calls:  # never spoken
-                metadata = {"index": call.index, "name": call.name}
-                self._emit(turn, LLM, "tool_call", text=call.arguments, metadata=metadata)
-            if delta.new_text:
-                self._emit(turn, LLM, "text", text=delta.new_text)
-                if speaker is not None:
-                    speaker.say(splitter.push(delta.new_text))
-            if out.finished:
-                final = delta
-        if final is None:
-            return None
-        metadata = {
-            # With the prompt tokens its KV was reused for, for the usage's cached_tokens.
-            "usage": {**final.usage(), "cached_tokens": final.cached_tokens},
-            "finish_reason": final.finish_reason,
-            "cached_tokens": final.cached_tokens,
-            "llm_ms": turn.since("llm"),
-        }
-        logger.debug("LLM of %s done: %s", rid, metadata)
-        self._emit(turn, LLM, "done", finished=True, metadata=metadata)
-        if speaker is not None:
-            speaker.finish(splitter.flush())
-        return final
-
-    def _llm_inputs(self, turn: _Turn, text: str | None) -> LlmInput:
-        request = turn.request
-        messages = [_chat_message(m) for m in request.messages]
-        if not messages or messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": self.config.system_prompt})
-        if text is not None:
-            messages.append({"role": "user", "content": text})
-        params: SamplingParams = turn.params[LLM]
-        if request.max_output_tokens is not None:
-            params = dataclasses.replace(params, max_tokens=request.max_output_tokens)
-        if request.temperature is not None:
-            params = dataclasses.replace(params, temperature=request.temperature)
-        return LlmInput(
-            messages=messages,
-            sampling_params=params,
-            cache_key=request.cache_key,
-            truncate=request.truncate,
-            retention_ratio=request.retention_ratio,
-            post_instructions_tokens=request.post_instructions_tokens,
-            tools=[_chat_tool(t) for t in request.tools] or None,
-            tool_choice=_chat_tool_choice(request.tool_choice),
-            parallel_tool_calls=request.parallel_tool_calls,
-        )
-
-    def _tts_request(self, turn: _Turn) -> Any:
-        from engine.tts import TtsRequest
-
-        base: TtsParams = turn.params[TTS]
-        speed = turn.request.speed if turn.request.speed is not None else base.speed
-        return TtsRequest(
-            speed=speed,
-            noise_scale=base.noise_scale,
-            noise_w=base.noise_w,
-        )
-
-
-class _Speaker:
-    """Stage 2 of one turn: feeds clauses to the TTS stage in order, emits its audio.
-
-    It also tells the engine's LLM stage how much speech the listener has queued (audio
-    not yet played, text not yet spoken), so that the LLM does not race ahead of it.
-    """
-
-    def __init__(self, orchestrator: DuplexOrchestrator, turn: _Turn) -> None:
-        self._orch = orchestrator
-        self._turn = turn
-        self._rid = turn.ids[TTS]
-        self._queue: asyncio.Queue[tuple[str, bool]] = asyncio.Queue()
-        self._first_chunk = True
-        self._paces_llm = isinstance(orchestrator.llm, EngineLlm)
-        self._unspoken_chars = 0
-        self._heard_from: float | None = None  # monotonic time of the first chunk
-        self._audio_s = 0.0
-
-    def say(self, clauses: list[str]) -> None:
-        for clause in clauses:
-            if "clause" not in self._turn.marks:
-                self._turn.marks["clause"] = time.perf_counter()
-                self._turn.marks["llm_first_clause_ms"] = self._turn.since("llm")
-            self._queue.put_nowait((clause, False))
-            self._unspoken_chars += len(clause)
-        if clauses:
-            self._pace()
-
-    def _pace(self) -> None:
-        if not self._paces_llm:
-            return
-        in_hand = 0.0
-        if self._heard_from is not None:
-            in_hand = max(0.0, self._heard_from + self._audio_s - time.monotonic())
-        seconds = in_hand + max(0, self._unspoken_chars) / CHARS_PER_SPEECH_S
-        request_id = self._turn.ids[LLM]
-        clients.llm(self._orch.engine).notify(lambda llm: llm.set_runway(request_id, seconds))
-
-    def finish(self, clauses: list[str]) -> None:
-        self.say(clauses)
-        self._queue.put_nowait(("", True))
-
-    async def run(self) -> None:
-        text, final = await self._queue.get()
-        if final:
-            # The reply had no speakable text: stage 2 ends without a request.
-            self._orch._emit(self._turn, TTS, "done", finished=True)
-            return
-        engine, rid = self._orch.engine, self._rid
-        tts = clients.tts(engine)
-        stream = engine.stream("tts", rid, self._orch._tts_request(self._turn))
-        consumer = asyncio.create_task(self._consume(stream))
-        try:
-            while not final:
-                # Waited for: the stage has the text before `text` changes.
-                await tts.run(lambda stage: stage.feed(rid, text, False))  # noqa: B023
-                text, final = await self._queue.get()
-            await tts.run(lambda stage: stage.feed(rid, "", True))
-            await consumer
-        except Exception:
-            if consumer.done():
-                return  # the stage already failed the request; its error was emitted
-            raise
-        finally:
-            if not consumer.done():
-                consumer.cancel()
-
-    async def _consume(self, stream: AsyncIterator[StageOutput]) -> None:
-        async for out in stream:
-            if out.error is not None:
-                self._orch._fail(self._turn, TTS, out.error)
-                return
-            chunk = out.payload
-            if chunk is not None and len(chunk.samples):
-                self._emit_chunk(chunk)
-            if out.finished:
-                self._orch._emit(self._turn, TTS, "done", finished=True)
-                return
-
-    def _emit_chunk(self, chunk: Any) -> None:
-        if self._heard_from is None:
-            self._heard_from = time.monotonic()
-        self._audio_s += chunk.duration_ms / 1000
-        self._unspoken_chars -= len(chunk.text)
-        self._pace()
-        metadata: dict[str, Any] = {"duration_ms": chunk.duration_ms}
-        if self._first_chunk:
-            self._first_chunk = False
-            marks = self._turn.marks
-            metadata.update(
-                first_audio_ms=self._turn.since("submit"),
-                tts_first_chunk_ms=self._turn.since("clause"),
-                llm_first_clause_ms=marks.get("llm_first_clause_ms", 0.0),
-            )
-            logger.debug(
-                "first audio of %s: %.0f ms after its start, first clause after %.0f ms, "
-                "spoken in %.0f ms",
-                self._rid,
-                metadata["first_audio_ms"],
-                metadata["llm_first_clause_ms"],
-                metadata["tts_first_chunk_ms"],
-            )
-        self._orch._emit(
-            self._turn,
-            TTS,
-            "audio",
-            text=chunk.text,
-            audio=chunk.samples.astype("<f4", copy=False).tobytes(),
-            sample_rate=chunk.sample_rate,
-            metadata=metadata,
-        )
-
-
-def _chat_message(message: Message) -> dict[str, Any]:
-    """A turn's message in the chat-completions shape."""
-    out: dict[str, Any] = {"role": message.role, "content": message.content}
-    if message.tool_calls:
-        out["tool_calls"] = [
-            {
-                "id": call.call_id,
-                "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments},
-            }
-            for call in message.tool_calls
-        ]
-    if message.tool_call_id is not None:
-        out["tool_call_id"] = message.tool_call_id
-    return out
-
-
-def _chat_tool(tool: Tool) -> dict[str, Any]:
-    function = {"name": tool.name, "description": tool.description, "parameters": tool.schema}
-    return {"type": "function", "function": function}
-
-
-def _chat_tool_choice(choice: ToolChoice) -> str | dict[str, Any]:
-    if choice.name is not None:
-        return {"type": "function", "function": {"name": choice.name}}
-    return choice.mode
-
 
 def _is_resident(context: DuplexStageRequestContext) -> bool:
     """Whether `context` names its session's resident stage-0 request of its epoch."""
     return context.request_id == duplex_resource_request_id(context.fence, RESIDENT_ROLE)
-
-
-def _check_params(params: tuple[Any, ...]) -> None:
-    expected = (AsrParams, SamplingParams, TtsParams)
-    for stage, (value, kind) in enumerate(zip(params, expected, strict=True)):
-        if not isinstance(value, kind):
-            raise ValueError(
-                f"sampling_params[{stage}] must be {kind.__name__}, got {type(value).__name__}"
-            )

@@ -7,19 +7,31 @@ One gateway is started through its CLI (real models). The same spoken questions 
 NG, each followed by 1.2 s of silence) are asked alternately over a WebSocket session
 (PCM16 appended at real-time pace) and over a WebRTC call (an aiortc client: Opus on
 RTP, events on `oai-events`). Latency is timed at the client from
-`input_audio_buffer.speech_stopped` to the first answer audio it receives: the first
-`response.output_audio.delta` over WebSocket, the first decoded frame with sound on the
-track over WebRTC (which includes aiortc's receive jitter buffer, as a browser's
-would). CPU: the gateway process's CPU time while one idle session streams silence for
+`input_audio_buffer.speech_stopped` to the first answer audio with sound it receives:
+over WebSocket, when a client that starts playing at the first
+`response.output_audio.delta` plays the first sample above `LOUD`; over WebRTC, the
+first decoded frame with one on the track (after aiortc's receive jitter
+buffer, which holds 4 packets, 80 ms, before it plays, where a browser's adapts). Each
+question is also timed by the gateway itself (its first-audio histogram, up to the
+first audio it made): the client's figure less the gateway's is what the transport
+adds. CPU: the gateway process's CPU time while one idle session streams silence for
 `--idle-s` seconds, over WebRTC and over WebSocket, and with no session at all.
+Last, the same questions from a browser: headless Chromium on the demo page (WebRTC, its
+default), its fake microphone asking them; the page reads the browser's jitter buffer
+delay (`chromium_receive_buffer_ms`: the average per sample played since the call began)
+and the packets' arrival jitter from the call's statistics: the part of the WebRTC
+figure that is the client's, which aiortc fixes at 80 ms.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -27,10 +39,12 @@ from typing import Any
 import httpx
 import numpy as np
 import psutil
+import soundfile as sf
 import soxr
 from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av import AudioFrame
+from playwright.sync_api import sync_playwright
 from websockets.asyncio.client import ClientConnection, connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,6 +56,7 @@ from gateway.call_audio import PacedAudioTrack  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MEDIA_RATE = 48000
+AIORTC_PREFETCH_MS = 80  # aiortc's audio jitter buffer plays 4 packets (20 ms) behind
 LOUD = 0.02  # a decoded frame with a sample above this carries the answer's voice
 SESSION = {
     "type": "realtime",
@@ -142,19 +157,27 @@ async def ws_question(ws: ClientConnection, pcm: bytes) -> float:
 
 
 async def ws_answer(ws: ClientConnection) -> float:
-    """From speech_stopped to the first audio delta, read up to response.done."""
+    """From speech_stopped to when a client that plays each answer from its first delta
+    on would play its first sample with sound; read up to response.done."""
     stopped_at: float | None = None
-    first: float | None = None
+    began: float | None = None  # the first delta's arrival: playback starts there
+    received = 0  # samples of the answer received so far
+    heard: float | None = None
     while True:
         event = json.loads(await ws.recv())
         kind, now = event["type"], time.monotonic()
         if kind == "input_audio_buffer.speech_stopped" and stopped_at is None:
             stopped_at = now
-        elif kind == "response.output_audio.delta" and first is None and stopped_at:
-            first = (now - stopped_at) * 1000
+        elif kind == "response.output_audio.delta" and heard is None and stopped_at:
+            samples = np.frombuffer(base64.b64decode(event["delta"]), "<i2")
+            began = now if began is None else began
+            loud = np.flatnonzero(np.abs(samples) > LOUD * 32768)
+            if loud.size:
+                heard = max(now, began + (received + loud[0]) / RATE)
+            received += len(samples)
         elif kind == "response.done":
-            assert first is not None, "no audio"
-            return first
+            assert heard is not None and stopped_at is not None, "no audio"
+            return (heard - stopped_at) * 1000
         elif kind == "error":
             raise RuntimeError(event["error"]["message"])
 
@@ -211,9 +234,18 @@ async def latency(port: int, count: int) -> dict[str, Any]:
         "webrtc_minus_websocket_ms_p50": round(
             percentile(rtc_times, 50) - percentile(ws_times, 50), 1
         ),
+        # Per question, the client's figure less the gateway's: what the transport
+        # adds (delivery, and over WebRTC Opus, RTP and the receive jitter buffer),
+        # free of the engine's own spread between questions.
+        "websocket_delivery_ms_p50": round(percentile(_less(ws_times, ws_server), 50), 1),
+        "webrtc_delivery_ms_p50": round(percentile(_less(rtc_times, rtc_server), 50), 1),
         "websocket_first_audio_ms": [round(t, 1) for t in ws_times],
         "webrtc_first_audio_ms": [round(t, 1) for t in rtc_times],
     }
+
+
+def _less(times: list[float], server: list[float]) -> list[float]:
+    return [t - s for t, s in zip(times, server, strict=True)]
 
 
 async def cpu_while(process: psutil.Process, seconds: float) -> float:
@@ -242,6 +274,49 @@ async def cpu(port: int, pid: int, seconds: float) -> dict[str, float]:
     return result
 
 
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+def browser_receive_buffer(port: int, questions: list[bytes]) -> dict[str, float]:
+    """Chromium on the demo page (WebRTC, its default), its fake microphone asking
+    `questions`: the browser's jitter buffer delay and the packets' arrival jitter once
+    the last answer is done, in ms."""
+    gap = np.zeros(RATE * 8, np.int16)
+    parts = [np.zeros(RATE, np.int16)]
+    for pcm in questions:
+        parts += [np.frombuffer(pcm, "<i2"), gap]
+    with tempfile.TemporaryDirectory() as tmp:
+        wav = Path(tmp) / "microphone.wav"
+        sf.write(wav, np.concatenate(parts + [gap] * 4), RATE, subtype="PCM_16")
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(
+                executable_path=CHROMIUM,
+                headless=True,
+                args=[
+                    "--no-sandbox",
+                    "--use-fake-ui-for-media-stream",
+                    "--use-fake-device-for-media-stream",
+                    f"--use-file-for-fake-audio-capture={wav}%noloop",
+                    "--autoplay-policy=no-user-gesture-required",
+                ],
+            )
+            try:
+                page = browser.new_page()
+                page.goto(f"http://127.0.0.1:{port}/web/")
+                page.click("#connect")
+                page.wait_for_function(
+                    f"window.duplexDemo.receiveBufferMs.length >= {len(questions)}",
+                    timeout=60_000 * len(questions),
+                )
+                demo = page.evaluate("window.duplexDemo")
+            finally:
+                browser.close()
+    return {
+        "chromium_receive_buffer_ms": demo["receiveBufferMs"][-1],
+        "chromium_receive_jitter_ms": demo["receiveJitterMs"][-1],
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "default.yaml")
@@ -253,6 +328,9 @@ def main() -> int:
     with gateway_process("--config", str(args.config)) as gw:
         result.update(asyncio.run(latency(gw.port, args.questions)))
         result.update(asyncio.run(cpu(gw.port, gw.pid, args.idle_s)))
+        asked = [spoken(q) for q in QUESTIONS[: args.questions]]
+        result.update(browser_receive_buffer(gw.port, asked))
+    result["aiortc_receive_buffer_ms"] = AIORTC_PREFETCH_MS
     if args.json:
         print(json.dumps(result))
     else:

@@ -31,6 +31,8 @@ const demo = {
   toolCalls: [], // {name, arguments, output} of every call the page answered
   transport: null, // "webrtc" or "websocket", once connecting
   truncated: [], // conversation.item.truncated events (WebRTC: the gateway cut the answer)
+  receiveBufferMs: [], // WebRTC: the browser's jitter buffer delay, after each response
+  receiveJitterMs: [], // ...and the packets' arrival jitter then
 };
 window.duplexDemo = demo;
 
@@ -382,6 +384,7 @@ const handlers = {
   "response.done": (e) => {
     const r = e.response;
     demo.responses.push(r.status);
+    if (pc) showReceiveBuffer();
     if (answeredResponses.delete(r.id) && r.status === "completed") {
       // The answer that uses the result; it may not call again.
       send({ type: "response.create", response: { tool_choice: "none" } });
@@ -391,6 +394,20 @@ const handlers = {
   },
   error: (e) => showError(`${e.error.code || e.error.type}: ${e.error.message}`),
 };
+
+// Over WebRTC the answer waits in the browser's jitter buffer before it plays: the
+// average delay per sample so far, from the call's inbound audio statistics.
+async function showReceiveBuffer() {
+  const stats = await pc.getStats();
+  for (const s of stats.values()) {
+    if (s.type !== "inbound-rtp" || s.kind !== "audio" || !s.jitterBufferEmittedCount) continue;
+    const ms = Math.round((s.jitterBufferDelay / s.jitterBufferEmittedCount) * 1000);
+    demo.receiveBufferMs.push(ms);
+    demo.receiveJitterMs.push(Math.round(s.jitter * 1000)); // arrival jitter, as RTP counts it
+    $("receiveBuffer").textContent = `${ms} ms`;
+    $("receiveBuffer").parentElement.hidden = false;
+  }
+}
 
 function onServerEvent(event) {
   demo.eventCounts[event.type] = (demo.eventCounts[event.type] || 0) + 1;

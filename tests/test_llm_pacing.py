@@ -1,4 +1,4 @@
-"""The LLM stage keeps pace with speech (rule 6 of engine/llm.py) and ages prefills.
+"""The LLM stage keeps pace with speech (rule 3 of engine/llm_scheduler.py) and ages prefills.
 
 A tiny random llama and a hand-set clock; the engine-thread test uses the real clock
 and waits on the finished output, never on a sleep.

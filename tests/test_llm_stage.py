@@ -666,5 +666,5 @@ def test_a_prompt_longer_than_a_step_advances_one_slice_per_step(model: llama.Mo
 
 def test_a_slice_shrinks_as_the_prompts_kv_grows(model: llama.Model) -> None:
     stage = make_stage(model, prefill_chunk_tokens=512, prefill_slice_tokens=64)
-    sizes = [stage._slice_at(depth) for depth in (0, 256, 512, 1024, 1536, 4096)]
+    sizes = [stage._scheduler._slice_at(depth) for depth in (0, 256, 512, 1024, 1536, 4096)]
     assert sizes == [64, 42, 32, 21, 16, 16]

@@ -202,8 +202,9 @@ class ClauseConfig(_Strict):
 class EngineLimits(_Strict):
     max_running_sequences: int = Field(8, ge=1)
     prefill_chunk_tokens: int = Field(512, ge=16)
-    # The most of one long prompt any forward prefills (engine.llm `_prefill`): a new
-    # turn's first token waits for at most one such slice of another session's prompt.
+    # The most of one long prompt any forward prefills (engine.llm_scheduler's
+    # `schedule_prefill`): a new turn's first token waits for at most one such slice of
+    # another session's prompt.
     prefill_slice_tokens: int = Field(64, ge=8)
     prompt_cache_bytes: int = Field(256 * 1024 * 1024, ge=0)
     # One tiny request through each stage at start-up, so the first turn is not slow.

@@ -31,7 +31,16 @@ Rules of this module:
    the far end (`gateway.double_talk`); once it has learnt the room, what is left of the
    echo is far below what the microphone picked up (`CANCELLED_DB`), while a person's
    voice comes through within a few dB.
-7. Processing runs on the caller's thread: about 15 ms of CPU per second of audio while
+7. AEC3 costs Whisper words even where there is no echo: on a headset, speech over a
+   playing answer came out of it within 1 dB of its level, yet transcribed with twice
+   the word errors (bench/RESULTS.md, "Clean speech through the canceller"). So until
+   the microphone is heard to carry the far end's echo, the canceller runs (it learns
+   the room) but what it makes is not passed on: the detectors hear the microphone as
+   it came. The echo is heard either way rule 6 tells it (a confirmation `heard_echo`
+   finds to be echo), or when over `COUPLING_WINDOW_MS` of far-end audio the canceller
+   took `CANCELLED_DB` or more off a microphone that heard something; from then on,
+   for the rest of the session, the detectors hear the canceller's output.
+8. Processing runs on the caller's thread: about 15 ms of CPU per second of audio while
    the canceller is active (bench/echo.py measures it), none while it passes frames on;
    the warm-up costs about 90 ms once, when a session's first answer starts to play.
 """
@@ -54,6 +63,7 @@ if TYPE_CHECKING:  # livekit's library starts threads of its own: loaded only wh
 __all__ = [
     "CANCELLED_DB",
     "CHECKED_MS",
+    "COUPLING_WINDOW_MS",
     "ECHO_TAIL_MS",
     "PARTLY_CANCELLED_DB",
     "PARTLY_ECHO_SHARE",
@@ -74,6 +84,10 @@ _TAIL = ECHO_TAIL_MS * ENGINE_RATE // 1000
 WARM_S = 6  # rule 5
 HISTORY_S = 4  # rule 6: longer than the speech a check looks at, and its far end's delay
 CHECKED_MS = 1000  # the most recent speech `heard_echo` looks at
+COUPLING_WINDOW_MS = 500  # rule 7: the span over which the canceller's work is weighed
+_COUPLING_WINDOW = COUPLING_WINDOW_MS * ENGINE_RATE // 1000
+# Rule 7: a microphone quieter than this (RMS, -55 dBFS) heard nothing but its noise.
+_HEARD_SOMETHING = (10 ** (-55 / 20)) ** 2
 # Speech the canceller took this much off is the echo: a person talking over the echo
 # kept their level within 4.5 dB in every room of `bench/echo.py --offline`.
 CANCELLED_DB = 10.0
@@ -117,6 +131,8 @@ class InputProcessing:
         self._played = _History()  # ...the far end it was given...
         self._cleaned = _History()  # ...and what it made of the microphone
         self.frames_processed = 0  # frames that went through the module (rule 5)
+        self.echo_heard = False  # rule 7: the microphone carries the far end's echo
+        self._weighed = _Weighing()  # rule 7: the current window's energy, in and out
 
     @property
     def enabled(self) -> bool:
@@ -178,10 +194,11 @@ class InputProcessing:
         cancelled_db = 10 * np.log10((_energy(mic) + 1e-12) / (_energy(cleaned) + 1e-12))
         share = echo_share(mic, far)
         logger.debug("speech over the answer: %.2f echo, %.1f dB cancelled", share, cancelled_db)
-        if share >= ECHO_SHARE or cancelled_db >= CANCELLED_DB:
-            return True
         # Partly the far end's, and much of it taken off: two weak signs that agree.
-        return share >= PARTLY_ECHO_SHARE and cancelled_db >= PARTLY_CANCELLED_DB
+        partly = share >= PARTLY_ECHO_SHARE and cancelled_db >= PARTLY_CANCELLED_DB
+        echo = share >= ECHO_SHARE or cancelled_db >= CANCELLED_DB or partly
+        self.echo_heard = self.echo_heard or echo  # rule 7
+        return echo
 
     def restart(self, at_ms: float) -> None:
         """The next input sample is at session time `at_ms` (after a flush, rule 4)."""
@@ -210,9 +227,28 @@ class InputProcessing:
         near = _frame(_pcm(frame))
         self._apm.process_stream(near)
         cleaned = np.frombuffer(near.data, np.int16).astype(np.float32) / _INT16
-        if self._echo:
-            self._cleaned.write(at, cleaned)
-        return cleaned
+        if not self._echo:
+            return cleaned
+        self._cleaned.write(at, cleaned)
+        if self.echo_heard or self._noise is not None:
+            return cleaned
+        if far is not None:
+            self._weigh(frame, cleaned)
+        return cleaned if self.echo_heard else frame  # rule 7
+
+    def _weigh(self, frame: Samples, cleaned: Samples) -> None:
+        """Rule 7: over each `COUPLING_WINDOW_MS` of far-end audio, whether the
+        canceller took `CANCELLED_DB` or more off a microphone that heard something."""
+        window = self._weighed
+        window.samples += len(frame)
+        window.heard += _energy(frame)
+        window.left += _energy(cleaned)
+        if window.samples < _COUPLING_WINDOW:
+            return
+        self._weighed = _Weighing()
+        if window.heard / window.samples >= _HEARD_SOMETHING:
+            cancelled_db = 10 * np.log10((window.heard + 1e-12) / (window.left + 1e-12))
+            self.echo_heard = cancelled_db >= CANCELLED_DB
 
     def _played_within_tail(self, at: int) -> bool:
         """Whether the far end played within `ECHO_TAIL_MS` before clock index `at`."""
@@ -230,6 +266,15 @@ class InputProcessing:
             self._apm.process_reverse_stream(_frame(_pcm(far)))
             self._apm.set_stream_delay_ms(0)
             self._apm.process_stream(_frame(bytearray(silence)))
+
+
+@dataclass
+class _Weighing:
+    """Energy of the microphone and of what the canceller left of it, over a window."""
+
+    samples: int = 0
+    heard: float = 0.0
+    left: float = 0.0
 
 
 class _History:

@@ -21,6 +21,7 @@ from _clips import (
     pct,
     person_kept_db,
     to_engine,
+    wer,
 )
 from _rooms import RATE, ROOMS, Speakerphone
 from _speex import SpeexCanceller
@@ -143,8 +144,11 @@ def vad_runs(vad: Any, audio: np.ndarray) -> tuple[int, float | None]:
     return longest * size * 1000 // ENGINE_RATE, first
 
 
-def process(mic: np.ndarray, far: np.ndarray, how: str) -> tuple[np.ndarray, float]:
-    """`mic` (16 kHz) through a candidate with `far` playing from time 0; CPU seconds."""
+def process(
+    mic: np.ndarray, far: np.ndarray, how: str, echo_heard: bool = False
+) -> tuple[np.ndarray, float]:
+    """`mic` (16 kHz) through a candidate with `far` playing from time 0; CPU seconds.
+    `echo_heard`: AEC3's output from the start, as once a session's echo was heard."""
     clock = [0.0]
     far_end = FarEnd(lambda: clock[0])
     far_end.play("item", far, ENGINE_RATE)
@@ -152,6 +156,7 @@ def process(mic: np.ndarray, far: np.ndarray, how: str) -> tuple[np.ndarray, flo
     processing = InputProcessing(
         far_end, echo_cancellation=how == "aec3", noise_reduction=None, start_ms=0.0
     )
+    processing.echo_heard = echo_heard
     canceller = SpeexCanceller() if how == "speexdsp" else None
     out, cpu, step = [], 0.0, ENGINE_RATE * 40 // 1000
     for lo in range(0, len(mic) - step + 1, step):
@@ -244,3 +249,37 @@ def offline_rooms(rooms: int) -> dict[str, Any]:
             "per_room": rows,
         }
     return result
+
+
+# ---- offline headset: what the canceller costs Whisper where there is no echo ----------
+
+
+def headset_wer(texts: Sequence[str]) -> dict[str, Any]:
+    """Each text (eSpeak NG at the user's level) spoken 1.5 s into a playing answer on a
+    headset (no echo), transcribed by the engine's Whisper: as the microphone heard it,
+    as AEC3 made it, and as the detectors hear it (`InputProcessing`'s output)."""
+    from engine import registry
+    from engine.asr import load_transcriber
+
+    transcriber = load_transcriber(registry.prepare("whisper-tiny.en", progress=False))
+    far24 = espeak(STORY)
+    far = to_engine((far24 * 10 ** (-20 / 20) / active_rms(far24)).astype(np.float32))
+    onset = int(PERSON_AFTER_S * ENGINE_RATE)
+    margin = ENGINE_RATE // 5
+    hyps: dict[str, list[str]] = {"microphone": [], "aec3_output": [], "heard": []}
+    for n, text in enumerate(texts):
+        clip = to_engine(espeak(text))
+        clip *= 10 ** (VOICE_DBFS / 20) / active_rms(clip)
+        total = onset + len(clip) + ENGINE_RATE // 2
+        noise = np.random.default_rng(n).standard_normal(total) * 10 ** (NOISE_DBFS / 20)
+        mic = noise.astype(np.float32)
+        mic[onset : onset + len(clip)] += clip
+        span = slice(onset - margin, onset + len(clip) + margin)
+        hyps["microphone"].append(transcriber.transcribe(mic[span]))
+        # AEC3's own output: the processing told the echo was heard from the start.
+        hyps["aec3_output"].append(transcriber.transcribe(process(mic, far, "aec3", True)[0][span]))
+        hyps["heard"].append(transcriber.transcribe(process(mic, far, "aec3")[0][span]))
+    return {
+        **{f"headset_wer_{name}": round(wer(list(texts), h), 4) for name, h in hyps.items()},
+        "headset_transcripts": hyps,
+    }

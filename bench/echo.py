@@ -32,7 +32,9 @@ machine.
 gateway's input processing, through speexdsp and through nothing, and the output heard
 by the gateway's VAD (Silero): how long the echo reads as speech, ERLE, how soon a person
 over the echo is heard and how much of their level is kept, and speech over an answer on
-a headset.
+a headset. Then the `--clean` clips, spoken over an answer on a headset, transcribed by
+the engine's Whisper as the microphone heard them, as AEC3 made them and as the
+detectors hear them (`headset_wer_*`).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ from _clips import (  # noqa: E402
     pct,
     wer,
 )
-from _echo_offline import offline, offline_rooms  # noqa: E402
+from _echo_offline import headset_wer, offline, offline_rooms  # noqa: E402
 from _gateway import gateway_process  # noqa: E402
 from _rooms import RATE, ROOMS, Room, Speakerphone  # noqa: E402
 
@@ -464,7 +466,8 @@ def main() -> int:
     )
     args = parser.parse_args()
     if args.offline:
-        print(json.dumps(offline_rooms(args.rooms), indent=None if args.json else 2))
+        result = {**offline_rooms(args.rooms), **headset_wer(CLEAN[: args.clean])}
+        print(json.dumps(result, indent=None if args.json else 2))
         return 0
     if args.url and args.config:
         parser.error("--config applies to a gateway started here, not to --url")

@@ -11,8 +11,8 @@
   with an `Authorization` header from another origin.
 
 Errors are JSON `{error: {type, code, message, param}}`, as the service answers them.
-The server (`gateway.server`) checks keys and room and runs the call
-(`gateway.call.CallConnection`).
+The server's routes (`gateway.call_routes`) check keys and room and make the call
+(`gateway.call.CallConnection`), which the server (`gateway.server`) runs.
 """
 
 from __future__ import annotations

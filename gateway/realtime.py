@@ -49,12 +49,9 @@ from gateway.protocol import (
 )
 from gateway.response_stream import ResponseStream
 from gateway.responses import ResponseOptions, parse_response_options
-from gateway.session_config import (
-    SessionSettings,
-    SettingError,
-    apply_update,
-    transcription_session,
-)
+from gateway.session_config import SessionSettings, SettingError, transcription_session
+from gateway.session_object import beta_session_object, ga_session_object
+from gateway.session_update import apply_update
 from gateway.transcription import TranscriptionJobs, report_transcript
 from gateway.turn_taking import TurnTaking
 from gateway.turns import answered_item, response_turn
@@ -350,7 +347,7 @@ class RealtimeSession:
         return f"transcription_session.{what}" if beta_transcription else f"session.{what}"
 
     def _session_object(self) -> dict[str, Any]:
-        return self.settings.beta_object() if self.beta else self.settings.ga_object()
+        return beta_session_object(self.settings) if self.beta else ga_session_object(self.settings)
 
     def _on_output_audio_clear(self, event: EmptyIn) -> None:
         if self.media_format is not None:

@@ -11,9 +11,8 @@ from gateway.config import GatewayConfig
 from gateway.conversation import Item
 from gateway.prompts import StoredPrompt
 from gateway.protocol import BetaResponseIn, GAResponseIn, ItemIn, ItemReferenceIn, ReasoningIn
-from gateway.session_config import (
-    SessionSettings,
-    SettingError,
+from gateway.session_config import SessionSettings, SettingError
+from gateway.session_update import (
     _beta_format,
     _ga_format,
     _max_tokens,

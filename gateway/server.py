@@ -10,9 +10,11 @@ Draining (`drain`, on SIGTERM) lets a load balancer take the instance out of rot
 /healthz answers 503 and new sessions are refused with 503 while the sessions already
 open finish their running responses and are closed with 1001; then `shutdown`.
 
-A WebRTC call (`gateway.call`) is a session like a WebSocket's: it counts against
-`max_sessions`, drains and shuts down with them, and shows in the same metrics. A
-WebSocket opened with `?call_id=` is no session of its own: it joins the call's.
+A WebRTC call (`gateway.call`, made on `gateway.call_routes`) is a session like a
+WebSocket's: it counts against `max_sessions`, drains and shuts down with them, and shows
+in the same metrics. A WebSocket opened with `?call_id=` is no session of its own: it
+joins the call's. What a request carries (its key, its shape, its query) is read by
+`gateway.request_fields`.
 """
 
 from __future__ import annotations
@@ -28,9 +30,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from http import HTTPStatus
-from http.cookies import CookieError, SimpleCookie
 from pathlib import Path
-from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from websockets.asyncio.server import Server, ServerConnection, serve
@@ -38,21 +38,13 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
-from gateway import calls
+from gateway import calls, request_fields
 from gateway.admission import Admission, AdmittedBackend
-from gateway.audio import MEDIA_PCM
 from gateway.backend import Backend
 from gateway.call import CallConnection
-from gateway.client_secrets import (
-    ClientSecret,
-    ClientSecrets,
-    SecretError,
-    is_ephemeral,
-    parse_mint_request,
-)
+from gateway.call_routes import CallRoutes
 from gateway.config import GatewayConfig
 from gateway.connection import RealtimeConnection
-from gateway.errors import ClientError
 from gateway.handshake import (
     GatewayConnection,
     HttpRoutes,
@@ -61,21 +53,15 @@ from gateway.handshake import (
     http_response,
     not_allowed,
 )
-from gateway.http_requests import HttpRequest
 from gateway.metrics import GatewayMetrics
-from gateway.protocol import new_id
-from gateway.realtime import RealtimeSession
+from gateway.request_fields import INTENT_TRANSCRIPTION, KEY_COOKIE
 from gateway.session_config import TRANSCRIPTION_MODELS
 
-__all__ = ["GatewayServer", "KEY_PROTOCOL_PREFIX", "BETA_PROTOCOL", "DRAIN_REASON"]
+__all__ = ["GatewayServer", "DRAIN_REASON"]
 
 logger = logging.getLogger(__name__)
 
-KEY_PROTOCOL_PREFIX = "openai-insecure-api-key."
-KEY_COOKIE = "duplex_gateway_key"
-BETA_PROTOCOL = "openai-beta.realtime-v1"
 REALTIME_PROTOCOL = Subprotocol("realtime")
-INTENT_TRANSCRIPTION = "transcription"  # ?intent=transcription: a transcription session
 DEFAULT_WEB_ROOT = Path(__file__).resolve().parent.parent / "web"
 # Close reasons (at most 123 bytes): a drained session, and one still busy at the timeout.
 DRAIN_REASON = "server draining: reconnect to continue"
@@ -99,53 +85,6 @@ class QuietHealthChecks(logging.Filter):
 
 WEBSOCKETS_LOGGER = logging.getLogger("websockets.server")
 _QUIET_HEALTH_CHECKS = QuietHealthChecks()
-
-
-def _offered_protocols(request: Request) -> list[str]:
-    values = request.headers.get_all("Sec-WebSocket-Protocol")
-    return [p.strip() for value in values for p in value.split(",") if p.strip()]
-
-
-def is_beta(request: Request) -> bool:
-    header = request.headers.get("OpenAI-Beta", "")
-    return "realtime=v1" in header.replace(" ", "") or BETA_PROTOCOL in _offered_protocols(request)
-
-
-def _intent(request: Request) -> str | None:
-    """`?intent=`: "transcription" asks for a transcription session."""
-    values = parse_qs(urlsplit(request.path).query).get("intent")
-    return values[0] if values else None
-
-
-def _api_key(request: Request) -> str | None:
-    auth = request.headers.get("Authorization", "")
-    if auth.lower().startswith("bearer "):
-        return auth[7:].strip()
-    for proto in _offered_protocols(request):
-        if proto.startswith(KEY_PROTOCOL_PREFIX):
-            return proto[len(KEY_PROTOCOL_PREFIX) :]
-    return None
-
-
-def _call_id(request: Request) -> str | None:
-    """`?call_id=`: a sideband WebSocket, joining that call's session."""
-    values = parse_qs(urlsplit(request.path).query).get("call_id")
-    return values[0] if values else None
-
-
-def _query_key(request: Request) -> str | None:
-    values = parse_qs(urlsplit(request.path).query).get("api_key")
-    return values[0] if values else None
-
-
-def _cookie_key(request: Request) -> str | None:
-    cookies = SimpleCookie()
-    try:
-        cookies.load(request.headers.get("Cookie", ""))
-    except CookieError:
-        return None
-    morsel = cookies.get(KEY_COOKIE)
-    return morsel.value if morsel is not None else None
 
 
 class GatewayServer:
@@ -180,10 +119,12 @@ class GatewayServer:
         self.draining = False
         self._no_sessions = asyncio.Event()
         self._no_sessions.set()
-        self.secrets = ClientSecrets()
-        self.calls: dict[str, CallConnection] = {}
-        self._call_tasks: set[asyncio.Task[None]] = set()
-        self._answering = 0  # calls admitted, their answers not yet made
+        self._call_routes = CallRoutes(self, config, self.metrics, self.admission, self._admitted)
+
+    @property
+    def calls(self) -> dict[str, CallConnection]:
+        """The WebRTC calls open now, by id."""
+        return self._call_routes.calls
 
     @property
     def port(self) -> int:
@@ -205,7 +146,7 @@ class GatewayServer:
             compression=None,
             server_header="duplex-gateway",
             create_connection=connection_type(
-                self.pending, self.metrics, HttpRoutes(self._http, calls.takes_body)
+                self.pending, self.metrics, HttpRoutes(self._call_routes.answer, calls.takes_body)
             ),
             open_timeout=self.config.limits.handshake_timeout_s,
             logger=WEBSOCKETS_LOGGER,
@@ -266,7 +207,7 @@ class GatewayServer:
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         method = connection.method if isinstance(connection, GatewayConnection) else None
         response = self._route(request, method or "GET")
-        if response is None and _call_id(request) is None:
+        if response is None and request_fields.call_id(request) is None:
             # A realtime session, once every other check passed (a sideband is none).
             response = self._check_room(connection)
         if method == "HEAD" and response is not None:
@@ -307,7 +248,11 @@ class GatewayServer:
         expected = self.config.api_key
         if expected is None:
             return None
-        given = _api_key(request) or _query_key(request) or _cookie_key(request)
+        given = (
+            request_fields.api_key(request)
+            or request_fields.query_key(request)
+            or request_fields.cookie_key(request)
+        )
         if given is None or not hmac.compare_digest(given.encode(), expected.encode()):
             return self._refuse(
                 HTTPStatus.UNAUTHORIZED, "invalid_api_key", "missing or invalid API key"
@@ -320,12 +265,12 @@ class GatewayServer:
             return self._refuse(HTTPStatus.FORBIDDEN, "origin_not_allowed", "origin not allowed")
         expected = self.config.api_key
         if expected is not None:
-            given = _api_key(request)
+            given = request_fields.api_key(request)
             if given is None or not hmac.compare_digest(given.encode(), expected.encode()):
                 return self._refuse(
                     HTTPStatus.UNAUTHORIZED, "invalid_api_key", "missing or invalid API key"
                 )
-        intent = _intent(request)
+        intent = request_fields.intent(request)
         if intent not in (None, INTENT_TRANSCRIPTION):
             return self._refuse(
                 HTTPStatus.BAD_REQUEST,
@@ -333,7 +278,7 @@ class GatewayServer:
                 f"unknown intent {intent!r}; the one intent is "
                 f"{INTENT_TRANSCRIPTION!r} (a transcription session)",
             )
-        call_id = _call_id(request)
+        call_id = request_fields.call_id(request)
         if call_id is not None and call_id not in self.calls:
             return self._refuse(HTTPStatus.NOT_FOUND, "call_not_found", f"no call {call_id!r}")
         if self.draining and call_id is None:
@@ -415,7 +360,7 @@ class GatewayServer:
     async def _handle(self, websocket: ServerConnection) -> None:
         request = websocket.request
         assert request is not None
-        call_id = _call_id(request)
+        call_id = request_fields.call_id(request)
         if call_id is not None:
             call = self.calls.get(call_id)
             if call is not None:  # else it ended since the handshake: close at once
@@ -433,18 +378,18 @@ class GatewayServer:
             self.config,
             self.metrics,
             model=model,
-            beta=is_beta(request),
+            beta=request_fields.is_beta(request),
             rate_limits=self.admission.rate_limits,
         )
-        transcribing = _intent(request) == INTENT_TRANSCRIPTION
+        transcribing = request_fields.intent(request) == INTENT_TRANSCRIPTION
         if transcribing:
             conn.core.open_as_transcription()
         # A transcription session may be named by the transcription model it asks for.
         if not (self.config.serves(model) or transcribing and model in TRANSCRIPTION_MODELS):
             conn.core.reject_model(model, self.config.model_name)
-        await self._serve(conn)
+        await self.serve(conn)
 
-    async def _serve(self, conn: RealtimeConnection) -> None:
+    async def serve(self, conn: RealtimeConnection) -> None:
         """Run a session, counted among the open ones until it ends."""
         self.connections.add(conn)
         self._no_sessions.clear()
@@ -461,156 +406,10 @@ class GatewayServer:
             if not self.connections:
                 self._no_sessions.set()
 
-    # -- WebRTC: client secrets and calls -----------------------------------------------
-
-    async def _http(self, request: HttpRequest) -> Response:
-        """POST and OPTIONS on the routes `calls.takes_body` names."""
-        origin = request.headers.get("Origin")
-        if self.config.allowed_origins and origin and origin not in self.config.allowed_origins:
-            self.metrics.rejected.labels("origin_not_allowed").inc()
-            return calls.error_answer(
-                HTTPStatus.FORBIDDEN, "origin_not_allowed", "origin not allowed"
-            )
-        if request.method == "OPTIONS":
-            response = http_response(HTTPStatus.NO_CONTENT, b"", "text/plain")
-        else:
-            try:
-                response = await self._post(request)
-            except calls.CallError as exc:
-                self.metrics.rejected.labels(exc.code).inc()
-                response = calls.error_answer(exc.status, exc.code, str(exc), exc.param)
-        for name, value in calls.cors_headers(origin):
-            response.headers[name] = value
-        return response
-
-    async def _post(self, request: HttpRequest) -> Response:
-        path = request.path
-        if path == calls.CLIENT_SECRETS_PATH:
-            return self._mint(request)
-        if path == calls.CALLS_PATH:
-            return await self._create_call(request)
-        call_id = calls.hangup_call_id(path)
-        assert call_id is not None  # `takes_body` admits no other path
-        return self._hang_up(request, call_id)
-
-    def _real_key(self, request: HttpRequest) -> str | None:
-        auth = request.headers.get("Authorization", "")
-        return auth[7:].strip() if auth.lower().startswith("bearer ") else None
-
-    def _check_real_key(self, given: str | None) -> None:
-        expected = self.config.api_key
-        if expected is None:
-            return
-        if given is None or not hmac.compare_digest(given.encode(), expected.encode()):
-            raise calls.CallError(
-                HTTPStatus.UNAUTHORIZED, "invalid_api_key", "missing or invalid API key"
-            )
-
-    def _check_call_key(self, request: HttpRequest, *, unified: bool) -> ClientSecret | None:
-        """The key a call is made with: a live client secret (the SDP form only), or the
-        real key. An `ek_` key is never taken for the real one."""
-        given = self._real_key(request)
-        if given is not None and is_ephemeral(given):
-            secret = self.secrets.find(given)
-            if secret is None or unified:
-                message = (
-                    "the unified form takes the real API key"
-                    if unified and secret is not None
-                    else "the client secret is unknown or expired"
-                )
-                raise calls.CallError(HTTPStatus.UNAUTHORIZED, "invalid_api_key", message)
-            return secret
-        self._check_real_key(given)
-        return None
-
-    def _mint(self, request: HttpRequest) -> Response:
-        self._check_real_key(self._real_key(request))
-        try:
-            body = json.loads(request.body or b"{}")
-            mint = parse_mint_request(body)
-        except ValueError as exc:
-            code = exc.code if isinstance(exc, SecretError) else "invalid_json"
-            param = exc.param if isinstance(exc, SecretError) else None
-            raise calls.CallError(HTTPStatus.BAD_REQUEST, code, str(exc), param) from None
-        # The config is checked as a call would apply it, by the same session core.
-        probe = self._call_core(mint.session)
-        try:
-            secret = self.secrets.mint(mint)
-        except SecretError as exc:
-            raise calls.CallError(
-                HTTPStatus.TOO_MANY_REQUESTS, exc.code, str(exc), exc.param
-            ) from None
-        answer = {
-            "value": secret.value,
-            "expires_at": secret.expires_at,
-            "session": probe.settings.ga_object(),
-        }
-        return self._json(HTTPStatus.OK, answer)
-
-    def _call_core(self, session: dict[str, Any] | None) -> RealtimeSession:
-        """A call's session core with `session` applied; raises CallError if refused."""
-        core = RealtimeSession(
-            config=self.config, model=self.config.model_name, beta=False, media_format=MEDIA_PCM
-        )
-        if session:
-            try:
-                core.start_with(session)
-            except ClientError as exc:
-                raise calls.CallError(
-                    HTTPStatus.BAD_REQUEST, exc.code, str(exc), exc.param
-                ) from None
-        return core
-
-    async def _create_call(self, request: HttpRequest) -> Response:
-        offer = calls.parse_offer(request)
-        secret = self._check_call_key(request, unified=offer.unified)
-        if self.draining:
-            raise calls.CallError(
-                HTTPStatus.SERVICE_UNAVAILABLE, "server_draining", "server draining; try another"
-            )
-        session = {**(secret.session if secret else {}), **(offer.session or {})}
-        self._call_core(session)  # refused before any peer connection exists
-        await self._make_room()
-        call_id = new_id("rtc")
-        peer = calls.new_peer(self.config.ice_servers)
-        conn = CallConnection(
-            call_id,
-            peer,
-            self._admitted,
-            self.config,
-            self.metrics,
-            model=self.config.model_name,
-            rate_limits=self.admission.rate_limits,
-            made_with=secret.value if secret else None,
-        )
-        if session:
-            conn.core.start_with(session)
-        self._answering += 1  # holds its place while its answer is made
-        try:
-            answer = await calls.answer_offer(peer, offer.sdp, conn.track)
-        except BaseException:
-            await conn.abandon()
-            raise
-        finally:
-            self._answering -= 1
-        self.calls[call_id] = conn
-        self.connections.add(conn)  # counted from now: `_serve` starts on the next step
-        task = asyncio.create_task(self._serve_call(conn), name=f"call-{call_id}")
-        self._call_tasks.add(task)
-        task.add_done_callback(self._call_tasks.discard)
-        response = http_response(HTTPStatus.CREATED, answer.encode(), "application/sdp")
-        response.headers["Location"] = calls.call_location(call_id)
-        return response
-
-    async def _serve_call(self, conn: CallConnection) -> None:
-        try:
-            await self._serve(conn)
-        finally:
-            self.calls.pop(conn.call_id, None)
-
-    async def _make_room(self) -> None:
-        """A call takes a session's place as a WebSocket does (`_check_room`)."""
-        open_now = len(self.connections) + self._answering - len(self._giving_way)
+    async def make_room_for_call(self, answering: int) -> None:
+        """A call takes a session's place as a WebSocket does (`_check_room`); the
+        `answering` calls admitted before it hold theirs while their answers are made."""
+        open_now = len(self.connections) + answering - len(self._giving_way)
         if open_now < self.config.max_sessions:
             return
         idlest = self._idlest()
@@ -623,17 +422,6 @@ class GatewayServer:
         self._giving_way.add(idlest)
         idlest.close_idle()
         await idlest.released.wait()
-
-    def _hang_up(self, request: HttpRequest, call_id: str) -> Response:
-        call = self.calls.get(call_id)
-        given = self._real_key(request)
-        made_with = call.made_with if call is not None else None
-        if not (given is not None and made_with is not None and given == made_with):
-            self._check_real_key(given)
-        if call is None:
-            raise calls.CallError(HTTPStatus.NOT_FOUND, "call_not_found", f"no call {call_id!r}")
-        call.hang_up()
-        return http_response(HTTPStatus.OK, b"", "text/plain")
 
 
 def _redirect(location: str) -> Response:

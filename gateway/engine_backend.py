@@ -35,7 +35,8 @@ from gateway.backend import (
     TranscriptDelta,
 )
 from gateway.config import TurnSettings
-from gateway.turn_detection import EngineSpeechSource, VadEngine
+from gateway.turn_detection import EngineSpeechSource
+from gateway.vad_feeder import VadEngine
 
 __all__ = ["EngineBackend", "EngineBackendSession"]
 

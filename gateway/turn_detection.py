@@ -23,25 +23,18 @@ that long); the gateway interrupts the assistant only then.
 Each (re)configuration opens a fresh VAD stream and detector, so new settings apply from
 the next appended audio and never to a half-detected utterance.
 
-The VAD hears every appended sample, whatever the size of an append: the engine's VAD
-stage holds a bounded amount of unheard audio per stream, so the feeder hands it audio
-in pieces and waits for the probabilities of earlier pieces before it sends more. A
-client replaying a recorded file in one append is heard as if it had streamed it.
-
-Audio waiting for the feeder is bounded too: past `MAX_QUEUED_SAMPLES`, `room()` makes
-the connection stop reading the client's frames until the VAD has caught up, so a client
-that sends audio faster than it can be heard is slowed down by TCP, never given up on.
+The VAD hears every appended sample, within bounds on the audio it has not heard yet
+(`gateway.vad_feeder`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 
@@ -57,103 +50,17 @@ from engine.speech_detector import (
 from engine.stage import StageOutput
 from gateway.backend import SpeechEvent
 from gateway.config import TurnSettings
+from gateway.recent_audio import SAMPLES_PER_MS, RecentAudio
 from gateway.session_config import TurnDetection
 from gateway.turn_words import is_backchannel, sounds_unfinished, sounds_unsure
-from gateway.vad_feeds import VadStage, vad_feeds
+from gateway.vad_feeder import FeedProgress, VadEngine, VadFeeder
 
-__all__ = [
-    "FEED_PIECE_SAMPLES",
-    "MAX_QUEUED_SAMPLES",
-    "MAX_UNHEARD_SAMPLES",
-    "EngineSpeechSource",
-    "VadEngine",
-]
+__all__ = ["EngineSpeechSource"]
 
 logger = logging.getLogger(__name__)
 
-# 16 kHz samples handed to the VAD stage at once, and the most left unheard there: well
-# under the 30 s the stage holds per stream, so a feed is never refused.
-FEED_PIECE_SAMPLES = 4 * 16_000
-MAX_UNHEARD_SAMPLES = 12 * 16_000
-# Appended audio waiting to be fed, beyond which the client's frames wait unread: about
-# 4 MB, heard by the VAD in a fraction of a second (bench/vad.py).
-MAX_QUEUED_SAMPLES = 60 * 16_000
-# Audio kept for the turn-end model: its 8 s window plus what the VAD may not yet have
-# heard.
-KEEP_FOR_SCORING_SAMPLES = 8 * 16_000 + MAX_UNHEARD_SAMPLES
-SAMPLES_PER_MS = 16
 # How long a silence ends speech heard over a running answer, in either mode.
 CANDIDATE_SILENCE_MS = TurnDetection().silence_duration_ms
-
-
-T = TypeVar("T")
-
-
-class VadEngine(Protocol):
-    """The part of `engine.core.AsyncEngine` server VAD (and /metrics) uses."""
-
-    def stream(self, stage: str, request_id: str, inputs: object) -> AsyncIterator[StageOutput]:
-        """Open a request on `stage`; its outputs until the finished one."""
-
-    async def run(self, stage: str, fn: Callable[[VadStage], T]) -> T:
-        """Run `fn(stage)` on the engine thread (server VAD calls the VAD stage)."""
-
-    def abort(self, stage: str, request_id: str) -> None:
-        """Stop a request; its stream ends."""
-
-    def pending(self) -> dict[str, int]:
-        """Requests accepted and not yet finished, per stage."""
-
-
-class _Progress:
-    """How far the VAD stage got through one stream's audio: samples fed and heard."""
-
-    def __init__(self) -> None:
-        self.fed = 0
-        self.heard = 0
-        self.closed = False
-        self._changed = asyncio.Event()
-
-    def hear(self, samples: int) -> None:
-        self.heard += samples
-        self._changed.set()
-
-    def close(self) -> None:
-        self.closed = True
-        self._changed.set()
-
-    async def room_for(self, samples: int) -> None:
-        """Wait until `samples` more keep the unheard audio within its bound (or the
-        stream is closed: the caller then drops the audio of a stream nobody reads)."""
-        while not self.closed and self.fed - self.heard + samples > MAX_UNHEARD_SAMPLES:
-            self._changed.clear()
-            await self._changed.wait()
-
-
-class _RecentAudio:
-    """The newest samples of one VAD stream, addressable by stream time. Appends fill a
-    buffer twice the size kept; when it is full the newest half moves to its front."""
-
-    def __init__(self) -> None:
-        self._buffer = np.zeros(2 * KEEP_FOR_SCORING_SAMPLES, np.float32)
-        self._used = 0
-        self._offset = 0  # stream sample index of self._buffer[0]
-
-    def append(self, samples: np.ndarray) -> None:
-        samples = samples[-KEEP_FOR_SCORING_SAMPLES:]
-        if self._used + len(samples) > len(self._buffer):
-            keep = KEEP_FOR_SCORING_SAMPLES - len(samples)
-            drop = self._used - keep
-            self._buffer[:keep] = self._buffer[drop : self._used]
-            self._used, self._offset = keep, self._offset + drop
-        self._buffer[self._used : self._used + len(samples)] = samples
-        self._used += len(samples)
-
-    def clip(self, start_ms: int, end_ms: int) -> np.ndarray:
-        start = min(max(start_ms * SAMPLES_PER_MS - self._offset, 0), self._used)
-        end = min(max(end_ms * SAMPLES_PER_MS - self._offset, start), self._used)
-        clip: np.ndarray = self._buffer[start:end].copy()
-        return clip
 
 
 class EngineSpeechSource:
@@ -163,18 +70,12 @@ class EngineSpeechSource:
         self._engine = engine
         self._session_id = session_id
         self._turns = turns or TurnSettings()
-        self._audio = _RecentAudio()
+        self._audio = RecentAudio()
         self._scoring: set[asyncio.Task[None]] = set()
         self._serial = itertools.count()
-        self._stream_id: str | None = None
-        self._progress = _Progress()
         self._events: asyncio.Queue[SpeechEvent | None] = asyncio.Queue()
-        self._feeds: asyncio.Queue[tuple[str, np.ndarray]] = asyncio.Queue()
-        self._queued = 0  # samples in `_feeds` and in the append being fed
-        self._caught_up = asyncio.Event()
-        self._caught_up.set()
         self._reader: asyncio.Task[None] | None = None
-        self._feeder = asyncio.create_task(self._feed_loop(), name="vad-feed")
+        self._feeder = VadFeeder(engine)
         self._closed = False
         self._semantic = False
         self._unsure_wait_ms = 0  # silence an unsure ending needs (semantic_unsure_wait)
@@ -209,13 +110,12 @@ class EngineSpeechSource:
         )
         self._semantic = semantic
         self._unsure_wait_ms = int(settings.max_wait_ms * self._turns.semantic_unsure_wait)
-        self._audio = _RecentAudio()
+        self._audio = RecentAudio()
         self._stream_start_ms = start_ms
         stream_id = f"{self._session_id}.vad{next(self._serial)}"
-        self._stream_id = stream_id
-        self._progress = _Progress()
+        progress = self._feeder.open(stream_id)
         outputs = self._engine.stream("vad", stream_id, None)
-        reading = self._read(outputs, detector, start_ms, self._progress)
+        reading = self._read(outputs, detector, start_ms, progress)
         self._reader = asyncio.create_task(reading, name="vad-read")
 
     @property
@@ -228,15 +128,12 @@ class EngineSpeechSource:
         self._reopen = self._reopen or again
 
     def feed(self, samples: np.ndarray) -> None:
-        if self._stream_id is not None and samples.size:
+        if self._feeder.stream_id is not None and samples.size:
             self._audio.append(samples)
-            self._feeds.put_nowait((self._stream_id, samples))
-            self._queued += samples.size
-            if self._queued > MAX_QUEUED_SAMPLES:
-                self._caught_up.clear()
+            self._feeder.put(samples)
 
     async def room(self) -> None:
-        await self._caught_up.wait()
+        await self._feeder.room()
 
     async def events(self) -> AsyncIterator[SpeechEvent]:
         while (event := await self._events.get()) is not None:
@@ -247,10 +144,7 @@ class EngineSpeechSource:
             return
         self._closed = True
         self._stop_stream()
-        self._feeder.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._feeder
-        self._caught_up.set()  # nothing will be fed any more: nobody may wait for it
+        await self._feeder.close()
         self._events.put_nowait(None)
 
     def _stop_stream(self) -> None:
@@ -259,51 +153,20 @@ class EngineSpeechSource:
         self._scoring.clear()
         self._forget_words()
         self._announced = None
-        self._progress.close()
+        self._feeder.progress.close()
         if self._reader is not None:
             self._reader.cancel()
             self._reader = None
-        if self._stream_id is not None:
-            self._engine.abort("vad", self._stream_id)
-            self._stream_id = None
-
-    async def _feed_loop(self) -> None:
-        while True:
-            stream_id, samples = await self._feeds.get()
-            for start in range(0, len(samples), FEED_PIECE_SAMPLES):
-                if not await self._feed_piece(
-                    stream_id, samples[start : start + FEED_PIECE_SAMPLES]
-                ):
-                    break
-            self._queued -= samples.size
-            if self._queued <= MAX_QUEUED_SAMPLES:
-                self._caught_up.set()
-
-    async def _feed_piece(self, stream_id: str, piece: np.ndarray) -> bool:
-        """Hand one piece to the VAD stage once it has room; False if the stream is gone."""
-        progress = self._progress
-        if stream_id != self._stream_id:
-            return False  # audio for a stream closed since
-        await progress.room_for(len(piece))
-        if progress.closed:
-            return False
-        try:
-            await vad_feeds(self._engine).feed(stream_id, piece)  # one engine call a tick
-        except (KeyError, ValueError) as exc:
-            # The stream closed under us (KeyError); a refusal (ValueError) is a bug in
-            # the bound above, and is logged as one.
-            log = logger.debug if isinstance(exc, KeyError) else logger.error
-            log("VAD feed for %s dropped: %s", stream_id, exc)
-            return False
-        progress.fed += len(piece)
-        return True
+        if self._feeder.stream_id is not None:
+            self._engine.abort("vad", self._feeder.stream_id)
+            self._feeder.stream_id = None
 
     async def _read(
         self,
         outputs: AsyncIterator[StageOutput],
         detector: SpeechDetector,
         start_ms: float,
-        progress: _Progress,
+        progress: FeedProgress,
     ) -> None:
         try:
             await self._decide(outputs, detector, start_ms, progress)
@@ -315,7 +178,7 @@ class EngineSpeechSource:
         outputs: AsyncIterator[StageOutput],
         detector: SpeechDetector,
         start_ms: float,
-        progress: _Progress,
+        progress: FeedProgress,
     ) -> None:
         speech_start_ms = 0
         next_word_check_ms = self._turns.interruption_words_after_ms

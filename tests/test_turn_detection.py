@@ -536,9 +536,9 @@ def test_a_backchannel_stays_no_turn_when_the_answer_ends_meanwhile() -> None:
 
 
 def test_the_audio_kept_for_scoring_is_the_newest_in_order() -> None:
-    from gateway.turn_detection import KEEP_FOR_SCORING_SAMPLES, _RecentAudio
+    from gateway.recent_audio import KEEP_FOR_SCORING_SAMPLES, RecentAudio
 
-    recent = _RecentAudio()
+    recent = RecentAudio()
     fed = np.arange(3 * KEEP_FOR_SCORING_SAMPLES + 123, dtype=np.float32)
     for i in range(0, len(fed), 640):  # 40 ms appends
         recent.append(fed[i : i + 640])

@@ -22,12 +22,8 @@ from engine.speech_detector import SpeechDetector, SpeechStarted, SpeechStopped
 from engine.vad import SileroVad, VadStage, VadState
 from gateway.backend import SpeechEvent
 from gateway.session_config import TurnDetection
-from gateway.turn_detection import (
-    FEED_PIECE_SAMPLES,
-    MAX_QUEUED_SAMPLES,
-    MAX_UNHEARD_SAMPLES,
-    EngineSpeechSource,
-)
+from gateway.turn_detection import EngineSpeechSource
+from gateway.vad_feeder import FEED_PIECE_SAMPLES, MAX_QUEUED_SAMPLES, MAX_UNHEARD_SAMPLES
 from tests.helpers import read_audio, running_gateway
 
 RATE = 16000

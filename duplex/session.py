@@ -37,7 +37,7 @@ Rules:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from types import MappingProxyType
 
 from duplex.actions import (
@@ -52,8 +52,6 @@ from duplex.actions import (
 from duplex.contracts import (
     DuplexAppendPlan,
     DuplexFence,
-    DuplexOutputAction,
-    DuplexOutputDecision,
     DuplexStageRequestContext,
     DuplexStageSubmission,
     _resource_request_fields,
@@ -69,44 +67,19 @@ from duplex.events import (
     TurnDone,
     TurnOutput,
     TurnStatus,
-    UtteranceOutput,
 )
 from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput, fence_from_request_id
+from duplex.session_records import (
+    END_EVENTS,
+    RESIDENT_ROLE,
+    ResidentRequest,
+    RunningTurn,
+    StageRequest,
+    consumed,
+)
 from duplex.state import SessionState, TurnEvent, transition
 
 __all__ = ["DuplexSession", "RESIDENT_ROLE"]
-
-RESIDENT_ROLE = "stage0"  # the resident stage-0 request's role in its id (rule 4)
-
-
-@dataclass(slots=True)
-class _StageRequest:
-    stage_id: int
-    turn_id: int
-    finished: bool = False
-
-
-@dataclass(slots=True)
-class _Resident:
-    """The epoch's resident stage-0 request (rule 4)."""
-
-    context: DuplexStageRequestContext
-    submitted: bool = False
-
-    @property
-    def request_id(self) -> str:
-        return self.context.request_id
-
-
-@dataclass(slots=True)
-class _Turn:
-    turn_id: int
-    final_stage_id: int
-    anchor_request_id: str  # the entry stage's id; the others are its same-turn ids
-    tag: str | None
-    conversation: bool
-    usage: Mapping[str, object] = field(default_factory=dict)
-    hit_length: bool = False  # some stage stopped at its token limit
 
 
 class DuplexSession:
@@ -132,10 +105,10 @@ class DuplexSession:
         self._config: Mapping[str, object] = MappingProxyType(dict(config or {}))
         self._config_generation = 0
         self._state = SessionState.CREATED
-        self._turns: dict[int, _Turn] = {}
+        self._turns: dict[int, RunningTurn] = {}
         self._conversation_turn: int | None = None
-        self._requests: dict[str, _StageRequest] = {}
-        self._resident: _Resident | None = None
+        self._requests: dict[str, StageRequest] = {}
+        self._resident: ResidentRequest | None = None
 
     # -- read-only views --------------------------------------------------------------
 
@@ -267,7 +240,7 @@ class DuplexSession:
             sampling_params=self._sampling_defaults,
             session_config=self._config,
         )
-        self._resident = _Resident(context)
+        self._resident = ResidentRequest(context)
         return [EnsureRequest(context)]
 
     def _renew_resident(self) -> list[SessionStep]:
@@ -284,16 +257,6 @@ class DuplexSession:
             return []
         rid, self._resident = self._resident.request_id, None
         return [AbortRequests((rid,)), CleanupRequests((rid,))]
-
-    def _route_resident(self, out: DuplexStageOutput) -> OutputRouting:
-        if out.stage_id != 0:
-            return OutputRouting(OutputRoute.DROP, drop_reason="stage_mismatch")
-        utterance_id = out.metadata.get("utterance_id")
-        if out.kind == "transcript_delta" and isinstance(utterance_id, str) and out.text:
-            event = UtteranceOutput(utterance_id=utterance_id, output=out)
-            return OutputRouting(OutputRoute.FORWARD, (event,))
-        # Anything else (a failed partial, say) concerns no one but the port.
-        return OutputRouting(OutputRoute.CONSUME, decision=_decision(out))
 
     # -- turns ------------------------------------------------------------------------
 
@@ -327,8 +290,8 @@ class DuplexSession:
         ]
         turn_id = self._next_turn_id()
         for ctx in contexts:
-            self._requests[ctx.request_id] = _StageRequest(ctx.stage_id, turn_id)
-        turn = _Turn(turn_id, final_stage_id, contexts[0].request_id, tag, conversation)
+            self._requests[ctx.request_id] = StageRequest(ctx.stage_id, turn_id)
+        turn = RunningTurn(turn_id, final_stage_id, contexts[0].request_id, tag, conversation)
         self._turns[turn_id] = turn
         if conversation:
             self._conversation_turn = turn_id
@@ -418,7 +381,7 @@ class DuplexSession:
         if self._state is SessionState.CLOSED:
             return OutputRouting(OutputRoute.DROP, drop_reason="closed")
         if self._resident is not None and out.request_id == self._resident.request_id:
-            return self._route_resident(out)
+            return self._resident.route(out)
         request = self._requests.get(out.request_id)
         if request is None:
             return OutputRouting(OutputRoute.DROP, drop_reason=self._why_unowned(out.request_id))
@@ -427,7 +390,7 @@ class DuplexSession:
         if request.finished:
             return OutputRouting(OutputRoute.DROP, drop_reason="after_finish")
         turn = self._turns[request.turn_id]
-        self._note_metadata(turn, out)
+        turn.note(out)
         request.finished = out.finished or out.kind == "error"
         if out.kind == "error":
             message = str(out.metadata.get("error") or out.text or "stage request failed")
@@ -435,13 +398,13 @@ class DuplexSession:
             if not isinstance(code, str):  # a fault: say where it happened
                 code, message = None, f"stage {out.stage_id}: {message}"
             steps = self._end_turn(turn, "failed", reason="error", error=message, error_code=code)
-            return OutputRouting(OutputRoute.CONSUME, tuple(steps), decision=_decision(out))
+            return OutputRouting(OutputRoute.CONSUME, tuple(steps), decision=consumed(out))
         ends_turn = out.finished and out.stage_id == turn.final_stage_id
         tail = self._complete_turn(turn) if ends_turn else []
         if out.shows_client:
             forward = TurnOutput(turn_id=turn.turn_id, output=out, tag=turn.tag)
             return OutputRouting(OutputRoute.FORWARD, (forward, *tail))
-        return OutputRouting(OutputRoute.CONSUME, tuple(tail), decision=_decision(out))
+        return OutputRouting(OutputRoute.CONSUME, tuple(tail), decision=consumed(out))
 
     # -- internals --------------------------------------------------------------------
 
@@ -450,7 +413,7 @@ class DuplexSession:
         self._fence = replace(self._fence, turn_id=turn_id + 1)
         return turn_id
 
-    def _find(self, tag: str | None) -> _Turn | None:
+    def _find(self, tag: str | None) -> RunningTurn | None:
         if tag is None:
             return None if self._conversation_turn is None else self._turns[self._conversation_turn]
         return next((t for t in self._turns.values() if t.tag == tag), None)
@@ -467,14 +430,14 @@ class DuplexSession:
             session_config=self._config,
         )
 
-    def _complete_turn(self, turn: _Turn) -> list[SessionStep]:
+    def _complete_turn(self, turn: RunningTurn) -> list[SessionStep]:
         if turn.hit_length:
             return self._end_turn(turn, "incomplete", reason="max_output_tokens")
         return self._end_turn(turn, "completed")
 
     def _end_turn(
         self,
-        turn: _Turn,
+        turn: RunningTurn,
         status: TurnStatus,
         *,
         reason: str | None = None,
@@ -495,7 +458,7 @@ class DuplexSession:
         if turn.conversation:
             self._conversation_turn = None
             if self._state is SessionState.RESPONDING:  # not when closing
-                self._state = transition(self._state, _END_EVENTS[status])
+                self._state = transition(self._state, END_EVENTS[status])
         anchor = turn.anchor_request_id
         steps = self._release([anchor, *duplex_same_turn_request_ids(anchor, self._requests)])
         return [*steps, done]
@@ -519,25 +482,3 @@ class DuplexSession:
             return "unknown_request"
         older = (fence.epoch, fence.turn_id) < (self.epoch, self.turn_id)
         return "stale" if older else "unknown_request"
-
-    def _note_metadata(self, turn: _Turn, out: DuplexStageOutput) -> None:
-        usage = out.metadata.get("usage")
-        if isinstance(usage, Mapping) and usage:
-            turn.usage = usage
-        if out.metadata.get("finish_reason") == "length":
-            turn.hit_length = True
-
-
-_END_EVENTS = {
-    "completed": TurnEvent.COMPLETE_TURN,
-    "incomplete": TurnEvent.COMPLETE_TURN,
-    "failed": TurnEvent.FAIL_TURN,
-    "cancelled": TurnEvent.CANCEL_TURN,
-}
-
-
-def _decision(out: DuplexStageOutput) -> DuplexOutputDecision:
-    # The session acted on the output itself (turn bookkeeping), so nothing goes on.
-    return DuplexOutputDecision(
-        action=DuplexOutputAction.DIRECT_RESPONSE, final_output_type=out.kind, metadata=out.metadata
-    )

@@ -31,6 +31,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from engine.asr_request import NOT_SCORED, AsrRequest, Transcription
+from engine.decoding_loops import collapse_loop, repeated_tail
 from engine.models import whisper
 from engine.stage import StageOutput
 
@@ -79,34 +80,6 @@ class _Decoded:
     tokens: list[int]  # the forced prefix, then the decoded tokens
     scores: list[float]  # their log-probabilities when asked, else empty
     broken: str | None  # why decoding stopped short, or None
-
-
-def repeated_tail(tokens: list[int], max_period: int = 16) -> int:
-    """Length of the block the sequence ends by repeating in a loop, or 0.
-
-    A block of 2+ tokens repeated 3 times, or one token repeated 5 times, counts.
-    """
-    n = len(tokens)
-    for p in range(1, min(max_period, n // 3) + 1):
-        need = 5 if p == 1 else 3
-        if n < p * need:
-            continue
-        block = tokens[n - p :]
-        if all(tokens[n - (k + 1) * p : n - k * p] == block for k in range(1, need)):
-            return p
-    return 0
-
-
-def _collapse_loop(tokens: list[int], keep: int = 0) -> list[int]:
-    # Keep one copy of a block the decoder kept repeating until the cap; never cut into
-    # the first `keep` tokens (a forced prefix).
-    p = repeated_tail(tokens)
-    while p and len(tokens) - 2 * p >= keep:
-        block = tokens[-p:]
-        while tokens[-2 * p : -p] == block and len(tokens) - 2 * p >= keep:
-            tokens = tokens[:-p]
-        p = repeated_tail(tokens)
-    return tokens
 
 
 def split_long_audio(audio: np.ndarray, max_s: float = CHUNK_MAX_SECONDS) -> list[np.ndarray]:
@@ -263,7 +236,7 @@ class Transcriber:
             job.frames = n
             tokens, reason = out.tokens, out.broken
             if final and reason is not None:
-                tokens, reason = _collapse_loop(tokens, keep=len(job.prefix)), None
+                tokens, reason = collapse_loop(tokens, keep=len(job.prefix)), None
             if reason is None and self._stopped_early(job, tokens) and not final:
                 reason = "too few tokens"
             job.tokens, job.scores, job.broken = tokens, out.scores[: len(tokens)], reason

@@ -18,9 +18,9 @@ from engine.asr import (
     Transcription,
     _Job,
     load_transcriber,
-    repeated_tail,
     split_long_audio,
 )
+from engine.decoding_loops import repeated_tail
 from engine.models import whisper, whisper_ct2
 from tests.helpers import espeak, read_audio
 

@@ -38,11 +38,16 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from duplex.playback import words_before
-from engine.clauses import split_clauses
 from engine.models import vits
 from engine.phonemes import get_phonemizer, phoneme_ids
 from engine.stage import StageOutput
+from engine.tts_text import (
+    MAX_PIECE_PHONEMES,
+    first_piece,
+    speakable_clauses,
+    split_phonemes,
+    spoken_text,
+)
 
 __all__ = [
     "AHEAD_S",
@@ -57,20 +62,9 @@ __all__ = [
     "TtsStage",
     "Voice",
     "load_voice",
-    "spoken_text",
 ]
 
 DEFAULT_VOICE = "piper-en_US-joe-medium"
-# Clauses longer than this are cut further, so one clause never stalls a step for long.
-MAX_CLAUSE_CHARS = 300
-# A request's first clause is split at its first comma when that leaves a piece at least
-# this long on each side: a shorter first piece is ready sooner, so playback starts sooner.
-FIRST_PIECE_MIN_CHARS = 4
-_SOFT_BREAKS = (", ", "; ", ": ")
-# Phonemes per forward pass (about ten seconds of speech). Longer clauses, which only
-# degenerate text produces (e.g. "x1x1x1..." read out symbol by symbol), are cut at word
-# boundaries so that one step stays bounded.
-MAX_PIECE_PHONEMES = 400
 # A request's first chunk: 32 latent frames, about 0.37 s of speech at Piper's hop.
 FIRST_CHUNK_FRAMES = 32
 # A remainder shorter than this joins the chunk before it: rendering it apart would
@@ -239,38 +233,11 @@ def _stack(windows: list[mx.array]) -> tuple[mx.array, np.ndarray]:
     return batch, np.array([w.shape[1] for w in windows])
 
 
-def split_phonemes(ipa: str, limit: int) -> list[str]:
-    """Cut IPA into pieces of at most `limit` characters, at spaces where possible."""
-    pieces: list[str] = []
-    rest = ipa.strip()
-    while len(rest) > limit:
-        cut = rest.rfind(" ", 0, limit + 1)
-        cut = cut if cut > 0 else limit
-        pieces.append(rest[:cut].strip())
-        rest = rest[cut:].strip()
-    return pieces + [rest]
-
-
 def load_voice(name: str = DEFAULT_VOICE) -> Voice:
     """A registered voice, converted into the cache on first use."""
     from engine import registry
 
     return Voice.load(registry.prepare(name))
-
-
-def _clauses(text: str) -> list[str]:
-    return [c for c in split_clauses(text, max_chars=MAX_CLAUSE_CHARS) if c.strip()]
-
-
-def first_piece(clause: str) -> tuple[str, str]:
-    """Split a clause at its first soft break into (head, rest); rest may be empty."""
-    cuts = [i for b in _SOFT_BREAKS if (i := clause.find(b)) >= 0]
-    if cuts:
-        cut = min(cuts) + 1
-        head, rest = clause[:cut].strip(), clause[cut:].strip()
-        if len(head) >= FIRST_PIECE_MIN_CHARS and len(rest) >= FIRST_PIECE_MIN_CHARS:
-            return head, rest
-    return clause, ""
 
 
 class Synthesizer:
@@ -281,7 +248,7 @@ class Synthesizer:
 
     def stream(self, text: str, request: TtsRequest | None = None) -> Iterator[AudioChunk]:
         scales = self.voice.scales(request or TtsRequest())
-        for clause in _clauses(text):
+        for clause in speakable_clauses(text):
             (audio,) = self.voice.synthesize([clause], [scales])
             yield AudioChunk.of(audio, self.voice.sample_rate, clause)
 
@@ -290,12 +257,6 @@ class Synthesizer:
         chunks = list(self.stream(text, request))
         samples = np.concatenate([c.samples for c in chunks] or [np.zeros(0, np.float32)])
         return AudioChunk.of(samples, self.voice.sample_rate, " ".join(c.text for c in chunks))
-
-
-def spoken_text(text: str, start: float, stop: float) -> str:
-    """The words of `text` spoken from fraction `start` to `stop` of its audio, at an even
-    pace; a word belongs to the chunk its end falls in, so chunks join to the whole."""
-    return words_before(text, stop)[len(words_before(text, start)) :].strip()
 
 
 @dataclass
@@ -395,7 +356,7 @@ class TtsStage:
             return False
         if stream.final:
             raise ValueError(f"TTS request {request_id!r} already received its final text")
-        clauses = _clauses(text)
+        clauses = speakable_clauses(text)
         if clauses and not stream.started and not stream.pending:
             head, rest = first_piece(clauses[0])
             clauses[:1] = [head, rest] if rest else [head]

@@ -25,11 +25,9 @@ from engine.tts import (
     TtsRequest,
     TtsStage,
     Voice,
-    first_piece,
     load_voice,
-    split_phonemes,
-    spoken_text,
 )
+from engine.tts_text import first_piece, split_phonemes, spoken_text
 
 # --- tiny random models ---------------------------------------------------------------
 

@@ -97,9 +97,10 @@ class Scheduler:
         if seq in self.prefilling:
             self.prefilling.remove(seq)
             self.release(seq, seq.layers)
-        else:
+        elif seq.req in self.waiting:
             self.waiting.remove(seq.req)
             heapq.heapify(self.waiting)
+        # Else a step raised between its prefill and the batch: nothing holds it.
 
     def forget_request(self, seq: LlmSequence) -> None:
         del self.seqs[seq.req.request_id]

@@ -428,6 +428,30 @@ def test_failing_logits_processor_fails_only_its_request(model: llama.Model) -> 
     assert good[-1].output_token_ids == alone
 
 
+def test_a_step_that_fails_as_first_tokens_go_out_leaves_nothing_live(
+    model: llama.Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The engine fails every live request of a stage whose step raised by aborting each
+    # one: a request between its prefill and the batch must go too.
+    stage = make_stage(model)
+    stage.add("a", LlmInput(prompt_token_ids=prompt(4), sampling_params=greedy(6)))
+    stage.add("b", LlmInput(prompt_token_ids=prompt(5), sampling_params=greedy(6)))
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("output failed")
+
+    monkeypatch.setattr(stage._outputs, "output", broken)
+    with pytest.raises(RuntimeError, match="output failed"):
+        stage.step()
+    monkeypatch.undo()
+    stage.abort("a")
+    stage.abort("b")
+    assert stage.request("a") is None and stage.request("b") is None
+    stats = stage.stats()
+    assert stats["waiting"] == stats["prefilling"] == stats["running"] == 0
+    assert not stage.has_work()
+
+
 def test_preemption_also_reclaims_a_prefilling_request(model: llama.Model) -> None:
     stage = make_stage(model, max_kv_tokens=120, prefill_chunk_tokens=8, max_tokens_per_step=32)
     stage.add("a", LlmInput(prompt_token_ids=prompt(10), sampling_params=greedy(100)))

@@ -230,8 +230,8 @@ class GatewayConfig(BaseModel):
     semantic_vad: bool = False
     # Whether sessions cancel the echo of their own output audio in their input
     # (gateway.input_processing); a session sets it with its echo_cancellation field.
-    # Off until the live speakerphone bench is measured (docs/protocol.md).
-    echo_cancellation: bool = False
+    # Until the microphone is heard to carry that echo, the input passes as it came.
+    echo_cancellation: bool = True
     turns: TurnSettings = TurnSettings()
     capacity: CapacitySettings = CapacitySettings()
     web_root: Path | None = None

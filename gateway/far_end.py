@@ -46,6 +46,8 @@ class FarEnd:
         self._item_id: str | None = None  # the item the resampler's audio belongs to
         # The clock sample index where the last audio sent stops playing; None if none was.
         self.played_until: int | None = None
+        # A spoken response started: audio will play soon (the canceller warms up for it).
+        self.expected = False
 
     @property
     def end(self) -> int:

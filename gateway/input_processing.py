@@ -41,13 +41,17 @@ Rules of this module:
    took `CANCELLED_DB` or more off a microphone that heard something; from then on,
    for the rest of the session, the detectors hear the canceller's output.
 8. Processing runs on the caller's thread: about 15 ms of CPU per second of audio while
-   the canceller is active (bench/echo.py measures it), none while it passes frames on;
-   the warm-up costs about 90 ms once, when a session's first answer starts to play.
+   the canceller is active (bench/echo.py measures it), none while it passes frames on.
+   The warm-up (50 to 90 ms of CPU, once) runs on a worker thread, so that it does not
+   hold up the event loop: it starts when the session's first spoken response does
+   (`FarEnd.expected`), well before its audio plays, and the module is used again only
+   once it is done.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -99,6 +103,8 @@ PARTLY_CANCELLED_DB = 3.0
 _WARM_LEVEL = 0.05  # the synthetic far end's RMS (-26 dBFS), about a voice's level
 _INT16 = 32767.0
 _NO_SAMPLES: Samples = np.zeros(0, np.float32)
+# Rule 8: one thread warms every session's module up, one after the other.
+_WARM_UPS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="echo-warm-up")
 
 
 @dataclass(frozen=True)
@@ -124,7 +130,8 @@ class InputProcessing:
         self._echo = echo_cancellation
         self._noise = noise_reduction
         self._apm = _module(echo_cancellation, noise_reduction)
-        self._warm = False  # the module has had its warm-up (rule 5)
+        self._warm = False  # the module's warm-up has started (rule 5)
+        self._warming: Future[None] | None = None  # ...and runs on a worker (rule 8)
         self._held: Samples = _NO_SAMPLES
         self._next = round(start_ms * ENGINE_RATE / 1000)  # clock index of the next frame
         self._heard = _History()  # rule 6: the raw microphone...
@@ -143,11 +150,13 @@ class InputProcessing:
         if (echo_cancellation, noise_reduction) != (self._echo, self._noise):
             self._echo, self._noise = echo_cancellation, noise_reduction
             self._apm = _module(echo_cancellation, noise_reduction)
-            self._warm = False
+            self._warm, self._warming = False, None
 
     def push(self, samples: Samples, last: bool = False) -> Samples:
         """The processed samples that are complete so far, in order (rule 4)."""
-        if self._apm is None:
+        if self._far_end.expected:
+            self._start_warm_up()
+        if self._apm is None or self._idle():
             # Nothing to do: pass everything on, keeping the clock position.
             audio = np.concatenate([self._held, samples]) if self._held.size else samples
             self._held = _NO_SAMPLES
@@ -168,6 +177,12 @@ class InputProcessing:
         self._held = audio[whole:].copy() if not last else _NO_SAMPLES
         self._far_end.forget_before(self._next)
         return out[:real]
+
+    def _idle(self) -> bool:
+        """Rule 3 for the whole input from here on, until the far end plays again: no
+        noise suppression, and the far end last played over `ECHO_TAIL_MS` ago (its
+        history matters only from when it plays, `heard_echo` reads none before)."""
+        return self._noise is None and not self._played_within_tail(self._next)
 
     def echo_may_arrive(self, at_ms: float) -> bool:
         """Whether the canceller is on and the far end played within `ECHO_TAIL_MS`
@@ -207,7 +222,6 @@ class InputProcessing:
 
     def _frame(self, frame: Samples) -> Samples:
         at, self._next = self._next, self._next + FRAME
-        assert self._apm is not None
         far = self._far_end.read(at, FRAME) if self._echo and self._played_within_tail(at) else None
         if self._echo:
             self._heard.write(at, frame)
@@ -218,14 +232,14 @@ class InputProcessing:
             return frame  # rule 3
         self.frames_processed += 1
         if far is not None:
-            if not self._warm:
-                self._warm_up()
-            reverse = _frame(_pcm(far))
-            self._apm.process_reverse_stream(reverse)
+            self._start_warm_up()
+        apm = self._warmed_module()
+        if far is not None:
+            apm.process_reverse_stream(_frame(_pcm(far)))
             # The reference is already on the session clock: AEC3 estimates the rest.
-            self._apm.set_stream_delay_ms(0)
+            apm.set_stream_delay_ms(0)
         near = _frame(_pcm(frame))
-        self._apm.process_stream(near)
+        apm.process_stream(near)
         cleaned = np.frombuffer(near.data, np.int16).astype(np.float32) / _INT16
         if not self._echo:
             return cleaned
@@ -255,17 +269,19 @@ class InputProcessing:
         until = self._far_end.played_until
         return until is not None and until > at - _TAIL
 
-    def _warm_up(self) -> None:
-        """Rule 5: a synthetic far end over a silent microphone, as a headset hears it."""
+    def _start_warm_up(self) -> None:
+        """Rules 5 and 8: the echo canceller's warm-up, once, on the worker thread."""
+        if self._echo and not self._warm and self._apm is not None:
+            self._warm = True
+            self._warming = _WARM_UPS.submit(_warm_up, self._apm)
+
+    def _warmed_module(self) -> AudioProcessingModule:
+        """The module, once its warm-up is done: the worker no longer uses it (rule 8)."""
         assert self._apm is not None
-        self._warm = True
-        noise = np.random.default_rng(0).standard_normal(WARM_S * ENGINE_RATE) * _WARM_LEVEL
-        silence = bytes(FRAME * 2)
-        for lo in range(0, len(noise), FRAME):
-            far = noise[lo : lo + FRAME].astype(np.float32)
-            self._apm.process_reverse_stream(_frame(_pcm(far)))
-            self._apm.set_stream_delay_ms(0)
-            self._apm.process_stream(_frame(bytearray(silence)))
+        if self._warming is not None:
+            self._warming.result()  # at once, but for a far end that came unannounced
+            self._warming = None
+        return self._apm
 
 
 @dataclass
@@ -311,6 +327,17 @@ class _History:
 
 def _energy(samples: Samples) -> float:
     return float(np.sum(samples.astype(np.float64) ** 2))
+
+
+def _warm_up(apm: AudioProcessingModule) -> None:
+    """Rule 5: a synthetic far end over a silent microphone, as a headset hears it."""
+    noise = np.random.default_rng(0).standard_normal(WARM_S * ENGINE_RATE) * _WARM_LEVEL
+    silence = bytes(FRAME * 2)
+    for lo in range(0, len(noise), FRAME):
+        far = noise[lo : lo + FRAME].astype(np.float32)
+        apm.process_reverse_stream(_frame(_pcm(far)))
+        apm.set_stream_delay_ms(0)
+        apm.process_stream(_frame(bytearray(silence)))
 
 
 def _module(echo: bool, noise: NoiseReduction | None) -> AudioProcessingModule | None:

@@ -115,6 +115,8 @@ class ResponseStream:
         self._responses[response.id] = response
         if not options.out_of_band:
             self.active_id = response.id
+        if response.spoken:
+            self._far_end.expected = True
         self._out.emit("response.created", response=self._response_object(response))
         self._out.act(StartResponse(response.id, turn, conversation=not options.out_of_band))
         return response.id

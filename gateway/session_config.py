@@ -123,7 +123,7 @@ class SessionSettings:
     # Input processing (gateway.input_processing): OpenAI's noise reduction (None: off),
     # and this gateway's echo canceller, which works while output audio plays.
     noise_reduction: NoiseReduction | None = None
-    echo_cancellation: bool = False
+    echo_cancellation: bool = True
     expires_at: int = field(default_factory=lambda: int(time.time()) + 3600)
     # The LLM's sampling temperature (beta); None: the profile's.
     temperature: float | None = None

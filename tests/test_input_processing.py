@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 import soundfile as sf
 import soxr
 
+from gateway import input_processing
 from gateway.actions import CancelResponse, Hear, WatchWords
 from gateway.audio import ENGINE_RATE, PCM16, Samples
 from gateway.backend import ResponseDone, ResponseOutput
@@ -134,10 +136,44 @@ def test_speech_over_a_quiet_headset_leak_is_kept() -> None:
     np.testing.assert_array_equal(out, mic)
 
 
-def test_input_passes_untouched_while_nothing_plays() -> None:
+def test_input_passes_untouched_while_nothing_plays(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ... and without work frame by frame: most sessions, most of the time, play nothing.
+    frames: list[int] = []
+    monkeypatch.setattr(InputProcessing, "_frame", lambda self, frame: frames.append(1))
     mic = recording()
     out = run(mic, None)
     np.testing.assert_array_equal(out, mic)
+    assert frames == []
+
+
+def test_the_warm_up_runs_on_a_worker_once_a_spoken_response_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The warm-up is tens of ms of CPU: on the event loop it would hold up every session.
+    threads: list[str] = []
+    started = threading.Event()
+    warm_up = input_processing._warm_up
+
+    def recorded(apm: object) -> None:
+        threads.append(threading.current_thread().name)
+        started.set()
+        warm_up(apm)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(input_processing, "_warm_up", recorded)
+    rt = RealtimeSession(config=GatewayConfig(), model="m", beta=False)
+    rt.receive_text(json.dumps({"type": "response.create"}))
+    (start,) = [a for a in rt.actions() if type(a).__name__ == "StartResponse"]
+    heard(rt, np.zeros(CHUNK, np.float32))  # the answer has not played yet
+    assert started.wait(timeout=10)
+    assert threads[0].startswith("echo-warm-up")
+    far = np.tile(recording(), 2)
+    rt.receive_response_event(
+        ResponseOutput(start.response_id, "audio", audio=far.tobytes(), sample_rate=ENGINE_RATE)
+    )
+    echo = room(far, delay_ms=60, gain_db=-6)
+    settled = slice(len(far) // 2, None)
+    assert power_db(echo[settled]) - power_db(heard(rt, echo)[settled]) > 15
+    assert len(threads) == 1
 
 
 def test_the_stream_keeps_every_sample_in_order() -> None:
@@ -268,6 +304,17 @@ def test_the_session_field_turns_echo_cancellation_off(beta: bool, fields: dict)
     echo = room(far, delay_ms=60, gain_db=-6)
     settled = slice(len(far) // 2, None)
     assert power_db(heard(off, echo)[settled]) - power_db(heard(on, echo)[settled]) > 15
+
+
+def test_echo_cancellation_is_on_by_default() -> None:
+    far = np.tile(recording(), 2)
+    rt = RealtimeSession(config=GatewayConfig(), model="m", beta=False)
+    (created,) = (e for e in rt.events_to_send() if e["type"] == "session.created")
+    assert created["session"]["audio"]["input"]["echo_cancellation"] is True
+    play(rt, far)
+    echo = room(far, delay_ms=60, gain_db=-6)
+    settled = slice(len(far) // 2, None)
+    assert power_db(echo[settled]) - power_db(heard(rt, echo)[settled]) > 15
 
 
 def test_the_profile_turns_echo_cancellation_off() -> None:

@@ -42,10 +42,10 @@ Rules of this module:
    for the rest of the session, the detectors hear the canceller's output.
 8. Processing runs on the caller's thread: about 15 ms of CPU per second of audio while
    the canceller is active (bench/echo.py measures it), none while it passes frames on.
-   The warm-up (50 to 90 ms of CPU, once) runs on a worker thread, so that it does not
-   hold up the event loop: it starts when the session's first spoken response does
-   (`FarEnd.expected`), well before its audio plays, and the module is used again only
-   once it is done.
+   The echo canceller's module (about 0.4 MiB) is made when the session's first spoken
+   response starts (`FarEnd.expected`), well before its audio plays, and warmed up
+   (50 to 90 ms of CPU, once) on a worker thread so as not to hold up the event loop;
+   the module is used again only once the warm-up is done.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ class InputProcessing:
         self._far_end = far_end
         self._echo = echo_cancellation
         self._noise = noise_reduction
-        self._apm = _module(echo_cancellation, noise_reduction)
+        self._apm = _module_now(echo_cancellation, noise_reduction)
         self._warm = False  # the module's warm-up has started (rule 5)
         self._warming: Future[None] | None = None  # ...and runs on a worker (rule 8)
         self._held: Samples = _NO_SAMPLES
@@ -143,18 +143,18 @@ class InputProcessing:
 
     @property
     def enabled(self) -> bool:
-        return self._apm is not None
+        return self._echo or self._noise is not None
 
     def configure(self, *, echo_cancellation: bool, noise_reduction: NoiseReduction | None) -> None:
         """New settings: a fresh module if they changed (the held frame is kept)."""
         if (echo_cancellation, noise_reduction) != (self._echo, self._noise):
             self._echo, self._noise = echo_cancellation, noise_reduction
-            self._apm = _module(echo_cancellation, noise_reduction)
+            self._apm = _module_now(echo_cancellation, noise_reduction)
             self._warm, self._warming = False, None
 
     def push(self, samples: Samples, last: bool = False) -> Samples:
         """The processed samples that are complete so far, in order (rule 4)."""
-        if self._far_end.expected:
+        if self._far_end.expected or not self._idle():
             self._start_warm_up()
         if self._apm is None or self._idle():
             # Nothing to do: pass everything on, keeping the clock position.
@@ -188,7 +188,7 @@ class InputProcessing:
         """Whether the canceller is on and the far end played within `ECHO_TAIL_MS`
         before `at_ms` (or plays on): its echo may be in the microphone then."""
         at = round(at_ms * ENGINE_RATE / 1000)
-        return self._echo and self._apm is not None and self._played_within_tail(at)
+        return self._echo and self._played_within_tail(at)
 
     def heard_echo(self, start_ms: float, end_ms: float) -> bool | None:
         """Whether the microphone from `start_ms` to `end_ms` (its last `CHECKED_MS` at
@@ -271,8 +271,10 @@ class InputProcessing:
 
     def _start_warm_up(self) -> None:
         """Rules 5 and 8: the echo canceller's warm-up, once, on the worker thread."""
-        if self._echo and not self._warm and self._apm is not None:
+        if self._echo and not self._warm:
             self._warm = True
+            if self._apm is None:
+                self._apm = _module(self._echo, self._noise)
             self._warming = _WARM_UPS.submit(_warm_up, self._apm)
 
     def _warmed_module(self) -> AudioProcessingModule:
@@ -340,9 +342,14 @@ def _warm_up(apm: AudioProcessingModule) -> None:
         apm.process_stream(_frame(bytearray(silence)))
 
 
-def _module(echo: bool, noise: NoiseReduction | None) -> AudioProcessingModule | None:
-    if not echo and noise is None:
-        return None
+def _module_now(echo: bool, noise: NoiseReduction | None) -> AudioProcessingModule | None:
+    """The module a session needs from its first frame: noise suppression's. The echo
+    canceller alone waits for the first spoken response (rule 8): its state is about
+    0.4 MiB, and a session that never speaks never needs it."""
+    return _module(echo, noise) if noise is not None else None
+
+
+def _module(echo: bool, noise: NoiseReduction | None) -> AudioProcessingModule:
     from livekit.rtc import AudioProcessingModule
 
     # The high-pass filter removes DC and rumble below speech, which both the echo

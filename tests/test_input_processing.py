@@ -146,21 +146,30 @@ def test_input_passes_untouched_while_nothing_plays(monkeypatch: pytest.MonkeyPa
     assert frames == []
 
 
-def test_the_warm_up_runs_on_a_worker_once_a_spoken_response_starts(
+def test_the_canceller_is_made_and_warmed_on_a_worker_once_a_spoken_response_starts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The warm-up is tens of ms of CPU: on the event loop it would hold up every session.
+    # The canceller's state is about 0.4 MiB: a session that never speaks needs none.
     threads: list[str] = []
     started = threading.Event()
-    warm_up = input_processing._warm_up
+    warm_up, module = input_processing._warm_up, input_processing._module
+    made: list[object] = []
 
     def recorded(apm: object) -> None:
         threads.append(threading.current_thread().name)
         started.set()
         warm_up(apm)  # type: ignore[arg-type]
 
+    def counted(*args: object) -> object:
+        made.append(module(*args))  # type: ignore[arg-type]
+        return made[-1]
+
     monkeypatch.setattr(input_processing, "_warm_up", recorded)
+    monkeypatch.setattr(input_processing, "_module", counted)
     rt = RealtimeSession(config=GatewayConfig(), model="m", beta=False)
+    heard(rt, np.zeros(ENGINE_RATE, np.float32))
+    assert made == []
     rt.receive_text(json.dumps({"type": "response.create"}))
     (start,) = [a for a in rt.actions() if type(a).__name__ == "StartResponse"]
     heard(rt, np.zeros(CHUNK, np.float32))  # the answer has not played yet
@@ -173,7 +182,7 @@ def test_the_warm_up_runs_on_a_worker_once_a_spoken_response_starts(
     echo = room(far, delay_ms=60, gain_db=-6)
     settled = slice(len(far) // 2, None)
     assert power_db(echo[settled]) - power_db(heard(rt, echo)[settled]) > 15
-    assert len(threads) == 1
+    assert len(threads) == len(made) == 1
 
 
 def test_the_stream_keeps_every_sample_in_order() -> None:

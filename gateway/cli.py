@@ -320,10 +320,12 @@ async def _start_engine(
     from engine.build import build_engine
     from engine.config import parse_config
     from gateway.engine_backend import EngineBackend
+    from gateway.input_processing import start_runtime
     from gateway.priority import lower_other_threads
 
     engine_config = parse_config(profile, source=source)
     bundle = await build_engine(engine_config)
+    start_runtime()  # the echo canceller's threads
     lower_other_threads(config.engine_nice)  # the engine's threads all exist now
     manager = DuplexSessionManager(bundle.orchestrator, max_sessions=config.max_sessions)
 

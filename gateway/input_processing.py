@@ -60,6 +60,7 @@ import numpy as np
 from gateway.audio import ENGINE_RATE, Samples
 from gateway.double_talk import ECHO_SHARE, MAX_DELAY, echo_share
 from gateway.far_end import FarEnd
+from gateway.priority import lower_this_thread
 
 if TYPE_CHECKING:  # livekit's library starts threads of its own: loaded only when used
     from livekit.rtc import AudioFrame, AudioProcessingModule
@@ -76,6 +77,7 @@ __all__ = [
     "WARM_S",
     "InputProcessing",
     "NoiseReduction",
+    "start_runtime",
 ]
 
 logger = logging.getLogger(__name__)
@@ -104,7 +106,16 @@ _WARM_LEVEL = 0.05  # the synthetic far end's RMS (-26 dBFS), about a voice's le
 _INT16 = 32767.0
 _NO_SAMPLES: Samples = np.zeros(0, np.float32)
 # Rule 8: one thread warms every session's module up, one after the other.
-_WARM_UPS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="echo-warm-up")
+_WARM_UPS = ThreadPoolExecutor(
+    max_workers=1, thread_name_prefix="echo-warm-up", initializer=lower_this_thread
+)
+
+
+def start_runtime() -> None:
+    """Start the `livekit` library's runtime (five threads of its own, made on its first
+    use) now: the CLI does it before it lowers every thread but the event loop's
+    (`gateway.priority`), so that these run below the loop too."""
+    _module(True, None)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ CPU at once; at equal priority the loop waits its turn behind a matrix product. 
 higher nice value (Linux, per thread) makes the scheduler run the loop as soon as it
 wakes. Threads started later by a lowered thread inherit its priority; the loop's own
 helper threads started later (`asyncio.to_thread`) do not, and need not: they wait on
-I/O or on the engine.
+I/O or on the engine. A compute thread the loop starts later (the echo canceller's
+warm-up) lowers itself as far (`lower_this_thread`).
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import os
 import threading
 from pathlib import Path
 
-__all__ = ["lower_other_threads"]
+__all__ = ["lower_other_threads", "lower_this_thread"]
 
 logger = logging.getLogger(__name__)
 
 TASKS = Path("/proc/self/task")
+_lowered_by = [0]  # what `lower_other_threads` lowered the threads by, for later ones
 
 
 def lower_other_threads(by: int) -> int:
@@ -31,6 +33,7 @@ def lower_other_threads(by: int) -> int:
     threads have no priority of their own (not Linux)."""
     if by <= 0 or not TASKS.is_dir():
         return 0
+    _lowered_by[0] = by
     own = threading.get_native_id()
     lowered = 0
     for task in TASKS.iterdir():
@@ -38,8 +41,19 @@ def lower_other_threads(by: int) -> int:
         if tid == own:
             continue
         with contextlib.suppress(ProcessLookupError):  # a thread that just ended
-            nice = os.getpriority(os.PRIO_PROCESS, tid)
-            os.setpriority(os.PRIO_PROCESS, tid, min(nice + by, 19))
+            _lower(tid, by)
             lowered += 1
     logger.info("%d compute threads run %d nice levels below the event loop", lowered, by)
     return lowered
+
+
+def lower_this_thread() -> None:
+    """The caller, a compute thread the loop started after `lower_other_threads` ran,
+    runs as far below the loop as the others (nothing if they were not lowered)."""
+    if _lowered_by[0] and TASKS.is_dir():
+        _lower(threading.get_native_id(), _lowered_by[0])
+
+
+def _lower(tid: int, by: int) -> None:
+    nice = os.getpriority(os.PRIO_PROCESS, tid)
+    os.setpriority(os.PRIO_PROCESS, tid, min(nice + by, 19))

@@ -13,7 +13,7 @@ CHECK = textwrap.dedent(
     """
     import os, threading
     from pathlib import Path
-    from gateway.priority import lower_other_threads
+    from gateway.priority import lower_other_threads, lower_this_thread
 
     if not Path("/proc/self/task").is_dir():  # threads have no priority of their own
         assert lower_other_threads(3) == 0
@@ -39,6 +39,17 @@ CHECK = textwrap.dedent(
     assert lower_other_threads(0) == 0
     done.set()
     thread.join()
+
+    # A compute thread started later by the caller lowers itself as far.
+    def later():
+        lower_this_thread()
+        tids.append(threading.get_native_id())
+        tids.append(os.getpriority(os.PRIO_PROCESS, tids[-1]))
+
+    thread = threading.Thread(target=later)
+    thread.start()
+    thread.join()
+    assert tids[-1] == min(own + 3, 19), tids
     print("ok")
     """
 )

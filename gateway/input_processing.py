@@ -152,10 +152,6 @@ class InputProcessing:
         self.echo_heard = False  # rule 7: the microphone carries the far end's echo
         self._weighed = _Weighing()  # rule 7: the current window's energy, in and out
 
-    @property
-    def enabled(self) -> bool:
-        return self._echo or self._noise is not None
-
     def configure(self, *, echo_cancellation: bool, noise_reduction: NoiseReduction | None) -> None:
         """New settings: a fresh module if they changed (the held frame is kept)."""
         if (echo_cancellation, noise_reduction) != (self._echo, self._noise):
@@ -165,9 +161,10 @@ class InputProcessing:
 
     def push(self, samples: Samples, last: bool = False) -> Samples:
         """The processed samples that are complete so far, in order (rule 4)."""
-        if self._far_end.expected or not self._idle():
+        idle = self._idle()
+        if self._far_end.expected or not idle:
             self._start_warm_up()
-        if self._apm is None or self._idle():
+        if self._apm is None or idle:
             # Nothing to do: pass everything on, keeping the clock position.
             audio = np.concatenate([self._held, samples]) if self._held.size else samples
             self._held = _NO_SAMPLES
@@ -242,8 +239,6 @@ class InputProcessing:
                 self._cleaned.write(at, frame)
             return frame  # rule 3
         self.frames_processed += 1
-        if far is not None:
-            self._start_warm_up()
         apm = self._warmed_module()
         if far is not None:
             apm.process_reverse_stream(_frame(_pcm(far)))

@@ -1,7 +1,9 @@
 """What silent sessions cost the event loop: N realtime cores, each fed a silent 20 ms
-`input_audio_buffer.append` every 20 ms (as a microphone sends), their server-VAD audio
-carried into the real Silero VAD stage on its engine thread, in one process: no
-sockets and no client harness, so the figures are the gateway's own per-frame work.
+`input_audio_buffer.append` every 20 ms (as a microphone sends), each frame carried as
+the gateway carries it (its backend session, the duplex session, the orchestrator's
+resident request and its speech detection) into the real Silero VAD stage on its engine
+thread, in one process: no sockets and no client harness, so the figures are the
+gateway's own per-frame work.
 
     python -m bench.silent_loop [--sessions 100] [--seconds 15]   (from the repository root)
 
@@ -27,12 +29,15 @@ import engine
 
 engine.setup()  # before anything imports mlx: the optimised BLAS
 
+from duplex.manager import DuplexSessionManager  # noqa: E402
+from engine.config import parse_config  # noqa: E402
 from engine.core import AsyncEngine, EngineCore  # noqa: E402
+from engine.orchestrator import DuplexOrchestrator  # noqa: E402
 from engine.vad import SileroVad, VadStage  # noqa: E402
-from gateway.actions import ConfigureVad, FeedVad  # noqa: E402
+from gateway.actions import ConfigureVad, Hear  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
+from gateway.engine_backend import EngineBackendSession  # noqa: E402
 from gateway.realtime import RealtimeSession  # noqa: E402
-from gateway.turn_detection import EngineSpeechSource  # noqa: E402
 
 FRAME_S = 0.02
 SILENT_FRAME = json.dumps(
@@ -42,20 +47,21 @@ PROBE_S = 0.05
 
 
 class Microphone:
-    """One session's core and speech source, as `gateway.connection` joins them."""
+    """One session's core and backend session, as `gateway.connection` joins them."""
 
-    def __init__(self, core: RealtimeSession, speech: EngineSpeechSource) -> None:
-        self.core, self.speech = core, speech
+    def __init__(self, core: RealtimeSession, session: EngineBackendSession) -> None:
+        self.core, self.session = core, session
         self.frames = 0
         self.carry_out()
 
     def carry_out(self) -> None:
         for action in self.core.actions():
-            if isinstance(action, FeedVad):
-                self.speech.feed(action.samples)
+            if isinstance(action, Hear):
+                self.session.hear(action.samples)
             elif isinstance(action, ConfigureVad):
-                self.speech.configure(action.settings, action.start_ms, action.pause_after_ms)
+                self.session.detect(action.settings, action.start_ms, action.pause_after_ms)
         self.core.events_to_send()
+        self.session.take_events()
 
     async def stream(self, offset: float) -> None:
         start = time.monotonic() + offset
@@ -63,7 +69,7 @@ class Microphone:
             self.core.receive_text(SILENT_FRAME)
             self.carry_out()
             self.frames += 1
-            await self.speech.room()
+            await self.session.room()
             await asyncio.sleep(max(0.0, start + self.frames * FRAME_S - time.monotonic()))
 
 
@@ -84,10 +90,13 @@ async def measure(sessions: int, seconds: float) -> dict[str, object]:
     engine = AsyncEngine(core)
     core.start()
     config = GatewayConfig()
+    manager = DuplexSessionManager(
+        DuplexOrchestrator(engine, parse_config({}, source="defaults")), max_sessions=sessions
+    )
     mics = [
         Microphone(
             RealtimeSession(config=config, model=config.model_name, beta=False),
-            EngineSpeechSource(engine, f"sess{i}"),
+            EngineBackendSession(manager.open(f"sess{i}"), config.turns),
         )
         for i in range(sessions)
     ]
@@ -111,7 +120,7 @@ async def measure(sessions: int, seconds: float) -> dict[str, object]:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    await asyncio.gather(*(m.speech.close() for m in mics))
+    await asyncio.gather(*(m.session.close() for m in mics))
     await asyncio.to_thread(core.shutdown, 5.0)
     return {
         "sessions": sessions,

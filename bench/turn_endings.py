@@ -39,7 +39,7 @@ engine.setup()  # before anything imports mlx: the optimised BLAS
 
 from engine import registry  # noqa: E402
 from engine.asr import AsrRequest, Transcriber, load_transcriber  # noqa: E402
-from gateway.turn_words import ENDING_TOKENS, sounds_unfinished, sounds_unsure  # noqa: E402
+from engine.turn_words import ENDING_TOKENS, sounds_unfinished, sounds_unsure  # noqa: E402
 
 SAMPLE_RATE = 16000
 SCORED_AFTER_S = 0.16  # semantic_score_after_ms in configs/default.yaml

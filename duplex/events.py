@@ -10,6 +10,8 @@ Every session yields, in order:
   interleave with them;
 - at any time, `UtteranceOutput`: a live transcript delta of the utterance the user is
   speaking, from the epoch's resident stage-0 request (see `duplex.session` rule 5);
+- at any time, `SpeechDecision`: what the resident request's speech detection decided
+  (speech started, paused, resumed, confirmed or stopped), at session time `ms`;
 - `SessionClosed` once, last; the iterator ends after it.
 
 No `TurnOutput` of a turn ever follows that turn's `TurnDone`: outputs still in flight
@@ -54,6 +56,8 @@ __all__ = [
     "DuplexEvent",
     "SessionClosed",
     "SessionOpened",
+    "SpeechDecision",
+    "SpeechKind",
     "TurnDone",
     "TurnOutput",
     "TurnStatus",
@@ -61,6 +65,8 @@ __all__ = [
 ]
 
 TurnStatus = Literal["completed", "incomplete", "cancelled", "failed"]
+SpeechKind = Literal["started", "stopped", "paused", "resumed", "confirmed"]
+SPEECH_KINDS: frozenset[str] = frozenset(("started", "stopped", "paused", "resumed", "confirmed"))
 CANCEL_REASONS = frozenset({"turn_detected", "client_cancelled", "superseded", "session_closed"})
 _STATUSES = frozenset({"completed", "incomplete", "cancelled", "failed"})
 
@@ -110,9 +116,39 @@ class UtteranceOutput:
     output: DuplexStageOutput
 
 
+@dataclass(frozen=True, slots=True)
+class SpeechDecision:
+    """Speech `started` or `stopped` at session time `ms`; `paused` (the silence that
+    began at `ms` may become a stop) and `resumed` (it did not); `confirmed` (the speech
+    that started at `ms` has lasted long enough, or said enough, to interrupt). A
+    `paused` decision may carry the `words` heard in the speech before the silence.
+
+    The resident request reports one as a stage output of kind `"speech"`, its fields
+    in the metadata (`as_metadata`, `from_metadata`)."""
+
+    kind: SpeechKind
+    ms: float
+    words: str | None = None
+
+    def as_metadata(self) -> dict[str, object]:
+        return {"speech": self.kind, "ms": self.ms, "words": self.words}
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, object]) -> SpeechDecision | None:
+        """The decision `metadata` holds; None if it holds none."""
+        kind, ms, words = metadata.get("speech"), metadata.get("ms"), metadata.get("words")
+        if kind not in SPEECH_KINDS or not isinstance(ms, (int, float)) or isinstance(ms, bool):
+            return None
+        if words is not None and not isinstance(words, str):
+            return None
+        return cls(kind, float(ms), words)  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SessionClosed:
     session_id: str
 
 
-DuplexEvent = SessionOpened | TurnOutput | UtteranceOutput | TurnDone | SessionClosed
+DuplexEvent = (
+    SessionOpened | TurnOutput | UtteranceOutput | SpeechDecision | TurnDone | SessionClosed
+)

@@ -52,6 +52,7 @@ from duplex.events import (
     DuplexEvent,
     SessionClosed,
     SessionOpened,
+    SpeechDecision,
     TurnDone,
     TurnOutput,
     UtteranceOutput,
@@ -70,7 +71,14 @@ DEFAULT_MAX_EVENTS = 512
 # Closed ids are refused for a while so a late output can never reach a new session
 # that reused the id.
 _CLOSED_IDS_REMEMBERED = 4096
-_EVENT_TYPES = (SessionOpened, TurnOutput, UtteranceOutput, TurnDone, SessionClosed)
+_EVENT_TYPES = (
+    SessionOpened,
+    TurnOutput,
+    UtteranceOutput,
+    SpeechDecision,
+    TurnDone,
+    SessionClosed,
+)
 
 
 class DuplexSessionHandle:
@@ -230,9 +238,22 @@ class DuplexSessionHandle:
         await asyncio.shield(self._close_task)
 
     def take_events(self) -> list[DuplexEvent]:
-        """Every event queued so far, in order, without waiting: a command's events
-        (a cancel's `TurnDone`, say) are here as soon as the command returns."""
-        return [self._pop() for _ in range(len(self._queue))]
+        """The events queued so far, in order, without waiting, up to and including the
+        first `SpeechDecision`: the reader acts on a decision (a barge-in that cancels
+        the turn, whose outputs still queued then go with it) before it takes what was
+        queued behind it. A command's events (a cancel's `TurnDone`, say) are here as
+        soon as the command returns."""
+        taken: list[DuplexEvent] = []
+        while self._queue:
+            taken.append(self._pop())
+            if isinstance(taken[-1], SpeechDecision):
+                break
+        return taken
+
+    async def room(self) -> None:
+        """Return once the port has room for more of the session's input
+        (`DuplexStreamingStagePort.input_room`)."""
+        await self._manager.port.input_room(self.session_id)
 
     async def wait_events(self) -> bool:
         """Wait until an event is queued; False once `SessionClosed` was taken (nothing

@@ -14,6 +14,8 @@ to one sink, on the asyncio loop thread, as a `DuplexStageOutput`:
 - `"transcript_delta"`: words the resident stage-0 request settled on while the user
   speaks (`text`, only ever appended), with `metadata["utterance_id"]` (the utterance
   it transcribes) and, when asked, `metadata["logprobs"]` (`(token, logprob)` pairs);
+- `"speech"`: a speech decision of the resident stage-0 request's detection, its fields
+  in the metadata (`duplex.events.SpeechDecision.as_metadata`);
 - `"done"`: the stage request finished without further payload;
 - `"error"`: the stage request failed (`metadata["error"]` says why).
 
@@ -56,7 +58,7 @@ __all__ = [
 ]
 
 OUTPUT_KINDS = frozenset(
-    {"transcript", "transcript_delta", "text", "audio", "tool_call", "done", "error"}
+    {"transcript", "transcript_delta", "speech", "text", "audio", "tool_call", "done", "error"}
 )
 SAMPLE_BYTES = 4  # audio is float32
 
@@ -124,6 +126,11 @@ class DuplexStreamingStagePort(DuplexStagePort):
 
     def discard_prepared(self, session_id: str) -> None:  # noqa: B027 - optional
         """Drop the session's prepared turn, if the port holds one."""
+
+    async def input_room(self, session_id: str) -> None:  # noqa: B027 - optional
+        """Return once the session's input appended so far is within the port's bound
+        (audio it has not processed yet): its reader appends no more until then. A port
+        that processes appends as they come returns at once, as this default does."""
 
     def close_session(self, session_id: str) -> None:  # noqa: B027 - optional
         """The session is over and its requests are cleaned up: free whatever else the

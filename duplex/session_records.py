@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from duplex.actions import OutputRoute, OutputRouting
 from duplex.contracts import DuplexOutputAction, DuplexOutputDecision, DuplexStageRequestContext
-from duplex.events import UtteranceOutput
+from duplex.events import SpeechDecision, UtteranceOutput
 from duplex.outputs import DuplexStageOutput
 from duplex.state import TurnEvent
 
@@ -44,9 +44,14 @@ class ResidentRequest:
         return self.context.request_id
 
     def route(self, out: DuplexStageOutput) -> OutputRouting:
-        """Rule 5: its transcript deltas go on as `UtteranceOutput` events."""
+        """Rule 5: its transcript deltas go on as `UtteranceOutput` events, its speech
+        decisions as `SpeechDecision`s."""
         if out.stage_id != 0:
             return OutputRouting(OutputRoute.DROP, drop_reason="stage_mismatch")
+        if out.kind == "speech":
+            decision = SpeechDecision.from_metadata(out.metadata)
+            if decision is not None:
+                return OutputRouting(OutputRoute.FORWARD, (decision,))
         utterance_id = out.metadata.get("utterance_id")
         if out.kind == "transcript_delta" and isinstance(utterance_id, str) and out.text:
             event = UtteranceOutput(utterance_id=utterance_id, output=out)

@@ -1,5 +1,5 @@
-"""The engine side of a session's resident stage-0 request: what it has heard, the
-utterance being spoken, and that utterance's live transcript.
+"""The engine side of a session's resident stage-0 request: what it has heard, its
+speech detection, the utterance being spoken, and that utterance's live transcript.
 
 Rules of this module:
 1. A `Listener` belongs to one session. The audio it heard, its clock (samples heard)
@@ -9,8 +9,10 @@ Rules of this module:
    `resident_id`. The next epoch's resident request `attach`es and the live work of an
    utterance still spoken goes on under it, so a cancel in mid-utterance loses no word.
 2. Memory is bounded: without an utterance only `LOOKBACK_S` of audio is kept (speech
-   starts are reported late: VAD's window, a confirmed interruption's minimum length);
-   an utterance keeps its own audio, up to the ASR limit, past which its live work ends.
+   starts are reported late: VAD's window and the audio it has not heard yet, a
+   confirmed interruption's minimum length); an utterance keeps its own audio, up to the
+   ASR limit, past which its live work ends. This is the one copy of the session's input
+   the engine keeps: speech detection looks back at it too.
 3. While listening, one task per utterance runs a partial transcription whenever
    `interval_ms` more audio has arrived (half that in the utterance's first
    `EARLY_S`, so its first words show sooner) and none of its partials is running; each
@@ -23,6 +25,11 @@ Rules of this module:
    transcript went out (a prepared turn dropped, a transcription superseded) gives it
    back (`release`): it is thawed, live again while still spoken, and the next turn
    naming it finishes it, so the final transcript always begins with the deltas sent.
+5. Every heard sample goes to speech detection (`engine.speech_detection`) while a
+   `Detect` append has it on. Its decisions are the session's, like the audio, and
+   outlive epochs: each goes out on the resident id of its moment, and one decided while
+   no resident request is attached (between an epoch's abort and the next one's first
+   append) waits for the next `attach`, so none is lost.
 """
 
 from __future__ import annotations
@@ -37,21 +44,34 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from duplex.appends import Append, Heard, Listen, UtteranceEnded, UtteranceStarted
+from duplex.appends import (
+    Append,
+    Detect,
+    Heard,
+    Listen,
+    UtteranceEnded,
+    UtteranceStarted,
+    WatchWords,
+)
+from duplex.events import SpeechDecision
 from engine import clients
 from engine.core import AsyncEngine
+from engine.speech_detection import SAMPLES_PER_MS, SpeechDetection
+from engine.vad_feeder import MAX_UNHEARD_SAMPLES
 
 __all__ = ["LOOKBACK_S", "Listener", "LiveDelta", "LiveTranscript", "Utterance", "final_text"]
 
 logger = logging.getLogger(__name__)
 
 SAMPLE_RATE = 16_000
-LOOKBACK_S = 10.0
+# The turn-end model's 8 s window, after all the audio the VAD may not have heard yet.
+LOOKBACK_S = 8.0 + MAX_UNHEARD_SAMPLES / SAMPLE_RATE
 # The start of an utterance is transcribed twice as often: two partials must agree
 # before a word shows, and the first words are the ones a caption waits for.
 EARLY_S = 1.5
 
 Emit = Callable[[str, str, str, tuple[tuple[str, float], ...]], None]
+EmitSpeech = Callable[[str, SpeechDecision], None]
 
 
 class LiveDelta(Protocol):
@@ -127,10 +147,18 @@ class HeardAudio:
             self.start += len(self._chunks.popleft())
 
     def since(self, sample: int) -> np.ndarray:
-        if not self._chunks:
-            return np.zeros(0, np.float32)
-        audio = np.concatenate(self._chunks)
-        return audio[max(sample - self.start, 0) :]
+        return self.between(sample, self.end)
+
+    def between(self, first: int, end: int) -> np.ndarray:
+        """The samples kept from clock `first` up to clock `end`."""
+        pieces, at = [], self.start
+        for chunk in self._chunks:
+            if at >= end:
+                break
+            if at + len(chunk) > first:
+                pieces.append(chunk[max(first - at, 0) : end - at])
+            at += len(chunk)
+        return np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
 
 
 class Listener:
@@ -144,6 +172,7 @@ class Listener:
         interval_ms: int,
         max_audio_s: float,
         emit: Emit,
+        emit_speech: EmitSpeech,
     ) -> None:
         self.session_id = session_id
         self.resident_id: str | None = None  # where deltas go; None: nowhere (rule 1)
@@ -159,6 +188,10 @@ class Listener:
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._serial = itertools.count()
+        self._emit_speech = emit_speech
+        self.speech = SpeechDetection(engine, session_id, self._clip, self._decided)
+        self._origin = 0  # the clock where the detection's stream time starts
+        self._held: list[SpeechDecision] = []  # decided while detached (rule 5)
 
     # -- appends ------------------------------------------------------------------------
 
@@ -172,9 +205,15 @@ class Listener:
                 self.end_utterance(utterance_id)
             case Listen():
                 self.listen(append)
+            case Detect():
+                self.detect(append)
+            case WatchWords(again):
+                self.speech.watch_words(again)
 
     def hear(self, samples: np.ndarray) -> None:
         self.heard.append(samples)
+        if self.speech.enabled:
+            self.speech.feed(samples)
         utterance = self.utterance
         if utterance is None:
             self.heard.keep_from(self.heard.end - int(LOOKBACK_S * SAMPLE_RATE))
@@ -205,6 +244,32 @@ class Listener:
         self.options = options if options.enabled else None
         if self.options is None:
             self._stop_partials()
+
+    def detect(self, detect: Detect) -> None:
+        self.heard.skip_to(detect.clock)
+        self._origin = detect.clock
+        self.speech.configure(detect)
+
+    async def room(self) -> None:
+        """Return once the audio heard and not yet through the VAD is within bounds."""
+        await self.speech.room()
+
+    def close(self) -> None:
+        """The session is over: its detection and live work end, nothing more goes out."""
+        self.speech.close()
+        self.stop()
+
+    def _clip(self, start_ms: int, end_ms: int) -> np.ndarray:
+        origin = self._origin
+        return self.heard.between(
+            origin + start_ms * SAMPLES_PER_MS, origin + end_ms * SAMPLES_PER_MS
+        )
+
+    def _decided(self, decision: SpeechDecision) -> None:
+        if self.resident_id is None:
+            self._held.append(decision)
+        else:
+            self._emit_speech(self.resident_id, decision)
 
     # -- turns (rule 4) -----------------------------------------------------------------
 
@@ -240,6 +305,9 @@ class Listener:
     def attach(self, resident_id: str) -> None:
         """The epoch's resident request opened: live work goes on under its id."""
         self.resident_id = resident_id
+        held, self._held = self._held, []
+        for decision in held:
+            self._emit_speech(resident_id, decision)
         self._start_partials()
 
     def stop(self) -> asyncio.Task[None] | None:

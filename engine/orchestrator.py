@@ -24,8 +24,9 @@ Rules of this module:
    submission of the session, or `discard_prepared`, stops it and drops what it held.
 5. The session's resident stage-0 request (`...r.stage0`, `duplex.session` rule 4)
    takes resumable submissions: each is one `duplex.appends` value for the session's
-   `engine.listener.Listener`, which hears the audio, follows the utterance and, while
-   listening, emits its live transcript deltas on the resident id. A turn whose
+   `engine.listener.Listener`, which hears the audio, detects speech in it (emitting
+   each decision as a `"speech"` output on the resident id), follows the utterance and,
+   while listening, emits its live transcript deltas on the resident id. A turn whose
    `TurnRequest.utterance` is the utterance under way finishes that live transcript
    over the turn's own audio (only the tail is left to decode) instead of starting
    over; a prepared turn does the same with its outputs held, and a turn stopped before
@@ -216,14 +217,14 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             context = self._reserved.pop(rid, None)
             if context is not None and not self._session_has_requests(context.session_id):
                 self._sessions.pop(context.session_id, None)
-                self._listeners.pop(context.session_id, None)
+                self._drop_listener(context.session_id)
 
     def close_session(self, session_id: str) -> None:
         """The session is over (closed, dropped or drained): free everything kept for it,
         its live input and the LLM's cached context included."""
         self.discard_prepared(session_id)
         self._sessions.pop(session_id, None)
-        self._listeners.pop(session_id, None)
+        self._drop_listener(session_id)
         for key in self._cache_keys.pop(session_id, ()):
             self.llm.forget(key)
         if self.session_count() == 0:
@@ -265,6 +266,17 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         """The session's live input (rule 5), once its resident request is reserved."""
         return self._listeners.get(session_id)
 
+    async def input_room(self, session_id: str) -> None:
+        """Return once the session's audio not yet through the VAD is within bounds."""
+        listener = self._listeners.get(session_id)
+        if listener is not None:
+            await listener.room()
+
+    def _drop_listener(self, session_id: str) -> None:
+        listener = self._listeners.pop(session_id, None)
+        if listener is not None:
+            listener.close()
+
     # --- the resident stage-0 request (rule 5) ---------------------------------------
 
     def _new_listener(self, session_id: str) -> Listener:
@@ -277,7 +289,21 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
             emit=lambda rid, utterance_id, text, logprobs: self._emit_delta(
                 session_id, rid, utterance_id, text, logprobs
             ),
+            emit_speech=lambda rid, decision: self._emit(
+                DuplexStageOutput(
+                    session_id=session_id,
+                    request_id=rid,
+                    stage_id=0,
+                    kind="speech",
+                    metadata=decision.as_metadata(),
+                )
+            ),
         )
+
+    def _emit(self, out: DuplexStageOutput) -> None:
+        sink = self._runner.sink
+        if sink is not None:
+            sink(out)
 
     def _append(self, submission: DuplexStageSubmission) -> None:
         rid = submission.context.request_id
@@ -307,18 +333,16 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         metadata: dict[str, Any] = {"utterance_id": utterance_id}
         if logprobs:
             metadata["logprobs"] = logprobs
-        sink = self._runner.sink
-        if sink is not None:
-            sink(
-                DuplexStageOutput(
-                    session_id=session_id,
-                    request_id=rid,
-                    stage_id=ASR,
-                    kind="transcript_delta",
-                    text=text,
-                    metadata=metadata,
-                )
+        self._emit(
+            DuplexStageOutput(
+                session_id=session_id,
+                request_id=rid,
+                stage_id=ASR,
+                kind="transcript_delta",
+                text=text,
+                metadata=metadata,
             )
+        )
 
     def _stop_listening(self, request_ids: list[str]) -> list[asyncio.Task[None]]:
         """Stop the live work of the resident ids among `request_ids` (rule 2)."""

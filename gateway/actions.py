@@ -19,7 +19,6 @@ __all__ = [
     "ConfigureVad",
     "DiscardPrepared",
     "EndUtterance",
-    "FeedVad",
     "Hear",
     "Listen",
     "PrepareResponse",
@@ -59,11 +58,6 @@ class CancelResponse:
 
     response_id: str
     reason: str
-
-
-@dataclass(frozen=True)
-class FeedVad:
-    samples: Samples  # float32 at 16 kHz, each appended frame resampled once
 
 
 @dataclass(frozen=True)
@@ -133,7 +127,6 @@ Action = (
     | PrepareResponse
     | DiscardPrepared
     | CancelResponse
-    | FeedVad
     | Hear
     | StartUtterance
     | EndUtterance

@@ -39,11 +39,11 @@ from gateway.backend import (
     ResponseDone,
     ResponseOutput,
     SessionEvent,
-    SpeechSource,
 )
 from gateway.config import CapacitySettings
 from gateway.metrics import GatewayMetrics
 from gateway.runway import Runway
+from gateway.session_config import TurnDetection
 
 __all__ = ["BUSY_CODE", "Admission", "AdmittedBackend", "AdmittedSession"]
 
@@ -219,6 +219,17 @@ class AdmittedSession:
     def hear(self, samples: np.ndarray) -> None:
         self._inner.hear(samples)
 
+    def detect(
+        self, settings: TurnDetection | None, start_ms: float, pause_after_ms: int | None = None
+    ) -> None:
+        self._inner.detect(settings, start_ms, pause_after_ms)
+
+    def watch_words(self, again: bool = False) -> None:
+        self._inner.watch_words(again)
+
+    async def room(self) -> None:
+        await self._inner.room()
+
     def utterance_started(self, utterance_id: str, start_ms: float) -> None:
         self._inner.utterance_started(utterance_id, start_ms)
 
@@ -292,9 +303,6 @@ class AdmittedBackend:
 
     def open_session(self, session_id: str) -> AdmittedSession:
         return AdmittedSession(self._backend.open_session(session_id), self.admission)
-
-    def open_speech(self, session_id: str) -> SpeechSource:
-        return self._backend.open_speech(session_id)
 
     def pending(self) -> dict[str, int]:
         return self._backend.pending()

@@ -1,10 +1,10 @@
 """What the gateway needs from the layers below, as two small interfaces.
 
-`Backend` opens one `BackendSession` per connection (typed turns in, response outputs
-out) and one `SpeechSource` per connection for server VAD. `gateway.engine_backend`
-implements them over the duplex session manager and the engine's VAD stage; tests
-implement them with scripted fakes. Keeping the seam here means no gateway module
-imports MLX.
+`Backend` opens one `BackendSession` per connection: typed turns and the session's input
+(its audio, the speech detection's settings) in; response outputs, live transcript
+deltas and speech decisions out, in one ordered stream of events.
+`gateway.engine_backend` implements it over the duplex session manager; tests implement
+it with scripted fakes. Keeping the seam here means no gateway module imports the engine.
 
 Identity: the gateway's response id (or transcription job id) is the one name of a turn
 from start to done. It goes down with `start` and comes back on every output.
@@ -16,12 +16,13 @@ that. A cancel ends the turn in the layer below (the duplex fence), which then r
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import numpy as np
 
+from duplex.events import SpeechDecision
 from duplex.turn import TurnRequest
 from gateway.session_config import LiveTranscription, TurnDetection
 
@@ -33,8 +34,7 @@ __all__ = [
     "ResponseEvent",
     "ResponseOutput",
     "SessionEvent",
-    "SpeechEvent",
-    "SpeechSource",
+    "SpeechDecision",
     "TokenLogprob",
     "TranscriptDelta",
 ]
@@ -97,22 +97,8 @@ class TranscriptDelta:
     logprobs: tuple[TokenLogprob, ...] = ()
 
 
-SessionEvent = ResponseEvent | TranscriptDelta
-
-
-@dataclass(frozen=True)
-class SpeechEvent:
-    """Server VAD: speech `started` or `stopped` at session time `ms`; `paused` (the
-    silence that began at `ms` may become a stop) and `resumed` (it did not);
-    `confirmed` (the speech that started at `ms` has lasted long enough to interrupt).
-    A `paused` event may carry the `words` the turn detector heard in the speech before
-    the silence: the turn the stop would start then answers them, not transcribing the
-    same speech again."""
-
-    kind: Literal["started", "stopped", "paused", "resumed", "confirmed"]
-    ms: float
-    metrics: dict[str, float] = field(default_factory=dict)
-    words: str | None = None
+# Server VAD's decisions (`duplex.events.SpeechDecision`) come among the events too.
+SessionEvent = ResponseEvent | TranscriptDelta | SpeechDecision
 
 
 class BackendSession(Protocol):
@@ -140,7 +126,25 @@ class BackendSession(Protocol):
 
     def hear(self, samples: np.ndarray) -> None:
         """Every appended sample of the session, float32 at 16 kHz, in order, once: the
-        session clock is the count of samples heard (`ms * 16`)."""
+        session clock is the count of samples heard (`ms * 16`). Server VAD and live
+        transcription both hear these."""
+
+    def detect(
+        self, settings: TurnDetection | None, start_ms: float, pause_after_ms: int | None = None
+    ) -> None:
+        """Restart speech detection at session time `start_ms` with new server-VAD
+        settings (None stops it); its `SpeechDecision`s come among the events. With
+        `pause_after_ms`, silences that long are reported as pauses (semantic_vad
+        scores the turn then)."""
+
+    def watch_words(self, again: bool = False) -> None:
+        """Check the words of the speech under way: if they are more than a backchannel,
+        report it `confirmed` before it has lasted the minimum interruption. `again`: its
+        confirmation did not count (`WatchWords`); count its length from now."""
+
+    async def room(self) -> None:
+        """Return once the audio heard and not yet through speech detection is within
+        its bound: the connection reads no more of the client's frames until then."""
 
     def utterance_started(self, utterance_id: str, start_ms: float) -> None:
         """Speech began at session time `start_ms`: while listening, transcribe it live
@@ -151,10 +155,12 @@ class BackendSession(Protocol):
         `TurnRequest.utterance`, finishes the transcript) or dropped."""
 
     def take_events(self) -> list[SessionEvent]:
-        """The turns' outputs and done events, and live transcript deltas, that arrived
-        so far, in order, without waiting. A `cancel`'s `ResponseDone` is here as soon
-        as `cancel` returns, so the shell can finish the response in the same step that
-        decided the cancel."""
+        """The turns' outputs and done events, live transcript deltas and speech
+        decisions that arrived so far, in order, without waiting, up to and including
+        the first `SpeechDecision`: what the decision makes the shell do (a barge-in's
+        cancel) happens before the events queued behind it are taken. A `cancel`'s
+        `ResponseDone` is here as soon as `cancel` returns, so the shell can finish the
+        response in the same step that decided the cancel."""
 
     async def wait_events(self) -> bool:
         """Wait until `take_events` has something; False once the session is closed and
@@ -164,39 +170,9 @@ class BackendSession(Protocol):
         """Abort everything and release the session; idempotent."""
 
 
-class SpeechSource(Protocol):
-    def configure(
-        self, settings: TurnDetection | None, start_ms: float, pause_after_ms: int | None = None
-    ) -> None:
-        """Restart detection with new server-VAD settings (None stops it); with
-        `pause_after_ms`, silences that long are reported as pauses (semantic_vad scores
-        the turn then)."""
-
-    def feed(self, samples: np.ndarray) -> None:
-        """Float32 16 kHz audio, in order, as the client appends it."""
-
-    async def room(self) -> None:
-        """Return once the audio fed and not yet heard is within its bound: the
-        connection reads no more of the client's frames until then."""
-
-    def watch_words(self, again: bool = False) -> None:
-        """Check the words of the speech under way: if they are more than a backchannel,
-        report it `confirmed` before it has lasted the minimum interruption. `again`:
-        its confirmation did not count (`WatchWords`); count its length from now."""
-
-    def events(self) -> AsyncIterator[SpeechEvent]:
-        """Speech decisions, in order, until `close()`."""
-
-    async def close(self) -> None:
-        """Stop detection; idempotent."""
-
-
 class Backend(Protocol):
     def open_session(self, session_id: str) -> BackendSession:
         """A session for one connection."""
-
-    def open_speech(self, session_id: str) -> SpeechSource:
-        """Server VAD for one connection."""
 
     def pending(self) -> dict[str, int]:
         """Engine requests in flight per stage (for /metrics)."""

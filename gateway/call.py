@@ -245,7 +245,7 @@ class CallConnection(RealtimeConnection):
             assert isinstance(frame, AudioFrame)
             self.core.receive_audio(mono_pcm(frame))
             self._pump()
-            await self.speech.room()
+            await self.session.room()
 
     # -- outputs ------------------------------------------------------------------------
 

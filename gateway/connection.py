@@ -1,5 +1,6 @@
-"""The asyncio shell around one `RealtimeSession`: WebSocket frames, engine outputs and
-VAD decisions in; server events out through one bounded send queue.
+"""The asyncio shell around one `RealtimeSession`: WebSocket frames and the backend's
+events (engine outputs, speech decisions) in; server events out through one bounded
+send queue.
 
 The frames come and go on a `Transport`: the WebSocket, or a WebRTC call's `oai-events`
 data channel (`gateway.call`, which adds the call's audio tracks to this shell).
@@ -33,7 +34,6 @@ from gateway.actions import (
     ConfigureVad,
     DiscardPrepared,
     EndUtterance,
-    FeedVad,
     Hear,
     Listen,
     PrepareResponse,
@@ -42,7 +42,7 @@ from gateway.actions import (
     WatchWords,
 )
 from gateway.audio import AudioFormat
-from gateway.backend import Backend, SpeechEvent
+from gateway.backend import Backend, SpeechDecision
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import TracingIn, new_id
@@ -94,7 +94,6 @@ class RealtimeConnection:
             config=config, model=model, beta=beta, media_format=media_format
         )
         self.session = backend.open_session(self.core.settings.id)
-        self.speech = backend.open_speech(self.core.settings.id)
         self._queue: deque[str] = deque()
         self._ready = asyncio.Event()
         self._close: CloseSession | None = None
@@ -128,7 +127,6 @@ class RealtimeConnection:
             asyncio.create_task(self._read(), name="realtime-read"),
             asyncio.create_task(self._send(), name="realtime-send"),
             asyncio.create_task(self._outputs(), name="realtime-outputs"),
-            asyncio.create_task(self._speech(), name="realtime-speech"),
         ]
         for task in tasks:
             task.add_done_callback(self._task_ended)
@@ -177,8 +175,6 @@ class RealtimeConnection:
     async def _release(self) -> None:
         self.core.close()
         self._dispatch(self.core.actions())
-        # Speech detection first: the session's close is the engine's last word on it.
-        await self.speech.close()
         await self.session.close()
         if self._close is not None and self._close.code != SEND_OVERFLOW_CODE:
             # Events already decided (an error before the close, say) still go out.
@@ -200,7 +196,7 @@ class RealtimeConnection:
                 else:
                     self.core.receive_text(frame)
                 self._pump()
-                await self.speech.room()
+                await self.session.room()
         except (ConnectionClosed, TransportClosed):
             pass
         finally:
@@ -210,12 +206,7 @@ class RealtimeConnection:
         while await self.session.wait_events():
             self._pump()
 
-    async def _speech(self) -> None:
-        async for event in self.speech.events():
-            self._apply_speech(event)
-            self._pump()
-
-    def _apply_speech(self, event: SpeechEvent) -> None:
+    def _apply_speech(self, event: SpeechDecision) -> None:
         match event.kind:
             case "started":
                 self.core.speech_started(event.ms)
@@ -248,7 +239,10 @@ class RealtimeConnection:
             self._dispatch(actions)
             backend_events = self.session.take_events()
             for backend_event in backend_events:
-                self.core.receive_response_event(backend_event)
+                if isinstance(backend_event, SpeechDecision):
+                    self._apply_speech(backend_event)  # the last one taken (`take_events`)
+                else:
+                    self.core.receive_response_event(backend_event)
             if not actions and not backend_events:
                 break
         if len(self._queue) > self.config.limits.send_queue_events:
@@ -294,8 +288,6 @@ class RealtimeConnection:
                 self.session.discard_prepared()
             case CancelResponse(response_id, reason):
                 self.session.cancel(response_id, reason=reason)
-            case FeedVad(samples):
-                self.speech.feed(samples)
             case Hear(samples):
                 self.session.hear(samples)
             case StartUtterance(item_id, start_ms):
@@ -305,9 +297,9 @@ class RealtimeConnection:
             case Listen(options):
                 self.session.listen(options)
             case ConfigureVad(settings, start_ms, pause_after_ms):
-                self.speech.configure(settings, start_ms, pause_after_ms)
+                self.session.detect(settings, start_ms, pause_after_ms)
             case WatchWords(again):
-                self.speech.watch_words(again)
+                self.session.watch_words(again)
             case ClearOutputAudio():
                 self._clear_output_audio()
             case CloseSession():

@@ -1,4 +1,4 @@
-"""The gateway's `Backend` over the duplex session manager and the engine's VAD stage.
+"""The gateway's `Backend` over the duplex session manager.
 
 One realtime connection owns one duplex session. Every turn of the connection runs in
 it under the gateway's response id as its tag: the conversation's responses as the
@@ -7,22 +7,33 @@ reach the duplex session synchronously, in the order the realtime core decided t
 `take_events()` reads the duplex session's event queue directly, with no queue in
 between, so the duplex fence is the one place stale output is dropped.
 
-What the session hears (`hear`, `utterance_started`, `utterance_ended`, `listen`) goes
-to the duplex session's resident stage-0 request as appends (`duplex.appends`); its
-live transcript deltas come back among the events as `TranscriptDelta`s.
+What the session hears and how (`hear`, `detect`, `watch_words`, `utterance_started`,
+`utterance_ended`, `listen`) goes to the duplex session's resident stage-0 request as
+appends (`duplex.appends`): every sample once, while speech is detected or transcribed
+live. Its speech decisions and live transcript deltas come back among the events, as
+`SpeechDecision`s and `TranscriptDelta`s. Server-VAD settings are the protocol's; this
+module turns them, with the profile's turn-taking thresholds, into the typed `Detect`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 
-from duplex.appends import Append, Heard, Listen, UtteranceEnded, UtteranceStarted
+from duplex.appends import (
+    Append,
+    Detect,
+    Heard,
+    Listen,
+    UtteranceEnded,
+    UtteranceStarted,
+    WatchWords,
+)
 from duplex.errors import DuplexError
-from duplex.events import TurnDone, TurnOutput, UtteranceOutput
+from duplex.events import SpeechDecision, TurnDone, TurnOutput, UtteranceOutput
 from duplex.manager import DuplexSessionHandle, DuplexSessionManager
 from duplex.outputs import DuplexStageOutput
 from duplex.turn import TurnRequest
@@ -35,10 +46,9 @@ from gateway.backend import (
     TranscriptDelta,
 )
 from gateway.config import TurnSettings
-from gateway.turn_detection import EngineSpeechSource
-from gateway.vad_feeder import VadEngine
+from gateway.session_config import TurnDetection
 
-__all__ = ["EngineBackend", "EngineBackendSession"]
+__all__ = ["EngineBackend", "EngineBackendSession", "detect_append"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +56,11 @@ logger = logging.getLogger(__name__)
 class EngineBackendSession:
     """One connection's turns, as one duplex session."""
 
-    def __init__(self, handle: DuplexSessionHandle) -> None:
+    def __init__(self, handle: DuplexSessionHandle, turns: TurnSettings | None = None) -> None:
         self._handle = handle
+        self._turns = turns or TurnSettings()
         self._listening = False
+        self._detecting = False
         self._clock = 0  # samples heard, sent or not
 
     def start(self, response_id: str, turn: TurnRequest, *, conversation: bool) -> None:
@@ -88,11 +100,25 @@ class EngineBackendSession:
             )
 
     def hear(self, samples: np.ndarray) -> None:
-        # Only a listening session's audio goes down: the others' would cost every
-        # frame a trip through the duplex session and the engine for nothing.
+        # Only audio something hears goes down: a session without server VAD or live
+        # transcription would cost every frame a trip through the engine for nothing.
         self._clock += samples.size
-        if samples.size and self._listening:
+        if samples.size and (self._listening or self._detecting):
             self._append(Heard(samples.astype("<f4", copy=False).tobytes()))
+
+    def detect(
+        self, settings: TurnDetection | None, start_ms: float, pause_after_ms: int | None = None
+    ) -> None:
+        if settings is None and not self._detecting:
+            return  # nothing to stop: no need to open the resident request for it
+        self._detecting = settings is not None
+        self._append(detect_append(settings, start_ms, self._clock, pause_after_ms, self._turns))
+
+    def watch_words(self, again: bool = False) -> None:
+        self._append(WatchWords(again))
+
+    async def room(self) -> None:
+        await self._handle.room()
 
     def utterance_started(self, utterance_id: str, start_ms: float) -> None:
         self._append(UtteranceStarted(utterance_id, max(start_ms, 0.0)))
@@ -116,6 +142,8 @@ class EngineBackendSession:
             elif isinstance(event, UtteranceOutput):
                 out = event.output
                 events.append(TranscriptDelta(event.utterance_id, out.text, _logprobs(out)))
+            elif isinstance(event, SpeechDecision):
+                events.append(event)
         return events
 
     async def wait_events(self) -> bool:
@@ -123,6 +151,37 @@ class EngineBackendSession:
 
     async def close(self) -> None:
         await self._handle.close()
+
+
+def detect_append(
+    settings: TurnDetection | None,
+    start_ms: float,
+    clock: int,
+    pause_after_ms: int | None,
+    turns: TurnSettings,
+) -> Detect:
+    """The resident request's `Detect` for the protocol's turn detection `settings`
+    (None: off), with the profile's thresholds `turns`."""
+    if settings is None:
+        return Detect(enabled=False, start_ms=start_ms, clock=clock)
+    semantic = settings.semantic
+    return Detect(
+        start_ms=start_ms,
+        clock=clock,
+        threshold=settings.threshold,
+        prefix_padding_ms=settings.prefix_padding_ms,
+        silence_ms=settings.max_wait_ms if semantic else settings.silence_duration_ms,
+        semantic=semantic,
+        pause_after_ms=pause_after_ms,
+        unsure_wait_ms=int(settings.max_wait_ms * turns.semantic_unsure_wait),
+        score_after_ms=turns.semantic_score_after_ms,
+        rescore_ms=turns.semantic_rescore_ms,
+        complete_threshold=turns.semantic_complete_threshold,
+        words=turns.semantic_words,
+        words_after_ms=turns.semantic_words_after_ms,
+        interruption_words_after_ms=turns.interruption_words_after_ms,
+        min_interruption_ms=turns.min_interruption_ms,
+    )
 
 
 def _response_output(response_id: str, event: TurnOutput) -> ResponseOutput:
@@ -179,13 +238,21 @@ def _token_counts(usage: Mapping[str, object]) -> dict[str, int]:
     return {k: v for k, v in usage.items() if isinstance(v, int) and not isinstance(v, bool)}
 
 
+class EngineCounts(Protocol):
+    """The part of the engine /metrics reads."""
+
+    def pending(self) -> dict[str, int]:
+        """Requests accepted and not yet finished, per stage."""
+
+
 class EngineBackend:
-    """`Backend` over an engine bundle: `manager` for turns, `vad_engine` for server VAD."""
+    """`Backend` over an engine bundle: `manager` for the sessions, `engine` for the
+    counts /metrics shows."""
 
     def __init__(
         self,
         manager: DuplexSessionManager,
-        vad_engine: VadEngine,
+        engine: EngineCounts,
         *,
         on_close: Callable[[], Awaitable[None]] | None = None,
         llm_tokens: Callable[[], dict[str, int]] | None = None,
@@ -193,26 +260,22 @@ class EngineBackend:
         turns: TurnSettings | None = None,
     ) -> None:
         self.manager = manager
-        self.vad_engine = vad_engine
+        self.engine = engine
         self._turn_settings = turns
         self._on_close = on_close
         self._llm_tokens = llm_tokens
         self._caches = caches
 
     def open_session(self, session_id: str) -> EngineBackendSession:
-        return EngineBackendSession(self.manager.open(session_id))
+        return EngineBackendSession(self.manager.open(session_id), self._turn_settings)
 
     @property
     def semantic_vad(self) -> bool:
         """Whether the engine runs the turn-end model semantic_vad asks."""
-        return "turn" in self.vad_engine.pending()
-
-    def open_speech(self, session_id: str) -> EngineSpeechSource:
-        return EngineSpeechSource(self.vad_engine, session_id, self._turn_settings)
+        return "turn" in self.engine.pending()
 
     def pending(self) -> dict[str, int]:
-        # The VAD port is the whole engine (`AsyncEngine`), so it counts every stage.
-        return self.vad_engine.pending()
+        return self.engine.pending()
 
     def llm_tokens(self) -> dict[str, int]:
         return self._llm_tokens() if self._llm_tokens is not None else {}

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ValidationError
 
 from gateway.actions import Action, ClearOutputAudio, CloseSession
 from gateway.audio import AudioFormat
-from gateway.backend import ResponseOutput, SessionEvent, TranscriptDelta
+from gateway.backend import ResponseEvent, ResponseOutput, TranscriptDelta
 from gateway.config import GatewayConfig
 from gateway.conversation import Conversation, Item
 from gateway.errors import ClientError, validation_error
@@ -425,7 +425,7 @@ class RealtimeSession:
 
     # -- backend events -----------------------------------------------------------------
 
-    def receive_response_event(self, event: SessionEvent) -> None:
+    def receive_response_event(self, event: ResponseEvent | TranscriptDelta) -> None:
         """An output or the done event of a turn this session started (rule 3), or live
         words of the speech under way."""
         if self._closed:

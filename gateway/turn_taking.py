@@ -36,7 +36,6 @@ from gateway.actions import (
     ConfigureVad,
     DiscardPrepared,
     EndUtterance,
-    FeedVad,
     Hear,
     Listen,
     PrepareResponse,
@@ -219,8 +218,6 @@ class TurnTaking:
         if not fresh.size:
             return
         self._out.act(Hear(fresh))
-        if self.settings.turn_detection is not None:
-            self._out.act(FeedVad(fresh))
 
     def _end_utterance(self) -> None:
         """The speech under way is no turn any more (rule 5)."""

@@ -1,40 +1,72 @@
-"""Stand-ins for the gateway's `Backend` and `SpeechSource` where no engine runs.
+"""Stand-ins for the gateway's `Backend` where no engine runs.
 
 `ScriptedSession` is the one fake `BackendSession`: it records what the connection asks
 of it and runs each started turn through the test's `Reply` script (none: the test puts
-the events itself). A test subclasses `IdleBackend` with the sessions it needs, and
-`NoSpeech` hears nothing. `RecordsListening` is the live-transcription part of a backend
-session that transcribes nothing live: it records what it was told."""
+the events itself). A test subclasses `IdleBackend` with the sessions it needs.
+`RecordsListening` is the input part of a backend session (what it hears, and how):
+it records what it was told, and passes the audio to a `FakeSpeech` if it has one
+(none: it detects no speech)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import numpy as np
 
 from duplex.turn import TurnRequest
-from gateway.backend import LiveTranscription, ResponseDone, SessionEvent, SpeechEvent
+from gateway.backend import LiveTranscription, ResponseDone, SessionEvent, SpeechDecision
 from gateway.session_config import TurnDetection
 
-__all__ = ["IdleBackend", "NoSpeech", "RecordsListening", "Reply", "ScriptedSession"]
+__all__ = ["FakeSpeech", "IdleBackend", "RecordsListening", "Reply", "ScriptedSession"]
+
+
+class FakeSpeech(Protocol):
+    """A speech detector stand-in: hears the session's audio, reports its decisions
+    through the `emit` it was given."""
+
+    def configure(
+        self, settings: TurnDetection | None, start_ms: float, pause_after_ms: int | None
+    ) -> None: ...
+
+    def feed(self, samples: np.ndarray) -> None: ...
 
 
 class RecordsListening:
-    """`listen`, `hear`, `utterance_started` and `utterance_ended` of a backend session,
-    recorded: `heard` counts the samples, `utterances` lists ("started"/"ended", id)."""
+    """The input side of a backend session, recorded: `heard` counts the samples,
+    `utterances` lists ("started"/"ended", id), `detecting` the turn detection settings
+    given, `watched` the `watch_words` calls' `again`."""
 
     def __init__(self) -> None:
         self.heard = 0
         self.listening: list[LiveTranscription | None] = []
         self.utterances: list[tuple[str, str]] = []
+        self.detecting: list[TurnDetection | None] = []
+        self.watched: list[bool] = []
+        self.speech: FakeSpeech | None = None
 
     def listen(self, options: LiveTranscription | None) -> None:
         self.listening.append(options)
 
     def hear(self, samples: np.ndarray) -> None:
         self.heard += len(samples)
+        if self.speech is not None:
+            self.speech.feed(samples)
+
+    def detect(
+        self, settings: TurnDetection | None, start_ms: float, pause_after_ms: int | None = None
+    ) -> None:
+        self.detecting.append(settings)
+        if self.speech is not None:
+            self.speech.configure(settings, start_ms, pause_after_ms)
+
+    def watch_words(self, again: bool = False) -> None:
+        self.watched.append(again)
+
+    async def room(self) -> None:
+        """Never behind: nothing heard waits to be processed."""
 
     def utterance_started(self, utterance_id: str, start_ms: float) -> None:
         self.utterances.append(("started", utterance_id))
@@ -109,8 +141,12 @@ class ScriptedSession(RecordsListening):
         await asyncio.wait([self.tasks[response_id]])
 
     def take_events(self) -> list[SessionEvent]:
-        events = list(self.queue)
-        self.queue.clear()
+        """Like the duplex session's: up to and including the first speech decision."""
+        events: list[SessionEvent] = []
+        while self.queue:
+            events.append(self.queue.popleft())
+            if isinstance(events[-1], SpeechDecision):
+                break
         return events
 
     async def wait_events(self) -> bool:
@@ -149,32 +185,3 @@ class IdleBackend:
 
     async def close(self) -> None:
         self.closed = True
-
-
-class NoSpeech:
-    """Server VAD that never hears speech: its events end only when it is closed."""
-
-    def __init__(self) -> None:
-        self._closed = asyncio.Event()
-
-    def configure(
-        self, settings: TurnDetection | None, start_ms: float, pause_after_ms: int | None = None
-    ) -> None:
-        """Nothing to set up: no setting makes it hear anything."""
-
-    def feed(self, samples: np.ndarray) -> None:
-        """Dropped: there is nothing to hear in it."""
-
-    async def room(self) -> None:
-        """Never behind: nothing fed waits to be heard."""
-
-    def watch_words(self, again: bool = False) -> None:
-        """No speech, so no words to check."""
-
-    async def events(self) -> AsyncIterator[SpeechEvent]:
-        await self._closed.wait()
-        return
-        yield
-
-    async def close(self) -> None:
-        self._closed.set()

@@ -22,7 +22,7 @@ from gateway.config import CapacitySettings, GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.runway import Runway
 from gateway.server import GatewayServer
-from tests.fake_backend import IdleBackend, NoSpeech, Reply, ScriptedSession
+from tests.fake_backend import IdleBackend, Reply, ScriptedSession
 from tests.helpers import wait_until
 
 VOICE_RATE = 16_000
@@ -254,9 +254,6 @@ class HeldBackend(IdleBackend):
 
     def open_session(self, session_id: str) -> ScriptedSession:
         return ScriptedSession(held_speaker(self.release))
-
-    def open_speech(self, session_id: str) -> NoSpeech:
-        return NoSpeech()
 
 
 async def events_until(ws: ClientConnection, kind: str) -> list[dict[str, Any]]:

@@ -1,58 +1,26 @@
 """The connection shell's order of work, over a real WebSocket and the real duplex
-session manager (a scripted stage port, no models): a decision's actions are carried out
-before the backend's next events are read, so a barge-in's cancel reaches the duplex
-fence before outputs already queued for the cancelled response reach the client."""
+session manager (a scripted stage port, no models): a speech decision's actions are
+carried out before the backend's next events are read, so a barge-in's cancel reaches
+the duplex fence before outputs already queued for the cancelled response reach the
+client."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
-import numpy as np
 from websockets.asyncio.client import connect
 
+from duplex.events import SpeechDecision
 from duplex.manager import DuplexSessionManager
 from duplex.outputs import stage_id_from_request_id
-from gateway.backend import SpeechEvent
+from duplex.session import RESIDENT_ROLE
 from gateway.config import GatewayConfig
 from gateway.engine_backend import EngineBackendSession
 from gateway.server import GatewayServer
-from gateway.session_config import TurnDetection
 from tests.fake_backend import IdleBackend
 from tests.fakes import FakeStagePort
-
-
-class ScriptedSpeech:
-    """Server VAD whose decisions the test makes (`say`)."""
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[SpeechEvent | None] = asyncio.Queue()
-
-    def say(self, event: SpeechEvent) -> None:
-        self.queue.put_nowait(event)
-
-    def configure(
-        self, settings: TurnDetection | None, start_ms: float, pause_after_ms: int | None = None
-    ) -> None:
-        """Decisions come from the test, whatever the settings."""
-
-    def feed(self, samples: np.ndarray) -> None:
-        """Decisions come from the test, not from the audio."""
-
-    async def room(self) -> None:
-        """Never behind: nothing fed waits to be heard."""
-
-    def watch_words(self, again: bool = False) -> None:
-        """Decisions come from the test."""
-
-    async def events(self) -> AsyncIterator[SpeechEvent]:
-        while (event := await self.queue.get()) is not None:
-            yield event
-
-    async def close(self) -> None:
-        self.queue.put_nowait(None)
 
 
 class DuplexBackend(IdleBackend):
@@ -61,19 +29,17 @@ class DuplexBackend(IdleBackend):
     def __init__(self, port: FakeStagePort) -> None:
         super().__init__()
         self.manager = DuplexSessionManager(port, max_sessions=4)
-        self.speech = ScriptedSpeech()
 
     def open_session(self, session_id: str) -> EngineBackendSession:
         return EngineBackendSession(self.manager.open(session_id))
-
-    def open_speech(self, session_id: str) -> ScriptedSpeech:
-        return self.speech
 
 
 async def test_a_barge_in_cancels_before_outputs_already_queued_reach_the_client() -> None:
     port = FakeStagePort()
     submitted = asyncio.Event()
-    port.on_submit = lambda submission: submitted.set()
+    port.on_submit = lambda submission: (
+        submitted.set() if not submission.resumable else None  # a turn, not an append
+    )
     backend = DuplexBackend(port)
     server = GatewayServer(GatewayConfig(port=0), backend)
     await server.start()
@@ -94,9 +60,11 @@ async def test_a_barge_in_cancels_before_outputs_already_queued_reach_the_client
             async with asyncio.timeout(10):
                 await submitted.wait()
             [speaker] = [r for r in port.reserved if stage_id_from_request_id(r) == 2]
+            [resident] = [r for r in port.reserved if r.endswith(f".r.{RESIDENT_ROLE}")]
             # The user starts speaking while the reply's audio is already on its way up:
             # both reach the connection in the same turn of the event loop, VAD first.
-            backend.speech.say(SpeechEvent("started", 0.0))
+            started = SpeechDecision("started", 0.0)
+            port.push(resident, "speech", **started.as_metadata())
             port.push(speaker, "audio", "Once", audio_ms=40)
             events = await until(ws, "response.done")
     finally:

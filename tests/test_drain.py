@@ -23,7 +23,7 @@ from duplex.turn import TurnRequest
 from gateway.backend import ResponseDone, ResponseOutput
 from gateway.config import GatewayConfig
 from gateway.server import DRAIN_REASON, DRAIN_TIMEOUT_REASON, GatewayServer
-from tests.fake_backend import IdleBackend, NoSpeech, Reply, ScriptedSession
+from tests.fake_backend import IdleBackend, Reply, ScriptedSession
 from tests.helpers import running_gateway, wait_until
 
 
@@ -45,9 +45,6 @@ class HeldBackend(IdleBackend):
 
     def open_session(self, session_id: str) -> ScriptedSession:
         return ScriptedSession(held(self.release))
-
-    def open_speech(self, session_id: str) -> NoSpeech:
-        return NoSpeech()
 
 
 async def started(**config: Any) -> tuple[GatewayServer, HeldBackend]:

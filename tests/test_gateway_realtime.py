@@ -14,7 +14,6 @@ from gateway.actions import (
     Action,
     CancelResponse,
     ConfigureVad,
-    FeedVad,
     Hear,
     PrepareResponse,
     StartResponse,
@@ -475,7 +474,7 @@ def test_voice_turn_with_server_vad_transcription_and_audio_order() -> None:
     session.actions()
     for _ in range(10):
         send(session, type="input_audio_buffer.append", audio=tone_b64(100))
-    feeds = [a for a in session.actions() if isinstance(a, FeedVad)]
+    feeds = [a for a in session.actions() if isinstance(a, Hear)]
     assert sum(len(f.samples) for f in feeds) > 15000
     assert all(f.samples.dtype == np.float32 for f in feeds)
     session.speech_started(200)

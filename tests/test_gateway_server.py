@@ -13,7 +13,7 @@ import logging
 import socket
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,7 @@ from websockets.typing import Origin, Subprotocol
 
 from duplex.turn import Stage, TurnRequest
 from engine.speech_detector import SpeechDetector, SpeechPaused, SpeechResumed, SpeechStarted
-from gateway.backend import ResponseDone, ResponseOutput, SpeechEvent
+from gateway.backend import ResponseDone, ResponseOutput, SpeechDecision
 from gateway.config import GatewayConfig
 from gateway.server import GatewayServer
 from gateway.session_config import TurnDetection
@@ -61,10 +61,11 @@ def speech(response_id: str, word: str, chunk_ms: int) -> ResponseOutput:
 
 
 class EnergySpeech:
-    """Server VAD stand-in: a 32 ms chunk is speech when its RMS exceeds 0.05."""
+    """Server VAD stand-in: a 32 ms chunk is speech when its RMS exceeds 0.05. Speech
+    over an answer interrupts at once here (no minimum to confirm)."""
 
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[SpeechEvent | None] = asyncio.Queue()
+    def __init__(self, emit: Callable[[SpeechDecision], None]) -> None:
+        self.emit = emit
         self.detector: SpeechDetector | None = None
         self.start_ms = 0.0
         self.pending = np.zeros(0, np.float32)
@@ -83,12 +84,6 @@ class EnergySpeech:
                 pause_after_ms=pause_after_ms,
             )
 
-    async def room(self) -> None:
-        """Never behind: `feed` decides at once."""
-
-    def watch_words(self, again: bool = False) -> None:
-        """Speech over an answer interrupts at once here (no minimum to confirm)."""
-
     def feed(self, samples: np.ndarray) -> None:
         if self.detector is None:
             return
@@ -99,21 +94,14 @@ class EnergySpeech:
         probs = (np.sqrt((chunks**2).mean(axis=1)) > 0.05).astype(np.float32)
         for d in self.detector.push(probs):
             if isinstance(d, SpeechStarted):
-                event = SpeechEvent("started", self.start_ms + d.audio_start_ms)
+                event = SpeechDecision("started", self.start_ms + d.audio_start_ms)
             elif isinstance(d, SpeechPaused):
-                event = SpeechEvent("paused", self.start_ms + d.audio_end_ms)
+                event = SpeechDecision("paused", self.start_ms + d.audio_end_ms)
             elif isinstance(d, SpeechResumed):
-                event = SpeechEvent("resumed", self.start_ms + d.detected_ms)
+                event = SpeechDecision("resumed", self.start_ms + d.detected_ms)
             else:
-                event = SpeechEvent("stopped", self.start_ms + d.audio_end_ms)
-            self.queue.put_nowait(event)
-
-    async def events(self) -> AsyncIterator[SpeechEvent]:
-        while (event := await self.queue.get()) is not None:
-            yield event
-
-    async def close(self) -> None:
-        self.queue.put_nowait(None)
+                event = SpeechDecision("stopped", self.start_ms + d.audio_end_ms)
+            self.emit(event)
 
 
 class FakeBackend(IdleBackend):
@@ -131,11 +119,9 @@ class FakeBackend(IdleBackend):
     def open_session(self, session_id: str) -> ScriptedSession:
         reply = speaks(self.words, self.chunk_ms, self.delay)
         session = ScriptedSession(reply, closed=self.session_closed)
+        session.speech = EnergySpeech(session.put)
         self.sessions.append(session)
         return session
-
-    def open_speech(self, session_id: str) -> EnergySpeech:
-        return EnergySpeech()
 
 
 async def start_server(backend: FakeBackend | None = None, **config: Any) -> GatewayServer:

@@ -52,9 +52,6 @@ class CountingBackend(IdleBackend):
     def open_session(self, session_id: str) -> None:
         raise AssertionError("this test opens no session")
 
-    def open_speech(self, session_id: str) -> None:
-        raise AssertionError("this test opens no session")
-
 
 def scrape(port: int) -> Samples:
     """Every sample of /metrics, keyed by (name, sorted labels)."""

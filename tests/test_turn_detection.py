@@ -14,7 +14,9 @@ import pytest
 from pydantic import ValidationError
 
 from engine.asr_request import AsrRequest, Transcription
+from engine.listener import HeardAudio
 from engine.stage import StageOutput
+from engine.turn_words import ends_unsure, is_backchannel, sounds_unfinished, sounds_unsure
 from gateway.actions import (
     CancelResponse,
     ConfigureVad,
@@ -22,13 +24,12 @@ from gateway.actions import (
     StartResponse,
     WatchWords,
 )
-from gateway.backend import ResponseDone, ResponseOutput, SpeechEvent
+from gateway.backend import ResponseDone, ResponseOutput, SpeechDecision
 from gateway.config import GatewayConfig, TurnSettings
 from gateway.realtime import RealtimeSession
 from gateway.session_config import TurnDetection
-from gateway.turn_detection import EngineSpeechSource
-from gateway.turn_words import ends_unsure, is_backchannel, sounds_unfinished, sounds_unsure
 from tests.helpers import wait_until
+from tests.speech_harness import DetectionHarness
 
 T = TypeVar("T")
 
@@ -280,8 +281,8 @@ class ScriptedEngine:
         self.vad.put_nowait(StageOutput("vad", np.array(probabilities, np.float32)))
 
 
-async def decisions(source: EngineSpeechSource, count: int) -> list[SpeechEvent]:
-    out: list[SpeechEvent] = []
+async def decisions(source: DetectionHarness, count: int) -> list[SpeechDecision]:
+    out: list[SpeechDecision] = []
     async with asyncio.timeout(5):
         async for event in source.events():
             out.append(event)
@@ -290,8 +291,8 @@ async def decisions(source: EngineSpeechSource, count: int) -> list[SpeechEvent]
     return out
 
 
-def semantic_source(engine: ScriptedEngine, **turns: Any) -> EngineSpeechSource:
-    source = EngineSpeechSource(engine, "s", TurnSettings(**turns))
+def semantic_source(engine: ScriptedEngine, **turns: Any) -> DetectionHarness:
+    source = DetectionHarness(engine, "s", TurnSettings(**turns))
     settings = TurnDetection(type="semantic_vad", eagerness="auto")
     source.configure(settings, start_ms=0, pause_after_ms=160)
     source.feed(np.zeros(16000 * 3, np.float32))
@@ -403,10 +404,10 @@ async def test_an_unsure_ending_waits_part_of_the_cap_then_ends() -> None:
 
 async def speech_over_an_answer(
     engine: ScriptedEngine, min_interruption_ms: int = 1000
-) -> tuple[EngineSpeechSource, SpeechEvent]:
+) -> tuple[DetectionHarness, SpeechDecision]:
     """A source whose speech started (one chunk heard) while an answer was running."""
     turns = TurnSettings(min_interruption_ms=min_interruption_ms, interruption_words_after_ms=256)
-    source = EngineSpeechSource(engine, "s", turns)
+    source = DetectionHarness(engine, "s", turns)
     source.configure(TurnDetection(), start_ms=0)
     source.feed(np.zeros(32000, np.float32))
     engine.push(0.9)
@@ -510,7 +511,7 @@ async def test_speech_over_an_answer_is_checked_once_at_a_time() -> None:
 
 async def test_words_are_checked_only_when_asked() -> None:
     engine = ScriptedEngine(score=0.1, transcript="Wait, stop")
-    source = EngineSpeechSource(
+    source = DetectionHarness(
         engine, "s", TurnSettings(min_interruption_ms=1000, interruption_words_after_ms=256)
     )
     source.configure(TurnDetection(), start_ms=0)
@@ -535,16 +536,17 @@ def test_a_backchannel_stays_no_turn_when_the_answer_ends_meanwhile() -> None:
     assert not [a for a in rt.actions() if isinstance(a, StartResponse)]
 
 
-def test_the_audio_kept_for_scoring_is_the_newest_in_order() -> None:
-    from gateway.recent_audio import KEEP_FOR_SCORING_SAMPLES, RecentAudio
-
-    recent = RecentAudio()
-    fed = np.arange(3 * KEEP_FOR_SCORING_SAMPLES + 123, dtype=np.float32)
+def test_the_audio_heard_is_clipped_in_order_across_appends() -> None:
+    heard = HeardAudio()
+    fed = np.arange(3 * 16_000 + 123, dtype=np.float32)
     for i in range(0, len(fed), 640):  # 40 ms appends
-        recent.append(fed[i : i + 640])
-    end_ms = len(fed) // 16
-    expected = fed[(end_ms - 8000) * 16 : end_ms * 16]
-    np.testing.assert_array_equal(recent.clip(end_ms - 8000, end_ms), expected)
+        heard.append(fed[i : i + 640])
+    heard.keep_from(16_000 + 5)
+    np.testing.assert_array_equal(heard.between(20_000, 40_321), fed[20_000:40_321])
+    # Whole appends are let go: the one that holds sample 16,005 is kept entire.
+    np.testing.assert_array_equal(heard.between(0, 16_100), fed[16_000:16_100])
+    np.testing.assert_array_equal(heard.since(48_000), fed[48_000:])
+    assert heard.between(60_000, 70_000).size == 0
 
 
 async def test_a_turn_scored_again_ends_when_the_model_changes_its_mind() -> None:

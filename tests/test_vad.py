@@ -20,11 +20,11 @@ from engine.core import AsyncEngine, EngineCore
 from engine.models import silero, silero_onnx
 from engine.speech_detector import SpeechDetector, SpeechStarted, SpeechStopped
 from engine.vad import SileroVad, VadStage, VadState
-from gateway.backend import SpeechEvent
+from engine.vad_feeder import FEED_PIECE_SAMPLES, MAX_QUEUED_SAMPLES, MAX_UNHEARD_SAMPLES
+from gateway.backend import SpeechDecision
 from gateway.session_config import TurnDetection
-from gateway.turn_detection import EngineSpeechSource
-from gateway.vad_feeder import FEED_PIECE_SAMPLES, MAX_QUEUED_SAMPLES, MAX_UNHEARD_SAMPLES
 from tests.helpers import read_audio, running_gateway
+from tests.speech_harness import DetectionHarness
 
 RATE = 16000
 CHUNK = 512
@@ -386,7 +386,7 @@ def _tone(ms: int) -> np.ndarray:
     return (0.5 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
 
 
-async def _decisions(source: EngineSpeechSource, count: int) -> list[SpeechEvent]:
+async def _decisions(source: DetectionHarness, count: int) -> list[SpeechDecision]:
     events = source.events()
     return [await asyncio.wait_for(anext(events), timeout=20) for _ in range(count)]
 
@@ -406,7 +406,7 @@ async def test_server_vad_hears_all_of_an_append_longer_than_the_stage_holds(
     engine_ = AsyncEngine(core)
     core.start()
     try:
-        source = EngineSpeechSource(engine_, "s1")
+        source = DetectionHarness(engine_, "s1")
         source.configure(_detection(), start_ms=1000.0)
         source.feed(np.concatenate([_silence(40_000), _tone(1000), _silence(1000)]))
         started, stopped = await _decisions(source, 2)
@@ -423,7 +423,7 @@ async def test_a_new_vad_stream_does_not_wait_on_the_audio_of_the_old() -> None:
     engine_ = AsyncEngine(core)
     core.start()
     try:
-        source = EngineSpeechSource(engine_, "s1")
+        source = DetectionHarness(engine_, "s1")
         source.configure(_detection(), start_ms=0.0)
         source.feed(_silence(60_000))
         source.configure(_detection(), start_ms=60_000.0)  # while that audio is fed
@@ -453,7 +453,7 @@ async def test_a_client_ahead_of_the_vad_is_read_again_once_it_has_caught_up() -
     engine_ = AsyncEngine(core)
     core.start()
     try:
-        source = EngineSpeechSource(engine_, "s1")
+        source = DetectionHarness(engine_, "s1")
         source.configure(_detection(), start_ms=0.0)
         source.feed(_silence(1000))
         await source.room()  # within the bound: at once
@@ -481,7 +481,7 @@ async def test_real_vad_finds_speech_at_the_end_of_a_40_s_append(
     engine_ = AsyncEngine(core)
     core.start()
     try:
-        source = EngineSpeechSource(engine_, "s1")
+        source = DetectionHarness(engine_, "s1")
         source.configure(TurnDetection(prefix_padding_ms=0), start_ms=0.0)
         source.feed(np.concatenate([_silence(lead_ms), speech, _silence(1500)]))
         started, stopped = await _decisions(source, 2)

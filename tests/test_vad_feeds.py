@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engine.vad import VadStage
-from gateway.vad_feeds import VadFeeds
+from engine.vad_feeds import VadFeeds
 
 T = TypeVar("T")
 

@@ -13,7 +13,6 @@ that sends audio faster than it can be heard is slowed down by TCP, never given 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol, TypeVar
@@ -21,7 +20,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 
 from engine.stage import StageOutput
-from gateway.vad_feeds import VadStage, vad_feeds
+from engine.vad_feeds import VadStage, vad_feeds
 
 __all__ = [
     "FEED_PIECE_SAMPLES",
@@ -47,7 +46,7 @@ T = TypeVar("T")
 
 
 class VadEngine(Protocol):
-    """The part of `engine.core.AsyncEngine` server VAD (and /metrics) uses."""
+    """The part of `engine.core.AsyncEngine` speech detection uses."""
 
     def stream(self, stage: str, request_id: str, inputs: object) -> AsyncIterator[StageOutput]:
         """Open a request on `stage`; its outputs until the finished one."""
@@ -57,9 +56,6 @@ class VadEngine(Protocol):
 
     def abort(self, stage: str, request_id: str) -> None:
         """Stop a request; its stream ends."""
-
-    def pending(self) -> dict[str, int]:
-        """Requests accepted and not yet finished, per stage."""
 
 
 class FeedProgress:
@@ -119,10 +115,8 @@ class VadFeeder:
         """Wait until the queued audio is back within `MAX_QUEUED_SAMPLES`."""
         await self._caught_up.wait()
 
-    async def close(self) -> None:
+    def close(self) -> None:
         self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
         self._caught_up.set()  # nothing will be fed any more: nobody may wait for it
 
     async def _feed_loop(self) -> None:

@@ -1,6 +1,8 @@
-"""Server VAD glue: the engine's VAD stage gives speech probabilities per 32 ms chunk, a
-`SpeechDetector` turns them into start/stop decisions (and, with `pause_after_ms`, the
-pauses that may become a stop) on the session clock.
+"""A session's speech detection, run by its resident stage-0 request (`engine.listener`):
+the engine's VAD stage gives speech probabilities per 32 ms chunk, a `SpeechDetector`
+turns them into start/stop decisions (and, with `pause_after_ms`, the pauses that may
+become a stop) on the session clock. The settings come as a `duplex.appends.Detect`, the
+decisions go out as `duplex.events.SpeechDecision`s.
 
 semantic_vad uses the same detector with the eagerness's longest wait as its silence:
 when a silence reaches `semantic_words_after_ms`, the ASR stage transcribes the speech
@@ -18,13 +20,15 @@ are transcribed once per silence (they cannot change while it lasts), and words 
 stop mid-sentence end the scoring of that silence.
 
 With `min_interruption_ms`, each speech also reports once that it is `confirmed` (heard
-that long); the gateway interrupts the assistant only then.
+that long, or earlier once `WatchWords` asked for its words and they are more than a
+backchannel); the gateway interrupts the assistant only then.
 
 Each (re)configuration opens a fresh VAD stream and detector, so new settings apply from
 the next appended audio and never to a half-detected utterance.
 
 The VAD hears every appended sample, within bounds on the audio it has not heard yet
-(`gateway.vad_feeder`).
+(`engine.vad_feeder`). The audio the checks look back at is the listener's, the one copy
+the engine keeps of the session's input (`clip`).
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
 
+from duplex.appends import Detect
+from duplex.events import SpeechDecision
 from engine.asr_request import AsrRequest, Transcription
 from engine.speech_detector import (
     SpeechConfirmed,
@@ -48,38 +54,38 @@ from engine.speech_detector import (
     SpeechStopped,
 )
 from engine.stage import StageOutput
-from gateway.backend import SpeechEvent
-from gateway.config import TurnSettings
-from gateway.recent_audio import SAMPLES_PER_MS, RecentAudio
-from gateway.session_config import TurnDetection
-from gateway.turn_words import is_backchannel, sounds_unfinished, sounds_unsure
-from gateway.vad_feeder import FeedProgress, VadEngine, VadFeeder
+from engine.turn_words import is_backchannel, sounds_unfinished, sounds_unsure
+from engine.vad_feeder import FeedProgress, VadEngine, VadFeeder
 
-__all__ = ["EngineSpeechSource"]
+__all__ = ["CANDIDATE_SILENCE_MS", "SAMPLES_PER_MS", "SpeechDetection"]
 
 logger = logging.getLogger(__name__)
 
-# How long a silence ends speech heard over a running answer, in either mode.
-CANDIDATE_SILENCE_MS = TurnDetection().silence_duration_ms
+SAMPLES_PER_MS = 16
+# How long a silence ends speech heard over a running answer, in either mode: server
+# VAD's default silence.
+CANDIDATE_SILENCE_MS = 500
+
+# The audio between two times of the detection's stream (ms since it was configured).
+Clip = Callable[[int, int], np.ndarray]
+Emit = Callable[[SpeechDecision], None]
 
 
-class EngineSpeechSource:
-    def __init__(
-        self, engine: VadEngine, session_id: str, turns: TurnSettings | None = None
-    ) -> None:
+class SpeechDetection:
+    """One session's speech detection (see the module docstring). `clip` gives the
+    audio heard between two stream times, `emit` takes each decision in order."""
+
+    def __init__(self, engine: VadEngine, session_id: str, clip: Clip, emit: Emit) -> None:
         self._engine = engine
         self._session_id = session_id
-        self._turns = turns or TurnSettings()
-        self._audio = RecentAudio()
+        self._clip = clip
+        self._emit = emit
         self._scoring: set[asyncio.Task[None]] = set()
         self._serial = itertools.count()
-        self._events: asyncio.Queue[SpeechEvent | None] = asyncio.Queue()
         self._reader: asyncio.Task[None] | None = None
         self._feeder = VadFeeder(engine)
         self._closed = False
-        self._semantic = False
-        self._unsure_wait_ms = 0  # silence an unsure ending needs (semantic_unsure_wait)
-        self._stream_start_ms = 0.0
+        self._detect = Detect(enabled=False)
         self._watch_words = False  # the speech under way is a candidate interruption
         self._reopen = False  # its confirmation did not count: confirm it afresh
         # (silence start, silence length at which the turn is next scored)
@@ -93,29 +99,28 @@ class EngineSpeechSource:
         self._turn_score: asyncio.Task[None] | None = None
         self._words_check: asyncio.Task[None] | None = None  # the latest interruption check
 
-    def configure(
-        self, settings: TurnDetection | None, start_ms: float, pause_after_ms: int | None = None
-    ) -> None:
+    @property
+    def enabled(self) -> bool:
+        return self._detect.enabled and not self._closed
+
+    def configure(self, detect: Detect) -> None:
+        """Start over with `detect` (a fresh VAD stream and detector, so new settings
+        apply from the next fed audio), or stop (`detect.enabled` False)."""
         self._stop_stream()
-        if settings is None or self._closed:
+        self._detect = detect
+        if not detect.enabled or self._closed:
             return
-        semantic = settings.semantic
-        confirm = self._turns.min_interruption_ms or None
         detector = SpeechDetector(
-            threshold=settings.threshold,
-            prefix_padding_ms=settings.prefix_padding_ms,
-            silence_duration_ms=settings.max_wait_ms if semantic else settings.silence_duration_ms,
-            pause_after_ms=pause_after_ms,
-            confirm_after_ms=confirm,
+            threshold=detect.threshold,
+            prefix_padding_ms=detect.prefix_padding_ms,
+            silence_duration_ms=detect.silence_ms,
+            pause_after_ms=detect.pause_after_ms,
+            confirm_after_ms=detect.min_interruption_ms or None,
         )
-        self._semantic = semantic
-        self._unsure_wait_ms = int(settings.max_wait_ms * self._turns.semantic_unsure_wait)
-        self._audio = RecentAudio()
-        self._stream_start_ms = start_ms
         stream_id = f"{self._session_id}.vad{next(self._serial)}"
         progress = self._feeder.open(stream_id)
         outputs = self._engine.stream("vad", stream_id, None)
-        reading = self._read(outputs, detector, start_ms, progress)
+        reading = self._read(outputs, detector, detect.start_ms, progress)
         self._reader = asyncio.create_task(reading, name="vad-read")
 
     @property
@@ -129,23 +134,18 @@ class EngineSpeechSource:
 
     def feed(self, samples: np.ndarray) -> None:
         if self._feeder.stream_id is not None and samples.size:
-            self._audio.append(samples)
             self._feeder.put(samples)
 
     async def room(self) -> None:
         await self._feeder.room()
 
-    async def events(self) -> AsyncIterator[SpeechEvent]:
-        while (event := await self._events.get()) is not None:
-            yield event
-
-    async def close(self) -> None:
+    def close(self) -> None:
+        """Stop detecting for good: nothing more is emitted; idempotent."""
         if self._closed:
             return
         self._closed = True
         self._stop_stream()
-        await self._feeder.close()
-        self._events.put_nowait(None)
+        self._feeder.close()
 
     def _stop_stream(self) -> None:
         for task in self._scoring:
@@ -181,7 +181,7 @@ class EngineSpeechSource:
         progress: FeedProgress,
     ) -> None:
         speech_start_ms = 0
-        next_word_check_ms = self._turns.interruption_words_after_ms
+        next_word_check_ms = self._detect.interruption_words_after_ms
         async for output in outputs:
             if output.error:
                 logger.warning("VAD stream failed: %s", output.error)
@@ -192,24 +192,24 @@ class EngineSpeechSource:
                 if isinstance(decision, SpeechStarted):
                     speech_start_ms = decision.audio_start_ms
                     self._watch_words = self._reopen = False
-                    event = SpeechEvent("started", start_ms + decision.audio_start_ms)
+                    event = SpeechDecision("started", start_ms + decision.audio_start_ms)
                 elif isinstance(decision, SpeechConfirmed):
-                    event = SpeechEvent("confirmed", start_ms + decision.audio_start_ms)
+                    event = SpeechDecision("confirmed", start_ms + decision.audio_start_ms)
                 elif isinstance(decision, SpeechPaused):
                     if self._pause_waits_for_words():
                         continue  # announced with the words (`_announce_pause`)
-                    event = SpeechEvent("paused", start_ms + decision.audio_end_ms)
+                    event = SpeechDecision("paused", start_ms + decision.audio_end_ms)
                 elif isinstance(decision, SpeechResumed):
-                    event = SpeechEvent("resumed", start_ms + decision.detected_ms)
+                    event = SpeechDecision("resumed", start_ms + decision.detected_ms)
                 else:
-                    event = SpeechEvent("stopped", start_ms + decision.audio_end_ms)
-                self._events.put_nowait(event)
+                    event = SpeechDecision("stopped", start_ms + decision.audio_end_ms)
+                self._emit(event)
             if self._reopen:
                 self._reopen = False
                 detector.reopen()
                 next_word_check_ms = detector.heard_ms
             next_word_check_ms = self._check_words(detector, speech_start_ms, next_word_check_ms)
-            if self._semantic:
+            if self._detect.semantic:
                 self._follow_silence(detector, speech_start_ms, start_ms)
 
     def _follow_silence(
@@ -232,12 +232,12 @@ class EngineSpeechSource:
             if silence >= CANDIDATE_SILENCE_MS:
                 stop = detector.end_silence()
                 if stop is not None:
-                    self._events.put_nowait(SpeechEvent("stopped", start_ms + stop.audio_end_ms))
+                    self._emit(SpeechDecision("stopped", start_ms + stop.audio_end_ms))
             return
-        if silence >= self._turns.semantic_words_after_ms:
+        if silence >= self._detect.words_after_ms:
             self._ask_words(silent_since, speech_start_ms, detector)
         if self._next_score is None or self._next_score[0] != silent_since:
-            self._next_score = (silent_since, self._turns.semantic_score_after_ms)
+            self._next_score = (silent_since, self._detect.score_after_ms)
         if silence < self._next_score[1]:
             return
         if self._turn_score is not None and not self._turn_score.done():
@@ -247,9 +247,9 @@ class EngineSpeechSource:
             # The words first: the answer is prepared from them, so they are on the way
             # to its first audio, and a score taken beside them would slow them down.
             return
-        rescore = self._turns.semantic_rescore_ms
+        rescore = self._detect.rescore_ms
         self._next_score = (silent_since, self._next_score[1] + rescore if rescore else 10**9)
-        clip = self._audio.clip(speech_start_ms, detector.position_ms)
+        clip = self._clip(speech_start_ms, detector.position_ms)
         self._score(clip, detector, silent_since, silence, start_ms)
 
     def _check_words(
@@ -257,8 +257,8 @@ class EngineSpeechSource:
     ) -> int | None:
         """Transcribe the speech under way once it has been heard `due_ms`; returns when
         the next check is due (a new speech starts the count again)."""
-        every = self._turns.interruption_words_after_ms
-        limit = self._turns.min_interruption_ms
+        every = self._detect.interruption_words_after_ms
+        limit = self._detect.min_interruption_ms
         if every is None or due_ms is None:
             return due_ms
         if not detector.speaking:
@@ -275,7 +275,7 @@ class EngineSpeechSource:
             # One check at a time: on a busy engine, checks queued behind each other
             # would each answer later; the next one hears more speech instead.
             return due_ms
-        clip = self._audio.clip(speech_start_ms, detector.position_ms)
+        clip = self._clip(speech_start_ms, detector.position_ms)
         request_id = f"{self._session_id}.words{next(self._serial)}"
         task = asyncio.create_task(
             self._confirm_if_meant(request_id, clip, detector, detector.speech_number),
@@ -306,8 +306,8 @@ class EngineSpeechSource:
         if detector.speech_number == speech:
             confirmed = detector.confirm()
             if confirmed is not None:
-                start = self._stream_start_ms + confirmed.audio_start_ms
-                self._events.put_nowait(SpeechEvent("confirmed", start))
+                start = self._detect.start_ms + confirmed.audio_start_ms
+                self._emit(SpeechDecision("confirmed", start))
 
     def _score(
         self,
@@ -363,25 +363,25 @@ class EngineSpeechSource:
             self._stop_scoring(silence_ms)
             return  # the words will not change in this silence: it lasts to the cap
         unsure = heard is not None and sounds_unsure(heard.text, heard.logprobs)
-        if unsure and silent_for_ms < self._unsure_wait_ms:
+        if unsure and silent_for_ms < self._detect.unsure_wait_ms:
             # Maybe a cut phrase whisper completed: the speaker gets time to go on.
-            self._score_again_at(silence_ms, self._unsure_wait_ms)
+            self._score_again_at(silence_ms, self._detect.unsure_wait_ms)
             return
-        if probability is None or probability < self._turns.semantic_complete_threshold:
+        if probability is None or probability < self._detect.complete_threshold:
             return  # incomplete: the detector ends the turn at the eagerness's longest wait
         if detector.silent_since_ms != silence_ms:
             return  # the speaker went on (or the turn already ended)
         stop: SpeechStopped | None = detector.end_silence()
         if stop is not None:
-            self._events.put_nowait(SpeechEvent("stopped", start_ms + stop.audio_end_ms))
+            self._emit(SpeechDecision("stopped", start_ms + stop.audio_end_ms))
 
     def _ask_words(self, silence_ms: int, speech_start_ms: int, detector: SpeechDetector) -> None:
         """Have the speech before the silence at `silence_ms` transcribed, once: the
         words do not change while the silence lasts, so its scorings share them."""
-        if not self._turns.semantic_words or self._words_of(silence_ms) is not None:
+        if not self._detect.words or self._words_of(silence_ms) is not None:
             return
         self._forget_words()
-        clip = self._audio.clip(speech_start_ms, detector.position_ms)
+        clip = self._clip(speech_start_ms, detector.position_ms)
         request_id = f"{self._session_id}.turnwords{next(self._serial)}"
         request = AsrRequest(clip, logprobs=True)  # how sure it is of the end
         words = self._result("asr", request_id, request)
@@ -399,7 +399,7 @@ class EngineSpeechSource:
         """semantic_vad transcribes the speech before each silence it scores: the pause
         is announced once those words are in, with them, so that the answer prepared in
         the silence starts from them and does not transcribe the same speech again."""
-        return self._semantic and self._turns.semantic_words and not self._watch_words
+        return self._detect.semantic and self._detect.words and not self._watch_words
 
     def _words_in(
         self,
@@ -412,7 +412,7 @@ class EngineSpeechSource:
             return  # the stream it was asked for closed since (a done task ignores cancel)
         self._announce_pause(silence_ms, None if words.exception() else words.result(), detector)
         if detector.silent_since_ms == silence_ms:  # a score that waited for them is due
-            self._follow_silence(detector, speech_start_ms, self._stream_start_ms)
+            self._follow_silence(detector, speech_start_ms, self._detect.start_ms)
 
     def _announce_pause(
         self, silence_ms: int, heard: Transcription | None, detector: SpeechDetector
@@ -428,9 +428,7 @@ class EngineSpeechSource:
             detector.position_ms - silence_ms,
             text,
         )
-        self._events.put_nowait(
-            SpeechEvent("paused", self._stream_start_ms + silence_ms, words=text)
-        )
+        self._emit(SpeechDecision("paused", self._detect.start_ms + silence_ms, words=text))
 
     def _forget_words(self) -> None:
         if self._silence_words is not None:

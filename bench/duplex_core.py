@@ -29,14 +29,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from duplex.contracts import DuplexAppendPlan  # noqa: E402
 from duplex.events import TurnDone, TurnOutput  # noqa: E402
 from duplex.manager import DuplexSessionHandle, DuplexSessionManager  # noqa: E402
 from duplex.outputs import DuplexStageOutput  # noqa: E402
 from duplex.session import DuplexSession  # noqa: E402
+from duplex.turn import Stage, TurnRequest  # noqa: E402
 from tests.fakes import FakeStagePort  # noqa: E402
 
-PLAN = DuplexAppendPlan({"text": "hello"})
+TURN = TurnRequest(final=Stage.TTS, text="hello")
+PLAN = TURN.plan()
 CHUNK_MS = 40
 
 
@@ -108,7 +109,7 @@ async def bench_manager(turns: int, chunks_per_turn: int) -> dict[str, object]:
 
 
 async def _start(handle: DuplexSessionHandle) -> str:
-    turn = handle.start_turn(PLAN, entry_stage_id=1, final_stage_id=2)
+    turn = handle.start_turn(TURN)
     await handle.settled()
     return next(r for r in handle.owned_request_ids if r.endswith(f"stage2-turn{turn}"))
 
@@ -121,7 +122,7 @@ async def bench_memory(sessions: int) -> int:
     before = tracemalloc.get_traced_memory()[0]
     handles = [manager.open() for _ in range(sessions)]
     for handle in handles:
-        handle.start_turn(PLAN, entry_stage_id=1, final_stage_id=2)
+        handle.start_turn(TURN)
         await handle.settled()
     gc.collect()
     used = tracemalloc.get_traced_memory()[0] - before

@@ -16,6 +16,11 @@ Rules of this module:
 3. Parsers are total: any malformed input (wrong part count, non-canonical base64,
    non-decimal epoch, a bad role, a non-string) yields `None` (or `False`/`[]`),
    never an exception. Builders raise `ValueError` on invalid input.
+4. This module is the seed's public contract and is kept whole, as API for other stage
+   ports and callers: `DuplexOutputContext`, `DuplexRequestIdentity`,
+   `duplex_data_plane_request_info` and `duplex_resource_request_belongs_to_session` are
+   part of it though the gateway and the engine do not call them (`tests/test_contracts.py`
+   does).
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ from duplex.actions import (
     SessionStep,
     SubmitRequest,
 )
-from duplex.contracts import DuplexAppendPlan, DuplexFence, duplex_session_id_from_request_id
+from duplex.appends import Append
+from duplex.contracts import DuplexFence, duplex_session_id_from_request_id
 from duplex.errors import (
     DuplexBackpressureError,
     DuplexCapacityError,
@@ -60,6 +61,7 @@ from duplex.events import (
 from duplex.outputs import DuplexStageOutput, DuplexStreamingStagePort
 from duplex.session import DuplexSession
 from duplex.state import SessionState
+from duplex.turn import TurnRequest
 
 __all__ = ["DEFAULT_MAX_EVENTS", "DuplexSessionHandle", "DuplexSessionManager"]
 
@@ -150,22 +152,17 @@ class DuplexSessionHandle:
     # -- commands ---------------------------------------------------------------------
 
     def start_turn(
-        self,
-        plan: DuplexAppendPlan,
-        *,
-        entry_stage_id: int,
-        final_stage_id: int,
-        tag: str | None = None,
-        conversation: bool = True,
+        self, turn: TurnRequest, *, tag: str | None = None, conversation: bool = True
     ) -> int:
-        """Start `plan` as a new turn named `tag` (see `DuplexSession.start_turn`);
-        returns its `turn_id`. Its outputs and its one `TurnDone` arrive through
-        `events()`; a failed submission ends the turn with a failed `TurnDone`.
+        """Start `turn` as a new turn named `tag`, through the stages its fields call for
+        (`TurnRequest.entry` to `.final`; see `DuplexSession.start_turn`); returns its
+        `turn_id`. Its outputs and its one `TurnDone` arrive through `events()`; a failed
+        submission ends the turn with a failed `TurnDone`.
 
         Raises:
             DuplexStateError: the conversation has a running turn, or the session is closed.
             DuplexBackpressureError: the event queue is full.
-            ValueError: invalid plan or stage range.
+            ValueError: the turn's stages are beyond the port's.
         """
         if self._outputs_queued >= self._max_events and not self.closed:
             raise DuplexBackpressureError(
@@ -174,9 +171,9 @@ class DuplexSessionHandle:
         turn_id = self._session.turn_id
         self._spawn(
             self._session.start_turn(
-                plan,
-                entry_stage_id=entry_stage_id,
-                final_stage_id=final_stage_id,
+                turn.plan(),
+                entry_stage_id=turn.entry,
+                final_stage_id=turn.final,
                 tag=tag,
                 conversation=conversation,
             )
@@ -187,30 +184,28 @@ class DuplexSessionHandle:
         """End a turn that could not start with a failed `TurnDone`, in queue order."""
         self._deliver(self._session.reject_turn(tag, error))
 
-    def prepare_turn(
-        self, plan: DuplexAppendPlan, *, entry_stage_id: int, final_stage_id: int
-    ) -> None:
-        """Let the port work ahead on the turn `start_turn` with these arguments would
+    def prepare_turn(self, turn: TurnRequest) -> None:
+        """Let the port work ahead on the conversation turn `start_turn(turn)` would
         start; the outputs appear only if that turn is then started.
 
         Raises: as `start_turn` (ValueError, DuplexStateError), without changing anything.
         """
-        turn = self._session.prepare_turn(
-            plan, entry_stage_id=entry_stage_id, final_stage_id=final_stage_id
+        prepared = self._session.prepare_turn(
+            turn.plan(), entry_stage_id=turn.entry, final_stage_id=turn.final
         )
-        self._manager.port.prepare_turn(turn)
+        self._manager.port.prepare_turn(prepared)
 
     def discard_prepared(self) -> None:
         """Stop work the port did ahead for this session, if any."""
         self._manager.port.discard_prepared(self.session_id)
 
-    def append(self, plan: DuplexAppendPlan) -> None:
-        """Submit `plan` (a `duplex.appends` value's plan) to the session's resident
-        stage-0 request (see `DuplexSession.append`).
+    def append(self, value: Append) -> None:
+        """Submit `value` to the session's resident stage-0 request, as its plan (see
+        `duplex.appends` and `DuplexSession.append`).
 
         Raises: as `DuplexSession.append` (ValueError, DuplexStateError).
         """
-        self._spawn(self._session.append(plan))
+        self._spawn(self._session.append(value.plan()))
 
     def barge_in(self) -> bool:
         """Cancel the conversation's turn because the user spoke; False if none ran."""

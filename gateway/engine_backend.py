@@ -65,21 +65,13 @@ class EngineBackendSession:
 
     def start(self, response_id: str, turn: TurnRequest, *, conversation: bool) -> None:
         try:
-            self._handle.start_turn(
-                turn.plan(),
-                entry_stage_id=turn.entry,
-                final_stage_id=turn.final,
-                tag=response_id,
-                conversation=conversation,
-            )
+            self._handle.start_turn(turn, tag=response_id, conversation=conversation)
         except (DuplexError, ValueError) as exc:
             self._handle.reject_turn(response_id, str(exc))
 
     def prepare(self, turn: TurnRequest) -> None:
         try:
-            self._handle.prepare_turn(
-                turn.plan(), entry_stage_id=turn.entry, final_stage_id=turn.final
-            )
+            self._handle.prepare_turn(turn)
         except (DuplexError, ValueError) as exc:
             # Only an optimisation: the turn itself reports what is wrong when it starts.
             logger.debug("turn not prepared on %s: %s", self._handle.session_id, exc)
@@ -128,7 +120,7 @@ class EngineBackendSession:
 
     def _append(self, value: Append) -> None:
         try:
-            self._handle.append(value.plan())
+            self._handle.append(value)
         except DuplexError as exc:  # closing: nothing more is heard
             logger.debug("append dropped on %s: %s", self._handle.session_id, exc)
 

@@ -6,7 +6,7 @@ test pushes. Scripted behaviour covers what a real engine does wrong or slowly:
     port = FakeStagePort()
     manager = DuplexSessionManager(port, max_sessions=4)
     handle = manager.open("s")
-    handle.start_turn(plan, entry_stage_id=0, final_stage_id=2)
+    handle.start_turn(TurnRequest(final=Stage.TTS, audio=samples))
     await handle.settled()
     asr, llm, tts = port.ids("s")
     port.push(asr, "transcript", "hello", finished=True)

@@ -21,7 +21,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from duplex.contracts import DuplexAppendPlan, duplex_session_id_from_request_id
+from duplex.contracts import duplex_session_id_from_request_id
 from duplex.errors import (
     DuplexBackpressureError,
     DuplexCapacityError,
@@ -34,7 +34,16 @@ from duplex.outputs import DuplexStageOutput, fence_from_request_id
 from duplex.turn import Stage, TurnRequest
 from tests.fakes import FakeStagePort
 
-PLAN = DuplexAppendPlan({"audio": b"\x00\x00\x00\x3f" * 160})
+AUDIO = b"\x00\x00\x00\x3f" * 160  # 10 ms of 0.5 at 16 kHz
+
+
+def turn_request(entry: int, final: int) -> TurnRequest:
+    """The request whose stages are `entry` to `final`: audio enters at ASR, text at LLM."""
+    if entry == Stage.ASR:
+        return TurnRequest(final=Stage(final), audio=AUDIO)
+    return TurnRequest(final=Stage(final), text="hello")
+
+
 T = TypeVar("T")
 
 
@@ -46,9 +55,7 @@ def start(
     tag: str | None = None,
     conversation: bool = True,
 ) -> int:
-    return handle.start_turn(
-        PLAN, entry_stage_id=entry, final_stage_id=final, tag=tag, conversation=conversation
-    )
+    return handle.start_turn(turn_request(entry, final), tag=tag, conversation=conversation)
 
 
 async def drain(handle: DuplexSessionHandle) -> list[DuplexEvent]:
@@ -204,7 +211,10 @@ async def test_voice_turn_end_to_end(manager: DuplexSessionManager, port: FakeSt
     ]
     assert all(c.session_config == {"voice": "joe"} for c in port.ensured)
     assert [s.context.request_id for s in port.submitted] == [asr]
-    assert port.submitted[0].resumable is False and port.submitted[0].prompt == PLAN.prompt
+    assert (
+        port.submitted[0].resumable is False
+        and port.submitted[0].prompt == turn_request(0, 2).plan().prompt
+    )
     emitted = [
         port.push(asr, "transcript", "what time is it", finished=True),
         port.push(llm, "text", "It is noon."),
@@ -831,9 +841,7 @@ async def real() -> AsyncIterator[tuple[DuplexSessionManager, Any]]:
 
 
 def start_request(handle: DuplexSessionHandle, request: TurnRequest) -> int:
-    return handle.start_turn(
-        request.plan(), entry_stage_id=request.entry, final_stage_id=request.final, tag="resp"
-    )
+    return handle.start_turn(request, tag="resp")
 
 
 async def events_until_done(stream: AsyncIterator[DuplexEvent]) -> list[DuplexEvent]:

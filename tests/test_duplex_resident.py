@@ -8,20 +8,21 @@ from __future__ import annotations
 import pytest
 
 from duplex.appends import Heard, Listen, UtteranceEnded, UtteranceStarted, read_append
-from duplex.contracts import DuplexAppendPlan, duplex_resource_request_id
 from duplex.contracts import DuplexFence as Fence
+from duplex.contracts import duplex_resource_request_id
 from duplex.errors import DuplexStateError
 from duplex.events import TurnDone, TurnOutput, UtteranceOutput
 from duplex.manager import DuplexSessionManager
-from duplex.session import DuplexSession
+from duplex.session import RESIDENT_ROLE, DuplexSession
+from duplex.turn import Stage, TurnRequest
 from tests.fakes import FakeStagePort
 
 FRAME = Heard(b"\x00\x00\x00\x3f" * 640)  # 40 ms at 16 kHz
-TURN = DuplexAppendPlan({"audio": b"\x00\x00\x00\x3f" * 160})
+TURN = TurnRequest(final=Stage.TTS, audio=b"\x00\x00\x00\x3f" * 160)
 
 
 def resident(session: str, epoch: int) -> str:
-    return duplex_resource_request_id(Fence(session, epoch), "stage0")
+    return duplex_resource_request_id(Fence(session, epoch), RESIDENT_ROLE)
 
 
 @pytest.fixture
@@ -56,7 +57,7 @@ async def test_the_first_append_of_an_epoch_opens_the_resident_request(
 ) -> None:
     handle = manager.open("s")
     for value in (Listen(), FRAME, UtteranceStarted("item_1", 0.0), FRAME):
-        handle.append(value.plan())
+        handle.append(value)
     await handle.settled()
     rid = resident("s", 0)
     assert rid.endswith(".e.0.r.stage0")
@@ -73,8 +74,8 @@ async def test_turns_stay_ephemeral_beside_the_resident_request(
     port: FakeStagePort, manager: DuplexSessionManager
 ) -> None:
     handle = manager.open("s")
-    handle.append(FRAME.plan())
-    handle.start_turn(TURN, entry_stage_id=0, final_stage_id=2, tag="resp")
+    handle.append(FRAME)
+    handle.start_turn(TURN, tag="resp")
     await handle.settled()
     roles = [c.request_id.rsplit(".", 1)[1] for c in port.ensured]
     assert roles == ["stage0", "stage0-turn0", "stage1-turn0", "stage2-turn0"]
@@ -87,12 +88,12 @@ async def test_a_barge_in_opens_a_new_epochs_resident_request(
     port: FakeStagePort, manager: DuplexSessionManager
 ) -> None:
     handle = manager.open("s")
-    handle.append(FRAME.plan())
-    handle.start_turn(TURN, entry_stage_id=0, final_stage_id=2, tag="resp")
+    handle.append(FRAME)
+    handle.start_turn(TURN, tag="resp")
     await handle.settled()
     assert handle.barge_in()
-    handle.append(UtteranceStarted("item_2", 40.0).plan())
-    handle.append(FRAME.plan())
+    handle.append(UtteranceStarted("item_2", 40.0))
+    handle.append(FRAME)
     await handle.settled()
     old, new = resident("s", 0), resident("s", 1)
     assert new.endswith(".e.1.r.stage0")
@@ -110,7 +111,7 @@ async def test_a_cancel_with_no_listening_session_reserves_nothing(
     port: FakeStagePort, manager: DuplexSessionManager
 ) -> None:
     handle = manager.open("s")
-    handle.start_turn(TURN, entry_stage_id=0, final_stage_id=2, tag="resp")
+    handle.start_turn(TURN, tag="resp")
     handle.barge_in()
     await handle.settled()
     assert not any(c.request_id.endswith(".r.stage0") for c in port.ensured)
@@ -121,14 +122,14 @@ async def test_deltas_of_the_epoch_are_events_and_stale_ones_are_dropped(
     port: FakeStagePort, manager: DuplexSessionManager
 ) -> None:
     handle = manager.open("s")
-    handle.append(FRAME.plan())
-    handle.start_turn(TURN, entry_stage_id=0, final_stage_id=2, tag="resp")
+    handle.append(FRAME)
+    handle.start_turn(TURN, tag="resp")
     await handle.settled()
     port.push(resident("s", 0), "transcript_delta", "Hello", utterance_id="item_1")
     handle.barge_in()
     port.push(resident("s", 0), "transcript_delta", " stale", utterance_id="item_1")
     port.push(resident("s", 1), "transcript_delta", " early", utterance_id="item_2")
-    handle.append(FRAME.plan())
+    handle.append(FRAME)
     await handle.settled()
     port.push(resident("s", 1), "transcript_delta", "Again", utterance_id="item_2")
     events = handle.take_events()

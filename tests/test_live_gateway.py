@@ -14,6 +14,7 @@ import pytest
 
 from duplex.contracts import DuplexFence, duplex_resource_request_id
 from duplex.manager import DuplexSessionManager
+from duplex.session import RESIDENT_ROLE
 from gateway.actions import (
     CancelResponse,
     EndUtterance,
@@ -193,7 +194,7 @@ async def test_the_engine_backend_appends_to_the_resident_request(port: FakeStag
     session.utterance_ended("item_1")
     session.listen(None)
     await manager.get("s").settled()  # type: ignore[union-attr]
-    rid = duplex_resource_request_id(DuplexFence("s"), "stage0")
+    rid = duplex_resource_request_id(DuplexFence("s"), RESIDENT_ROLE)
     prompts = [dict(s.prompt) for s in port.submitted]
     assert [p["append"] for p in prompts] == [
         "listen",

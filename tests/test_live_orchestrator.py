@@ -18,6 +18,7 @@ from duplex.contracts import (
     duplex_resource_request_id,
 )
 from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput
+from duplex.session import RESIDENT_ROLE
 from duplex.turn import Stage
 from engine.config import parse_config
 from engine.listener import LOOKBACK_S, SAMPLE_RATE
@@ -40,7 +41,7 @@ class Resident:
     def __init__(self, h: Harness, session: str = "s1", epoch: int = 0) -> None:
         self.h = h
         fence = DuplexFence(session, epoch)
-        self.rid = duplex_resource_request_id(fence, "stage0")
+        self.rid = duplex_resource_request_id(fence, RESIDENT_ROLE)
         self.context = DuplexStageRequestContext(
             request_id=self.rid,
             session_id=session,

@@ -220,19 +220,17 @@ async def test_the_session_handle_prepares_what_start_turn_would_submit() -> Non
     handle = manager.open("s1")
     handle.update_config({"voice": "joe"})
     request = turn(Stage.TTS, text="hi")
-    handle.prepare_turn(request.plan(), entry_stage_id=1, final_stage_id=2)
+    handle.prepare_turn(request)
     [prepared] = port.prepared
     assert (prepared.session_id, prepared.config_generation) == ("s1", 1)
     assert prepared.sampling_params == ("asr", "llm", "tts")
     assert TurnRequest.from_plan(prepared.prompt) == request
     assert (prepared.entry_stage_id, prepared.final_stage_id) == (1, 2)
-    with pytest.raises(ValueError):
-        handle.prepare_turn(request.plan(), entry_stage_id=2, final_stage_id=1)
     handle.discard_prepared()
     await handle.close()
     assert port.discarded == ["s1", "s1"]  # closing drops it too
     with pytest.raises(DuplexStateError):
-        handle.prepare_turn(request.plan(), entry_stage_id=1, final_stage_id=2)
+        handle.prepare_turn(request)
 
 
 # ---- for real: the gateway with its embedded models ----------------------------------

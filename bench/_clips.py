@@ -15,7 +15,7 @@ import soundfile as sf
 import soxr
 from _rooms import RATE
 
-from gateway.audio import ENGINE_RATE
+from gateway.protocol.audio import ENGINE_RATE
 
 FRAME = RATE * 40 // 1000  # one 40 ms append
 VOICE_DBFS = -24.0  # the user's (and the person's) active speech level at the microphone

@@ -26,9 +26,9 @@ from _clips import (
 from _rooms import RATE, ROOMS, Speakerphone
 from _speex import SpeexCanceller
 
-from gateway.audio import ENGINE_RATE
-from gateway.far_end import FarEnd
-from gateway.input_processing import InputProcessing
+from gateway.protocol.audio import ENGINE_RATE
+from gateway.session.far_end import FarEnd
+from gateway.session.input_processing import InputProcessing
 
 
 class Replayable(Protocol):
@@ -173,7 +173,7 @@ def process(
 
 
 def offline_rooms(rooms: int) -> dict[str, Any]:
-    from engine.vad import SileroVad
+    from engine.stages.vad import SileroVad
 
     vad = SileroVad.from_registry()
     far24 = espeak(STORY)
@@ -258,8 +258,8 @@ def headset_wer(texts: Sequence[str]) -> dict[str, Any]:
     """Each text (eSpeak NG at the user's level) spoken 1.5 s into a playing answer on a
     headset (no echo), transcribed by the engine's Whisper: as the microphone heard it,
     as AEC3 made it, and as the detectors hear it (`InputProcessing`'s output)."""
-    from engine import registry
-    from engine.asr import load_transcriber
+    from engine.stages.asr import load_transcriber
+    from engine.weights import registry
 
     transcriber = load_transcriber(registry.prepare("whisper-tiny.en", progress=False))
     far24 = espeak(STORY)

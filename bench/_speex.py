@@ -2,7 +2,7 @@
 candidate `bench/echo.py` measures against WebRTC's AEC3 on the same signals.
 
 The far end is fed frame by frame beside the near end, already placed on the session
-clock (as `gateway.far_end` places it); speex's adaptive filter must cover the rest of
+clock (as `gateway.session.far_end` places it); speex's adaptive filter must cover the rest of
 the delay, so its length is the longest delay the rooms have plus their reverberation.
 """
 

@@ -1,7 +1,7 @@
 """Whisper tiny.en speed: wall time and real-time factor of the engine's transcriber on
 a 2 s and a 10 s utterance (eSpeak NG speech), and on the 2 s one with the encoder forced
 to Whisper's full 30 s window. `wall_ms_2s_sgemm` is the 2 s utterance with few-row
-products through plain sgemm instead of the forwarder's kernels (`engine.gemv_forward`
+products through plain sgemm instead of the forwarder's kernels (`engine.native.gemv_forward`
 off), timed interleaved with `wall_ms_2s`.
 
     python bench/asr.py [--repeats 5] [--json]
@@ -30,8 +30,9 @@ import engine  # noqa: E402
 
 engine.setup()  # before anything imports mlx: the optimised BLAS
 
-from engine import gemv_forward, registry  # noqa: E402
-from engine.asr import Transcriber, load_transcriber  # noqa: E402
+from engine.native import gemv_forward  # noqa: E402
+from engine.stages.asr import Transcriber, load_transcriber  # noqa: E402
+from engine.weights import registry  # noqa: E402
 
 RATE = 16000
 SHORT = "Open the window, please."

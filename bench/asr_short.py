@@ -31,8 +31,8 @@ import engine  # noqa: E402
 
 engine.setup()  # before anything imports mlx: the optimised BLAS
 
-from engine import registry  # noqa: E402
-from engine.asr import Transcriber, load_transcriber  # noqa: E402
+from engine.stages.asr import Transcriber, load_transcriber  # noqa: E402
+from engine.weights import registry  # noqa: E402
 
 RATE = 16000
 MAX_S = 1.49
@@ -76,7 +76,7 @@ def short_clips(*, with_voice: bool = True) -> list[tuple[str, np.ndarray]]:
         clips.append((name.replace("_", " "), _resampled(audio, rate)))
     clips += [(f"{text} ({voice})", _espeak(text, voice)) for text, voice in ESPEAK_CLIPS]
     if with_voice:
-        from engine.tts import Synthesizer, load_voice
+        from engine.stages.tts import Synthesizer, load_voice
 
         synth = Synthesizer(load_voice())
         for text in VOICE_CLIPS:

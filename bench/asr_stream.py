@@ -49,11 +49,12 @@ import engine  # noqa: E402
 
 engine.setup()  # before anything imports mlx: the optimised BLAS
 
-from engine import clients, registry  # noqa: E402
-from engine.asr import AsrRequest, AsrStage, Transcription, load_transcriber  # noqa: E402
-from engine.core import AsyncEngine  # noqa: E402
-from engine.lanes import EngineLanes  # noqa: E402
-from engine.live_transcript import LiveTranscript  # noqa: E402
+from engine.listening.live_transcript import LiveTranscript  # noqa: E402
+from engine.runtime import clients  # noqa: E402
+from engine.runtime.core import AsyncEngine  # noqa: E402
+from engine.runtime.lanes import EngineLanes  # noqa: E402
+from engine.stages.asr import AsrRequest, AsrStage, Transcription, load_transcriber  # noqa: E402
+from engine.weights import registry  # noqa: E402
 
 RATE = 16000
 FRAME = RATE // 50  # audio arrives 20 ms at a time

@@ -1,7 +1,7 @@
 """Matmul speed of MLX's CPU backend with its bundled reference BLAS and with the BLAS
-the engine loads (`engine.blas`), and the LM-head product of a decode step (1 or 8
+the engine loads (`engine.native.blas`), and the LM-head product of a decode step (1 or 8
 576-wide rows times the LLM's 49152 x 576 embedding, 113 MB) through the kernels of
-`engine.gemv_forward` and through the BLAS's plain sgemm, timed alternately.
+`engine.native.gemv_forward` and through the BLAS's plain sgemm, timed alternately.
 
 Each measurement runs in a fresh child process, because the BLAS can only be chosen
 before `mlx.core` is imported.
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def measure(size: int, seconds: float) -> dict[str, Any]:
     """Run in the child: GFLOPS of a float32 `size`² matmul, repeated for `seconds`."""
     sys.path.insert(0, str(ROOT))
-    from engine.blas import active_blas, ensure_fast_blas
+    from engine.native.blas import active_blas, ensure_fast_blas
 
     # Importing `engine` already did this; it must happen before mlx.core is imported.
     ensure_fast_blas()
@@ -52,7 +52,7 @@ def measure(size: int, seconds: float) -> dict[str, Any]:
 
 def rows_product_ms(rows: int, rounds: int = 15) -> dict[str, float]:
     """Median ms of one (rows, 576) x (576, 49152) product, forwarded vs sgemm alternately."""
-    from engine import gemv_forward
+    from engine.native import gemv_forward
 
     if not gemv_forward.is_active():
         return {}

@@ -28,9 +28,9 @@ from llm_batch import first_token_ms  # noqa: E402 - the same timing, one defini
 
 from engine.build import prepare_model  # noqa: E402
 from engine.config import load_config  # noqa: E402
-from engine.core import AsyncEngine, EngineCore, exit_process  # noqa: E402
-from engine.llm import LlmInput, LlmStage  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
+from engine.llm.stage import LlmInput, LlmStage  # noqa: E402
+from engine.runtime.core import AsyncEngine, EngineCore, exit_process  # noqa: E402
+from engine.runtime.request import SamplingParams  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 FILLER = "The quick brown fox jumps over the lazy dog near the quiet river bank. "

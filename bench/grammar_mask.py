@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.paths import cache_dir
+from engine.weights.paths import cache_dir
 
 SCHEMA = {
     "type": "object",

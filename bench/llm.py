@@ -1,5 +1,5 @@
 """LLM speed: the embedded SmolLM2-135M-Instruct (or `--model`) through the project's LLM stage
-(`engine.llm.LlmStage` on the engine's llama model file), beside plain
+(`engine.llm.stage.LlmStage` on the engine's llama model file), beside plain
 `mlx_lm.stream_generate` on mlx-lm's own llama class, same converted directory, same
 prompt, same run; plus cold (convert) and cached model start times.
 
@@ -15,7 +15,7 @@ runs, because other processes on a small machine only ever make a run slower.
 Load times are `registry.prepare` + the stage's `from_path` (the engine's `load` and the
 weights' compact twins) in this process (imports done); `process_start_s_cached` is a
 whole fresh interpreter doing the same. `decode_tok_s_fp32_weights` is the same stage
-with its compact twins left unread (`engine.gemv_forward`), alternating with it.
+with its compact twins left unread (`engine.native.gemv_forward`), alternating with it.
 """
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ engine.setup()  # before anything imports mlx: the optimised BLAS
 import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 
-from engine import gemv_forward, registry  # noqa: E402
-from engine.llm import LlmInput, LlmStage  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
+from engine.llm.stage import LlmInput, LlmStage  # noqa: E402
+from engine.native import gemv_forward  # noqa: E402
+from engine.runtime.request import SamplingParams  # noqa: E402
+from engine.weights import registry  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 MESSAGES = [
@@ -73,7 +74,7 @@ def process_start_s(precision: str) -> float:
         "import engine\n"
         "engine.setup()\n"
         "from engine import registry\n"
-        "from engine.llm import LlmStage\n"
+        "from engine.llm.stage import LlmStage\n"
         f"LlmStage.from_path(registry.prepare({MODEL!r}, precision={precision!r}))\n"
         "print(time.perf_counter() - t)\n"
     )
@@ -146,7 +147,7 @@ def measure(precision: str, max_tokens: int, rounds: int, shared: bool) -> dict[
     mlx_decode = best(plain, "decode_tok_s")
     return {
         "model": path.name,
-        "blas": engine.blas.active_blas(),
+        "blas": engine.native.blas.active_blas(),
         "device": str(mx.default_device()),
         "prompt_tokens": ours[0]["prompt_tokens"],
         "decode_tokens": ours[0]["tokens"],

@@ -8,7 +8,7 @@ rounds measure the neighbours' load rather than the code), time to first token f
 request that joins 8 decoding streams, cold versus cached second-turn TTFT of a
 ~500-token conversation, and event-loop lag while 8 streams decode through the engine
 thread. The grammar mask's cost: aggregate tokens/s of 8 streams with 4 of them writing
-a function call under the JSON-schema grammar (`engine.grammar`) against 8 free streams,
+a function call under the JSON-schema grammar (`engine.llm.grammar`) against 8 free streams,
 alternated in the same run, best round of each.
 
     python bench/llm_batch.py [--json] [--max-tokens 64] [--repeats 5]
@@ -32,11 +32,12 @@ import mlx_lm  # noqa: E402
 from mlx_lm import batch_generate  # noqa: E402
 from mlx_lm.generate import generation_stream  # noqa: E402
 
-from engine import gemv_forward, registry  # noqa: E402
-from engine.core import AsyncEngine, EngineCore, exit_process  # noqa: E402
-from engine.llm import LlmInput, LlmStage  # noqa: E402
+from engine.llm.stage import LlmInput, LlmStage  # noqa: E402
 from engine.models.llama import load  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
+from engine.native import gemv_forward  # noqa: E402
+from engine.runtime.core import AsyncEngine, EngineCore, exit_process  # noqa: E402
+from engine.runtime.request import SamplingParams  # noqa: E402
+from engine.weights import registry  # noqa: E402
 
 TOPICS = [
     "the ocean",

@@ -428,7 +428,7 @@ def _drain(stage: Any) -> list[Any]:
 
 def tts_rtf(stage: Any, n: int) -> float:
     """Seconds of TTS stage time per second of audio, speaking `n` replies at once."""
-    from engine.tts import TtsRequest
+    from engine.stages.tts import TtsRequest
 
     start = time.perf_counter()
     for i in range(n):
@@ -440,8 +440,8 @@ def tts_rtf(stage: Any, n: int) -> float:
 
 def llm_tokens_per_s(stage: Any, n: int, system: str) -> float:
     """Output tokens per second of LLM stage time, answering `n` turns at once."""
-    from engine.llm import LlmInput
-    from engine.request import SamplingParams
+    from engine.llm.stage import LlmInput
+    from engine.runtime.request import SamplingParams
 
     messages = [{"role": "system", "content": system}, {"role": "user", "content": COST_QUESTION}]
     params = SamplingParams(max_tokens=48, temperature=0.0)
@@ -612,6 +612,6 @@ def main() -> None:
 if __name__ == "__main__":
     # `stage_costs` runs MLX on a worker thread: skip its C++ teardown, which can abort,
     # whether the run ends well or with an error.
-    from engine.core import exit_after
+    from engine.runtime.core import exit_after
 
     exit_after(main)

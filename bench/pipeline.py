@@ -46,11 +46,11 @@ from duplex.contracts import (  # noqa: E402
 )
 from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput  # noqa: E402
 from duplex.turn import Stage, TurnRequest  # noqa: E402
-from engine import clients  # noqa: E402
 from engine.build import EngineBundle, build_engine  # noqa: E402
 from engine.config import load_config  # noqa: E402
-from engine.core import exit_process  # noqa: E402
-from engine.tts import TtsRequest  # noqa: E402
+from engine.runtime import clients  # noqa: E402
+from engine.runtime.core import exit_process  # noqa: E402
+from engine.stages.tts import TtsRequest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = (

@@ -69,7 +69,10 @@ def cpu_model() -> str:
 
 def blas_name() -> str:
     """The BLAS the engine loads, asked of a fresh process (it must load before mlx)."""
-    code = "import engine.blas as b; b.ensure_fast_blas(); print(b.active_blas() or 'reference')"
+    code = (
+        "import engine.native.blas as b; b.ensure_fast_blas(); "
+        "print(b.active_blas() or 'reference')"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code],
         cwd=ROOT,

@@ -31,13 +31,13 @@ engine.setup()  # before anything imports mlx: the optimised BLAS
 
 from duplex.manager import DuplexSessionManager  # noqa: E402
 from engine.config import parse_config  # noqa: E402
-from engine.core import AsyncEngine, EngineCore  # noqa: E402
-from engine.orchestrator import DuplexOrchestrator  # noqa: E402
-from engine.vad import SileroVad, VadStage  # noqa: E402
-from gateway.actions import ConfigureVad, Hear  # noqa: E402
+from engine.pipeline.orchestrator import DuplexOrchestrator  # noqa: E402
+from engine.runtime.core import AsyncEngine, EngineCore  # noqa: E402
+from engine.stages.vad import SileroVad, VadStage  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
-from gateway.engine_backend import EngineBackendSession  # noqa: E402
-from gateway.realtime import RealtimeSession  # noqa: E402
+from gateway.session.actions import ConfigureVad, Hear  # noqa: E402
+from gateway.session.engine_backend import EngineBackendSession  # noqa: E402
+from gateway.session.realtime import RealtimeSession  # noqa: E402
 
 FRAME_S = 0.02
 SILENT_FRAME = json.dumps(
@@ -47,7 +47,7 @@ PROBE_S = 0.05
 
 
 class Microphone:
-    """One session's core and backend session, as `gateway.connection` joins them."""
+    """One session's core and backend session, as `gateway.server.connection` joins them."""
 
     def __init__(self, core: RealtimeSession, session: EngineBackendSession) -> None:
         self.core, self.session = core, session

@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import engine  # noqa: E402
 
 engine.setup()  # before anything imports mlx: the optimised BLAS
-from engine import registry  # noqa: E402
 from engine.models import smart_turn  # noqa: E402
-from engine.turn_end import TurnEndModel  # noqa: E402
+from engine.stages.turn_end import TurnEndModel  # noqa: E402
+from engine.weights import registry  # noqa: E402
 
 
 def timed_ms(run: Callable[[], object], repeats: int) -> float:

@@ -40,10 +40,10 @@ engine.setup()  # before anything imports mlx: the optimised BLAS
 
 import mlx.core as mx  # noqa: E402
 
-from engine import registry  # noqa: E402
-from engine.clauses import split_clauses  # noqa: E402
 from engine.models.piper_onnx import find_voice  # noqa: E402
-from engine.tts import TtsRequest, TtsStage, Voice, load_voice  # noqa: E402
+from engine.stages.clauses import split_clauses  # noqa: E402
+from engine.stages.tts import TtsRequest, TtsStage, Voice, load_voice  # noqa: E402
+from engine.weights import registry  # noqa: E402
 
 ANSWER = (
     "Sure, here is the forecast. Tomorrow will be sunny, with a light breeze from the west "

@@ -37,9 +37,9 @@ import engine  # noqa: E402
 
 engine.setup()  # before anything imports mlx: the optimised BLAS
 
-from engine import registry  # noqa: E402
-from engine.asr import AsrRequest, Transcriber, load_transcriber  # noqa: E402
-from engine.turn_words import ENDING_TOKENS, sounds_unfinished, sounds_unsure  # noqa: E402
+from engine.listening.turn_words import ENDING_TOKENS, sounds_unfinished, sounds_unsure  # noqa: E402
+from engine.stages.asr import AsrRequest, Transcriber, load_transcriber  # noqa: E402
+from engine.weights import registry  # noqa: E402
 
 SAMPLE_RATE = 16000
 SCORED_AFTER_S = 0.16  # semantic_score_after_ms in configs/default.yaml

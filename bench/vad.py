@@ -36,9 +36,9 @@ import engine  # noqa: E402
 
 engine.setup()  # before anything imports mlx: the optimised BLAS
 
-from engine import registry  # noqa: E402
 from engine.models import silero_onnx  # noqa: E402
-from engine.vad import SileroVad, VadStage  # noqa: E402
+from engine.stages.vad import SileroVad, VadStage  # noqa: E402
+from engine.weights import registry  # noqa: E402
 
 RATE = 16000
 CHUNK = 512

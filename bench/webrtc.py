@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _gateway import RATE, gateway_process, stream_audio  # noqa: E402
 from realtime import QUESTIONS, TRAILING_SILENCE_S, percentile, spoken  # noqa: E402
 
-from gateway.call_audio import PacedAudioTrack  # noqa: E402
+from gateway.webrtc.call_audio import PacedAudioTrack  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MEDIA_RATE = 48000

@@ -121,7 +121,9 @@ class SpeechDecision:
     """Speech `started` or `stopped` at session time `ms`; `paused` (the silence that
     began at `ms` may become a stop) and `resumed` (it did not); `confirmed` (the speech
     that started at `ms` has lasted long enough, or said enough, to interrupt). A
-    `paused` decision may carry the `words` heard in the speech before the silence.
+    `paused` decision may carry the `words` heard in the speech before the silence: they
+    only go up (for the caller to see); the engine keeps them, and the turn that ends at
+    that silence reports them as its transcript rather than transcribing it again.
 
     The resident request reports one as a stage output of kind `"speech"`, its fields
     in the metadata (`as_metadata`, `from_metadata`)."""

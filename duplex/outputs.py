@@ -42,6 +42,7 @@ from types import MappingProxyType
 from duplex.contracts import (
     DuplexFence,
     DuplexStagePort,
+    DuplexStageSubmission,
     _ephemeral_role,
     _resource_request_fields,
     duplex_session_id_from_request_id,
@@ -126,6 +127,13 @@ class DuplexStreamingStagePort(DuplexStagePort):
 
     def discard_prepared(self, session_id: str) -> None:  # noqa: B027 - optional
         """Drop the session's prepared turn, if the port holds one."""
+
+    def append_now(self, submission: DuplexStageSubmission) -> bool:
+        """Take the next append of a resident request (resumable, already submitted)
+        at once, on the caller's stack, if the port can without waiting; True if it
+        did. It raises as `submit` would. The default declines: every append then goes
+        through `submit`, in the session's order."""
+        return False
 
     async def input_room(self, session_id: str) -> None:  # noqa: B027 - optional
         """Return once the session's input appended so far is within the port's bound

@@ -152,11 +152,10 @@ class TurnRequest:
     Speech-to-text options, for a turn with `audio`: `utterance` names the audio the
     session's resident speech-to-text has been transcribing live (the item id); its live
     transcript is finished rather than started over, and the final transcript begins
-    with every word already reported live. `transcription_prompt` is text the speech
-    follows (Whisper reads it as the previous context); `logprobs` asks for each
-    transcript token's log probability. `heard` is the words of `audio` already heard
-    (by the gateway's turn detector): stage 0 reports them rather than transcribing the
-    same speech again; it goes with neither a live utterance, a prompt nor logprobs.
+    with every word already reported live; where the session's speech detection already
+    heard its words, they are reported rather than the same speech transcribed again.
+    `transcription_prompt` is text the speech follows (Whisper reads it as the previous
+    context); `logprobs` asks for each transcript token's log probability.
     """
 
     final: Stage
@@ -177,7 +176,6 @@ class TurnRequest:
     utterance: str | None = None
     transcription_prompt: str = ""
     logprobs: bool = False
-    heard: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "final", Stage(self.final))
@@ -212,10 +210,6 @@ class TurnRequest:
             raise ValueError("turn audio must be non-empty float32 samples (bytes)")
         if self.text is not None and not isinstance(self.text, str):
             raise ValueError("turn text must be a str")
-        if self.heard is not None and (
-            self.audio is None or self.transcription_prompt or self.logprobs
-        ):
-            raise ValueError("heard words go with turn audio, without a prompt or logprobs")
         for i, message in enumerate(self.messages):
             if not isinstance(message, Message):
                 raise ValueError(f"messages[{i}] must be a Message, got {message!r}")

@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 
 from engine.config import EngineConfig, ModelRef
-from engine.core import AsyncEngine
-from engine.lanes import EngineLanes
-from engine.orchestrator import DuplexOrchestrator
-from engine.remote_llm import RemoteLlm
-from engine.stage import Stage, StageOutput
+from engine.llm.remote_llm import RemoteLlm
+from engine.pipeline.orchestrator import DuplexOrchestrator
+from engine.runtime.core import AsyncEngine
+from engine.runtime.lanes import EngineLanes
+from engine.runtime.stage import Stage, StageOutput
 
 __all__ = ["EngineBundle", "build_engine", "cache_system_prompt", "load_stages", "prepare_model"]
 
@@ -113,10 +113,10 @@ def _load_and_warm(config: EngineConfig, progress: bool) -> dict[str, Stage]:
 
 def prepare_model(stage: str, ref: ModelRef, *, progress: bool = True) -> Path:
     """The converted directory of `ref`, registering it first when it names a source."""
-    from engine import registry
+    from engine.weights import registry
 
     if ref.source is not None:
-        converter = ref.converter or "engine.registry:link_files"
+        converter = ref.converter or "engine.weights.registry:link_files"
         registry.register(registry.ModelSpec(ref.name, stage, ref.source, converter))
     spec = registry.get_spec(ref.name)
     if spec.stage != stage:
@@ -143,7 +143,7 @@ def load_stages(config: EngineConfig, *, progress: bool = True) -> dict[str, Sta
 
 
 def _asr_stage(config: EngineConfig, progress: bool) -> Stage:
-    from engine.asr import AsrStage, load_transcriber
+    from engine.stages.asr import AsrStage, load_transcriber
 
     asr = config.stages.asr
     path = prepare_model("asr", asr.model, progress=progress)
@@ -153,8 +153,8 @@ def _asr_stage(config: EngineConfig, progress: bool) -> Stage:
 
 
 def _llm_stage(config: EngineConfig, progress: bool) -> Stage:
-    from engine.context import ContextLimits
-    from engine.llm import LlmStage
+    from engine.llm.context import ContextLimits
+    from engine.llm.stage import LlmStage
 
     llm = config.stages.llm
     # The config fills both in for the local backend.
@@ -171,7 +171,7 @@ def _llm_stage(config: EngineConfig, progress: bool) -> Stage:
 
 
 def _tts_stage(config: EngineConfig, progress: bool) -> Stage:
-    from engine.tts import TtsStage, Voice
+    from engine.stages.tts import TtsStage, Voice
 
     tts = config.stages.tts
     voice = Voice.load(prepare_model("tts", tts.model, progress=progress))
@@ -179,13 +179,13 @@ def _tts_stage(config: EngineConfig, progress: bool) -> Stage:
 
 
 def _vad_stage(config: EngineConfig, progress: bool) -> Stage:
-    from engine.vad import SileroVad, VadStage
+    from engine.stages.vad import SileroVad, VadStage
 
     return VadStage(SileroVad(prepare_model("vad", config.stages.vad.model, progress=progress)))
 
 
 def _turn_stage(config: EngineConfig, progress: bool) -> Stage:
-    from engine.turn_end import TurnEndModel, TurnEndStage
+    from engine.stages.turn_end import TurnEndModel, TurnEndStage
 
     turn = config.stages.turn
     assert turn.model is not None  # load_stages asks only then
@@ -195,9 +195,9 @@ def _turn_stage(config: EngineConfig, progress: bool) -> Stage:
 
 def warm_up(stages: dict[str, Stage]) -> None:
     """Run one tiny request through each model stage before the engine thread starts."""
-    from engine.llm import LlmInput
-    from engine.request import SamplingParams
-    from engine.tts import TtsRequest, TtsStage
+    from engine.llm.stage import LlmInput
+    from engine.runtime.request import SamplingParams
+    from engine.stages.tts import TtsRequest, TtsStage
 
     if "asr" in stages:
         stages["asr"].add(WARMUP_ID, np.zeros(16000, np.float32))
@@ -219,7 +219,7 @@ def warm_up(stages: dict[str, Stage]) -> None:
 
 def cache_system_prompt(stages: dict[str, Stage], system_prompt: str) -> None:
     """Prefill the configured system prompt once, so no new session pays for it."""
-    from engine.llm import LlmStage
+    from engine.llm.stage import LlmStage
 
     llm = stages.get("llm")
     if isinstance(llm, LlmStage):

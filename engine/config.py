@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 if TYPE_CHECKING:
-    from engine.request import SamplingParams
+    from engine.runtime.request import SamplingParams
 
 __all__ = [
     "AsrConfig",
@@ -73,7 +73,7 @@ class ModelRef(_Strict):
 
 
 class SamplingConfig(_Strict):
-    """Default LLM sampling; each field maps onto `engine.request.SamplingParams`."""
+    """Default LLM sampling; each field maps onto `engine.runtime.request.SamplingParams`."""
 
     max_tokens: int = Field(96, ge=1)
     temperature: float = Field(0.7, ge=0.0)
@@ -85,7 +85,7 @@ class SamplingConfig(_Strict):
     stop: tuple[str, ...] = ()
 
     def to_params(self, *, max_tokens: int | None = None) -> SamplingParams:
-        from engine.request import SamplingParams
+        from engine.runtime.request import SamplingParams
 
         return SamplingParams(
             max_tokens=max_tokens or self.max_tokens,
@@ -109,7 +109,7 @@ class RemoteLlmConfig(_Strict):
 
 
 class ContextConfig(_Strict):
-    """What one turn may put in front of the local model, in tokens (`engine.context`):
+    """What one turn may put in front of the local model, in tokens (`engine.llm.context`):
     each is refused with an error naming it, except that history over
     `max_context_tokens` is truncated, oldest first, when the session allows it."""
 
@@ -185,7 +185,7 @@ class TurnConfig(_Strict):
 
 
 class ClauseConfig(_Strict):
-    """How LLM text is cut into clauses for speech (see `engine.clauses`)."""
+    """How LLM text is cut into clauses for speech (see `engine.stages.clauses`)."""
 
     first_min_chars: int = Field(16, ge=1)
     first_max_chars: int = Field(24, ge=8)
@@ -202,7 +202,7 @@ class ClauseConfig(_Strict):
 class EngineLimits(_Strict):
     max_running_sequences: int = Field(8, ge=1)
     prefill_chunk_tokens: int = Field(512, ge=16)
-    # The most of one long prompt any forward prefills (engine.llm_scheduler's
+    # The most of one long prompt any forward prefills (engine.llm.scheduler's
     # `schedule_prefill`): a new turn's first token waits for at most one such slice of
     # another session's prompt.
     prefill_slice_tokens: int = Field(64, ge=8)

@@ -1,3 +1,4 @@
-"""The OpenAI Realtime gateway: WebSocket server, protocol events, audio codecs, server
-VAD glue and the `duplex-gateway` CLI. Nothing here imports MLX; the engine is reached
-through `gateway.backend`."""
+"""The OpenAI Realtime gateway: `protocol/` (the protocol's shapes), `session/` (one
+session, sans-I/O), `server/` (the server and its asyncio shells), `webrtc/` (OpenAI's
+WebRTC endpoints) and the `duplex-gateway` CLI. Nothing here imports MLX; the engine is
+reached through `gateway.session.backend`, wired by `gateway.cli`."""

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the engine is imported only once the gateway starts
     from gateway.config import GatewayConfig
-    from gateway.engine_backend import EngineBackend
+    from gateway.session.engine_backend import EngineBackend
 
 __all__ = ["main"]
 
@@ -217,7 +217,7 @@ def model_ref(stage: str, value: str) -> dict[str, str]:
     """`--llm`, `--asr` or `--tts`'s model: a registry name of that stage as it is; a
     folder or a Hugging Face id becomes a registry entry of its own (`path:` or `hf:`
     source, files linked into the cache)."""
-    from engine import registry
+    from engine.weights import registry
 
     if value in {spec.name for spec in registry.specs() if spec.stage == stage}:
         return {"name": value}
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         import engine
 
         engine.setup()  # conversions run MLX
-        from engine.registry import models_command
+        from engine.weights.registry import models_command
 
         return models_command(argv[1:])
     args = _parser().parse_args(argv)
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _serve(args: argparse.Namespace) -> int:
     from gateway.config import GatewayConfig, load_profile
-    from gateway.server import GatewayServer
+    from gateway.server.server import GatewayServer
 
     path = config_path(args)
     profile, config = load_profile(path)
@@ -319,9 +319,9 @@ async def _start_engine(
     from duplex.manager import DuplexSessionManager
     from engine.build import build_engine
     from engine.config import parse_config
-    from gateway.engine_backend import EngineBackend
-    from gateway.input_processing import start_runtime
-    from gateway.priority import lower_other_threads
+    from gateway.server.priority import lower_other_threads
+    from gateway.session.engine_backend import EngineBackend
+    from gateway.session.input_processing import start_runtime
 
     engine_config = parse_config(profile, source=source)
     bundle = await build_engine(engine_config)
@@ -350,8 +350,8 @@ def run() -> None:
     """The `duplex-gateway` console script: `main`, then a clean hard exit."""
     import engine
 
-    engine.setup()  # first: engine.core imports MLX, which then keeps its reference BLAS
-    from engine.core import exit_after
+    engine.setup()  # first: engine.runtime.core imports MLX, which then keeps its reference BLAS
+    from engine.runtime.core import exit_after
 
     exit_after(main)
 

@@ -206,7 +206,7 @@ class GatewayConfig(BaseModel):
     # every session left is closed with 1001 and the process exits.
     drain_timeout_s: float = Field(default=30.0, ge=0)
     # The engine's threads (lanes, BLAS and MLX workers) run this many nice levels below
-    # the event loop (Linux; gateway/priority.py), so that frames, pings and audio are
+    # the event loop (Linux; gateway/server/priority.py), so that frames, pings and audio are
     # handled as soon as they come while the models keep every core busy. 0: equal.
     engine_nice: int = Field(default=5, ge=0, le=19)
     # The profile's own voices (the CLI fills in the TTS stage's voice).
@@ -216,7 +216,7 @@ class GatewayConfig(BaseModel):
     # `session.voice` reports the name the client asked for.
     openai_voices: dict[str, str] = Field(default_factory=dict)
     # Stored prompts a session or response names by id (`prompt`): {id: {version: text}},
-    # `{{name}}` marking a variable (gateway/prompts.py); the last version is the default.
+    # `{{name}}` marking a variable (gateway/protocol/prompts.py); the last version is the default.
     prompts: dict[str, dict[str, str]] = Field(default_factory=dict)
     # A new session's `instructions`; the CLI fills it from the profile's system prompt.
     default_instructions: str = ""
@@ -229,7 +229,7 @@ class GatewayConfig(BaseModel):
     # Whether the engine has the turn-end model behind semantic_vad (the CLI sets it).
     semantic_vad: bool = False
     # Whether sessions cancel the echo of their own output audio in their input
-    # (gateway.input_processing); a session sets it with its echo_cancellation field.
+    # (gateway.session.input_processing); a session sets it with its echo_cancellation field.
     # Until the microphone is heard to carry that echo, the input passes as it came.
     echo_cancellation: bool = True
     turns: TurnSettings = TurnSettings()

@@ -48,7 +48,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     # Engine threads ran MLX in this process; MLX's static destructors at interpreter
     # exit can then abort it ("terminate called without an active exception"), turning
     # a passing run into exit code 134. Everything is reported by now, so leave without
-    # them, as the gateway's own CLI does (`engine.core.exit_process`).
-    from engine.core import exit_process
+    # them, as the gateway's own CLI does (`engine.runtime.core.exit_process`).
+    from engine.runtime.core import exit_process
 
     exit_process(_exit_status)

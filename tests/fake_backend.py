@@ -17,8 +17,8 @@ from typing import Protocol
 import numpy as np
 
 from duplex.turn import TurnRequest
-from gateway.backend import LiveTranscription, ResponseDone, SessionEvent, SpeechDecision
-from gateway.session_config import TurnDetection
+from gateway.protocol.session_config import TurnDetection
+from gateway.session.backend import LiveTranscription, ResponseDone, SessionEvent, SpeechDecision
 
 __all__ = ["FakeSpeech", "IdleBackend", "RecordsListening", "Reply", "ScriptedSession"]
 

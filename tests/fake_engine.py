@@ -19,12 +19,12 @@ from duplex.contracts import (
 from duplex.outputs import DuplexStageOutput
 from duplex.turn import Message, Stage, TurnRequest
 from engine.config import EngineConfig
-from engine.core import AsyncEngine, EngineCore
-from engine.llm import LlmInput
-from engine.orchestrator import DuplexOrchestrator
-from engine.request import RequestOutput
-from engine.stage import StageOutput
-from engine.tts import AudioChunk, TtsRequest
+from engine.llm.stage import LlmInput
+from engine.pipeline.orchestrator import DuplexOrchestrator
+from engine.runtime.core import AsyncEngine, EngineCore
+from engine.runtime.request import RequestOutput
+from engine.runtime.stage import StageOutput
+from engine.stages.tts import AudioChunk, TtsRequest
 from tests.helpers import wait_until
 
 __all__ = [

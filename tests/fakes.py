@@ -61,7 +61,9 @@ class FakeStagePort(DuplexStreamingStagePort):
     - `submit_gate`: each submit waits for this event before answering (a slow engine);
       `submit_waiting` is set while one waits on it;
     - `wrong_result`: submit answers with the wrong stage id;
-    - `on_submit`: called with each accepted submission, e.g. to answer it.
+    - `on_submit`: called with each accepted submission, e.g. to answer it;
+    - `appends_now`: take a resident request's later appends at once (`append_now`,
+      noted as `"append_now"`), as the engine does; by default every append is submitted.
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class FakeStagePort(DuplexStreamingStagePort):
         self.submit_waiting = asyncio.Event()
         self.wrong_result = False
         self.on_submit: Callable[[DuplexStageSubmission], None] | None = None
+        self.appends_now = False
 
     # -- the port ---------------------------------------------------------------------
 
@@ -128,6 +131,16 @@ class FakeStagePort(DuplexStreamingStagePort):
             self.on_submit(submission)
         stage = submission.context.stage_id + (1 if self.wrong_result else 0)
         return DuplexStageSubmissionResult(request_id=rid, stage_id=stage, replica_id=0)
+
+    def append_now(self, submission: DuplexStageSubmission) -> bool:
+        if not self.appends_now:
+            return False
+        if self.fail_submit is not None:
+            raise self.fail_submit
+        if self._record:
+            self.submitted.append(submission)
+        self._note("append_now", submission.context.request_id)
+        return True
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         if self._record:

@@ -219,7 +219,7 @@ def share_carriers(cache: Path) -> None:
     """Give a test's own model cache the weight carriers the shared cache already holds
     (`<cache>/wheels`), as hard links: nothing is downloaded again and the conversions'
     source fingerprints stay the same."""
-    from engine.paths import cache_dir
+    from engine.weights.paths import cache_dir
 
     shared = cache_dir() / "wheels"
     if not shared.is_dir():

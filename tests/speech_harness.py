@@ -1,4 +1,4 @@
-"""`engine.speech_detection.SpeechDetection` driven as the gateway drives it, for tests
+"""`engine.listening.speech_detection.SpeechDetection` driven as the gateway drives it, for tests
 that run it without a listener: settings in the protocol's shape (turned into the
 resident request's `Detect` by the gateway's own `detect_append`), the audio fed kept
 for its clips, and its decisions read in order from `events()`."""
@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 from duplex.events import SpeechDecision
-from engine.listener import HeardAudio
-from engine.speech_detection import SAMPLES_PER_MS, SpeechDetection
-from engine.vad_feeder import VadEngine
+from engine.listening.listener import HeardAudio
+from engine.listening.speech_detection import SAMPLES_PER_MS, SpeechDetection
+from engine.listening.vad_feeder import VadEngine
 from gateway.config import TurnSettings
-from gateway.engine_backend import detect_append
-from gateway.session_config import TurnDetection
+from gateway.protocol.session_config import TurnDetection
+from gateway.session.engine_backend import detect_append
 
 __all__ = ["DetectionHarness"]
 

@@ -16,12 +16,12 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
 from duplex.turn import Stage, TurnRequest
-from gateway.admission import BUSY_CODE, Admission, AdmittedSession
-from gateway.backend import ResponseDone, ResponseOutput
 from gateway.config import CapacitySettings, GatewayConfig
-from gateway.metrics import GatewayMetrics
-from gateway.runway import Runway
-from gateway.server import GatewayServer
+from gateway.server.admission import BUSY_CODE, Admission, AdmittedSession
+from gateway.server.metrics import GatewayMetrics
+from gateway.server.runway import Runway
+from gateway.server.server import GatewayServer
+from gateway.session.backend import ResponseDone, ResponseOutput
 from tests.fake_backend import IdleBackend, Reply, ScriptedSession
 from tests.helpers import wait_until
 

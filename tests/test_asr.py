@@ -10,8 +10,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import registry
-from engine.asr import (
+from engine.llm.decoding_loops import repeated_tail
+from engine.models import whisper, whisper_ct2
+from engine.stages.asr import (
     MIN_SECONDS,
     AsrStage,
     Transcriber,
@@ -20,8 +21,7 @@ from engine.asr import (
     load_transcriber,
     split_long_audio,
 )
-from engine.decoding_loops import repeated_tail
-from engine.models import whisper, whisper_ct2
+from engine.weights import registry
 from tests.helpers import espeak, read_audio
 
 RATE = 16000

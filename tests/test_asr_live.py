@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from bench.asr_short import compare, short_clips
-from engine import registry
-from engine.asr import AsrRequest, AsrStage, Transcriber, Transcription, load_transcriber
-from engine.live_transcript import LiveDelta, LiveTranscript
+from engine.listening.live_transcript import LiveDelta, LiveTranscript
+from engine.stages.asr import AsrRequest, AsrStage, Transcriber, Transcription, load_transcriber
+from engine.weights import registry
 from tests.helpers import espeak
 
 pytestmark = pytest.mark.models

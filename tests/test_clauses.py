@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.clauses import ClauseSplitter, split_clauses
+from engine.stages.clauses import ClauseSplitter, split_clauses
 
 
 def test_sentences_split_at_terminators() -> None:

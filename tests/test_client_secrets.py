@@ -8,15 +8,15 @@ from http import HTTPStatus
 import pytest
 from websockets.datastructures import Headers
 
-from gateway.calls import CallError, hangup_call_id, parse_offer, takes_body
-from gateway.client_secrets import (
+from gateway.server.http_requests import HttpError, HttpRequest, RequestReader
+from gateway.webrtc.calls import CallError, hangup_call_id, parse_offer, takes_body
+from gateway.webrtc.client_secrets import (
     DEFAULT_SECONDS,
     ClientSecrets,
     SecretError,
     is_ephemeral,
     parse_mint_request,
 )
-from gateway.http_requests import HttpError, HttpRequest, RequestReader
 
 
 class Clock:

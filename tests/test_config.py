@@ -149,7 +149,7 @@ def test_a_model_with_a_source_is_registered_and_prepared(
 ) -> None:
     from engine.build import prepare_model
     from engine.config import ModelRef
-    from engine.registry import get_spec
+    from engine.weights.registry import get_spec
 
     monkeypatch.setenv("DUPLEX_GATEWAY_CACHE", str(tmp_path / "cache"))
     source = tmp_path / "weights"
@@ -177,7 +177,7 @@ def test_remote_backend_loads_no_local_llm(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_warm_up_reports_a_stage_that_never_finishes() -> None:
     from engine.build import _drain
-    from engine.stage import StageOutput
+    from engine.runtime.stage import StageOutput
 
     class Stuck:
         name = "stuck"

@@ -17,8 +17,8 @@ from duplex.manager import DuplexSessionManager
 from duplex.outputs import stage_id_from_request_id
 from duplex.session import RESIDENT_ROLE
 from gateway.config import GatewayConfig
-from gateway.engine_backend import EngineBackendSession
-from gateway.server import GatewayServer
+from gateway.server.server import GatewayServer
+from gateway.session.engine_backend import EngineBackendSession
 from tests.fake_backend import IdleBackend
 from tests.fakes import FakeStagePort
 

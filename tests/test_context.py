@@ -1,4 +1,4 @@
-"""Context limits (`engine.context`) with a word-counting tokenizer: refusals name their
+"""Context limits (`engine.llm.context`) with a word-counting tokenizer: refusals name their
 limit, truncation drops the oldest history first and keeps the instructions and the
 message being answered, and over-long texts are refused without being counted."""
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engine.context import ContextFitter, ContextLimitError, ContextLimits
+from engine.llm.context import ContextFitter, ContextLimitError, ContextLimits
 
 Message = dict[str, Any]
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from engine.core import AsyncEngine, EngineCore
-from engine.stage import RequestRefused, StageOutput
-from engine.streams import OutputStreams
+from engine.runtime.core import AsyncEngine, EngineCore
+from engine.runtime.stage import RequestRefused, StageOutput
+from engine.runtime.streams import OutputStreams
 from tests.helpers import wait_until, wait_until_blocking
 
 

@@ -12,7 +12,7 @@ import pytest_asyncio
 
 from engine.build import EngineBundle, build_engine
 from engine.config import load_config
-from engine.tts import AHEAD_S
+from engine.stages.tts import AHEAD_S
 from tests.test_pipeline_e2e import Client
 
 pytestmark = [pytest.mark.models, pytest.mark.asyncio(loop_scope="module")]

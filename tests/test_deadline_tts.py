@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine.stage import StageOutput
-from engine.tts import (
+from engine.runtime.stage import StageOutput
+from engine.stages.tts import (
     AHEAD_S,
     FIRST_CHUNK_FRAMES,
     MAX_CHUNK_FRAMES,

@@ -28,7 +28,7 @@ import yaml
 from openai import AsyncOpenAI
 from websockets.exceptions import ConnectionClosed
 
-from gateway.server import DRAIN_REASON
+from gateway.server.server import DRAIN_REASON
 from tests.helpers import ROOT, GatewayProcess, free_port, running_gateway, wait_until_blocking
 
 pytestmark = pytest.mark.models

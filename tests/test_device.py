@@ -1,4 +1,4 @@
-"""The device decision (`engine.device`) and what follows from it: the LLM's precision and
+"""The device decision (`engine.runtime.device`) and what follows from it: the LLM's precision and
 whether the CPU BLAS and the few-row forwarder are set up. GPUs and MLX builds are faked
 with distributions written here; the last test checks this machine for real."""
 
@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import blas, device, gemv_forward, registry
+from engine.native import blas, gemv_forward
+from engine.runtime import device
+from engine.weights import registry
 
 LLM = registry.ModelSpec("any-llm", "llm", "path:/x", "a:b", precisions=("fp32", "4bit"))
 
@@ -87,7 +89,7 @@ def test_cuda_build_without_a_gpu_runs_on_the_cpu(
 ) -> None:
     install_mlx_build(tmp_path / "site", "mlx-cuda-12", recorded_size=64, actual_size=64)
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    with caplog.at_level(logging.WARNING, logger="engine.device"):
+    with caplog.at_level(logging.WARNING, logger="engine.runtime.device"):
         assert device.accelerator() == "cpu"
     assert "no NVIDIA GPU is visible" in caplog.text
     assert registry.resolve_precision(LLM, "auto") == "fp32"
@@ -103,7 +105,7 @@ def test_cuda_build_overwritten_by_the_cpu_build_is_cpu_and_says_how_to_fix_it(
     install_mlx_build(tmp_path / "site", "mlx-cuda-12", recorded_size=640, actual_size=64)
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     (gpus / "nvidia0").touch()
-    with caplog.at_level(logging.WARNING, logger="engine.device"):
+    with caplog.at_level(logging.WARNING, logger="engine.runtime.device"):
         assert device.accelerator() == "cpu"
     assert "pip install --force-reinstall --no-deps mlx-cuda-12==0.32.4" in caplog.text
     assert device.uses_cpu_kernels()

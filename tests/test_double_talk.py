@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gateway.audio import ENGINE_RATE
-from gateway.double_talk import ECHO_SHARE, MAX_DELAY, echo_share
+from gateway.protocol.audio import ENGINE_RATE
+from gateway.session.double_talk import ECHO_SHARE, MAX_DELAY, echo_share
 from tests.test_input_processing import OTHER, recording, room
 
 HALF_S = ENGINE_RATE // 2

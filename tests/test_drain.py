@@ -20,9 +20,9 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from duplex.turn import TurnRequest
-from gateway.backend import ResponseDone, ResponseOutput
 from gateway.config import GatewayConfig
-from gateway.server import DRAIN_REASON, DRAIN_TIMEOUT_REASON, GatewayServer
+from gateway.server.server import DRAIN_REASON, DRAIN_TIMEOUT_REASON, GatewayServer
+from gateway.session.backend import ResponseDone, ResponseOutput
 from tests.fake_backend import IdleBackend, Reply, ScriptedSession
 from tests.helpers import running_gateway, wait_until
 

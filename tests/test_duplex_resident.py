@@ -5,6 +5,8 @@ and stale resident outputs are dropped."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from duplex.appends import Heard, Listen, UtteranceEnded, UtteranceStarted, read_append
@@ -68,6 +70,30 @@ async def test_the_first_append_of_an_epoch_opens_the_resident_request(
     assert handle.owned_request_ids == (rid,)
     await handle.close()
     assert port.aborted == [rid] and port.cleaned == [rid] and port.reserved == []
+
+
+async def test_later_appends_reach_the_port_at_once_unless_port_calls_wait(
+    port: FakeStagePort, manager: DuplexSessionManager
+) -> None:
+    port.appends_now = True
+    handle = manager.open("s")
+    handle.append(FRAME)
+    await handle.settled()
+    handle.append(FRAME)
+    handle.append(UtteranceStarted("item_1", 0.0))
+    # Taken on the caller's stack: no worker ran in between.
+    assert port.kinds() == ["ensure", "submit", "submitted", "append_now", "append_now"]
+    port.submit_gate = asyncio.Event()
+    handle.start_turn(TURN, tag="resp")
+    await port.submit_waiting.wait()  # the turn's submit is under way
+    handle.append(FRAME)  # must not overtake it
+    port.submit_gate.set()
+    await handle.settled()
+    kinds = port.kinds()
+    assert kinds[-3:] == ["submitted", "submit", "submitted"]
+    assert "append_now" not in kinds[5:]
+    assert [s.already_submitted for s in port.submitted] == [False, True, True, False, True]
+    await handle.close()
 
 
 async def test_turns_stay_ephemeral_beside_the_resident_request(

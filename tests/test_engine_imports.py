@@ -20,12 +20,13 @@ IMPORT_ALL = """
     import importlib, json, os, pkgutil, sys
     import engine
 
-    names = [m.name for m in pkgutil.iter_modules(engine.__path__, "engine.")]
+    names = [m.name for m in pkgutil.walk_packages(engine.__path__, "engine.")]
     for name in names:
         importlib.import_module(name)
     maps = open("/proc/self/maps").read() if sys.platform.startswith("linux") else ""
     mapped = {line.split()[5] for line in maps.splitlines() if len(line.split()) > 5}
-    from engine import blas, gemv_forward
+    from engine.native import blas
+    from engine.native import gemv_forward
 
     system_blas = {os.path.realpath(path) for path in blas.CANDIDATES if os.path.exists(path)}
     print(json.dumps({
@@ -43,7 +44,7 @@ SET_UP = """
 
     path = engine.setup()
     import mlx.core as mx
-    from engine import gemv_forward
+    from engine.native import gemv_forward
 
     print(json.dumps({"path": path, "again": engine.setup(), "sum": mx.ones((4, 64)).sum().item(),
                       "forwarding": gemv_forward.is_active()}))
@@ -90,7 +91,7 @@ CONSOLE_SCRIPT = """
     import gateway.cli as cli
 
     def main() -> int:
-        from engine import blas
+        from engine.native import blas
 
         print(json.dumps({"active": blas.ensure_fast_blas()}), flush=True)
         return 0
@@ -101,7 +102,7 @@ CONSOLE_SCRIPT = """
 
 
 def test_the_console_script_sets_the_engine_up_before_mlx_loads() -> None:
-    """`duplex-gateway` exits through `engine.core`, which imports MLX: the BLAS must be
+    """`duplex-gateway` exits through `engine.runtime.core`, which imports MLX: the BLAS must be
     under MLX before that import, or every product runs on MLX's reference BLAS."""
     result = run_python(CONSOLE_SCRIPT)
     if sys.platform.startswith("linux"):

@@ -16,7 +16,7 @@ SCRIPT = """
 import asyncio, sys
 import engine
 import mlx.core as mx
-from engine.core import exit_after
+from engine.runtime.core import exit_after
 
 def work():
     mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))

@@ -31,14 +31,14 @@ from websockets.exceptions import ConnectionClosed
 from duplex.manager import DuplexSessionManager
 from engine.build import load_stages, warm_up
 from engine.config import parse_config
-from engine.core import AsyncEngine
-from engine.lanes import EngineLanes
-from engine.orchestrator import DuplexOrchestrator
-from engine.registry import cache_dir
-from engine.stage import Stage, StageOutput
+from engine.pipeline.orchestrator import DuplexOrchestrator
+from engine.runtime.core import AsyncEngine
+from engine.runtime.lanes import EngineLanes
+from engine.runtime.stage import Stage, StageOutput
+from engine.weights.registry import cache_dir
 from gateway.config import GatewayConfig, SessionLimits, load_profile
-from gateway.engine_backend import EngineBackend
-from gateway.server import GatewayServer
+from gateway.server.server import GatewayServer
+from gateway.session.engine_backend import EngineBackend
 from tests.helpers import free_port, share_carriers, wait_until
 
 pytestmark = pytest.mark.models

@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gateway import input_buffer
-from gateway.audio import (
+from gateway.protocol.audio import (
     PCM16,
     PCMA,
     PCMU,
@@ -19,7 +18,8 @@ from gateway.audio import (
     format_from_ga,
     resample,
 )
-from gateway.input_buffer import BufferFullError, InputBuffer
+from gateway.session import input_buffer
+from gateway.session.input_buffer import BufferFullError, InputBuffer
 
 
 def test_g711_known_codes() -> None:

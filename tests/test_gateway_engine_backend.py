@@ -9,8 +9,8 @@ import asyncio
 from duplex.contracts import DuplexStageSubmission
 from duplex.manager import DuplexSessionManager
 from duplex.turn import Stage, TurnRequest
-from gateway.backend import ResponseDone, ResponseEvent, ResponseOutput
-from gateway.engine_backend import EngineBackendSession
+from gateway.session.backend import ResponseDone, ResponseEvent, ResponseOutput
+from gateway.session.engine_backend import EngineBackendSession
 from tests.fakes import FakeStagePort
 
 USAGE = {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8}

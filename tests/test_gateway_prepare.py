@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import base64
 import json
+from dataclasses import fields
 from typing import Any, TypeVar
 
 import numpy as np
 import pytest
 
 from duplex.turn import Stage
-from engine.speech_detector import SpeechDetector
-from gateway.actions import ConfigureVad, DiscardPrepared, PrepareResponse, StartResponse
-from gateway.audio import PCM16
+from engine.listening.speech_detector import SpeechDetector
 from gateway.config import GatewayConfig
-from gateway.realtime import RealtimeSession
+from gateway.protocol.audio import PCM16
+from gateway.session.actions import ConfigureVad, DiscardPrepared, PrepareResponse, StartResponse
+from gateway.session.realtime import RealtimeSession
 
 A = TypeVar("A")
 
@@ -60,35 +61,24 @@ def test_a_pause_prepares_exactly_the_turn_the_stop_starts() -> None:
     assert abs(len(prepare.turn.audio) / 4 - 0.7 * 16000) < 100
 
 
-def test_the_words_heard_at_a_pause_are_what_the_turn_answers() -> None:
-    session = _speaking_session()
-    session.speech_paused(900, "What is the capital of France?")
+def test_the_turn_names_its_utterance_and_the_words_stay_below() -> None:
+    # The engine heard the speech and keeps its words: the turn names the utterance
+    # (the speech's item) and its audio, and carries no words back down.
+    session = RealtimeSession(config=GatewayConfig(), model="m", beta=False)
+    for _ in range(10):
+        session.receive_text(
+            json.dumps({"type": "input_audio_buffer.append", "audio": _tone_b64(100)})
+        )
+    session.speech_started(200)
+    (started,) = [e for e in session.events_to_send() if e["type"].endswith("speech_started")]
+    session.speech_paused(900)
     (prepare,) = _actions(session, PrepareResponse)
-    assert prepare.turn.heard == "What is the capital of France?"
+    assert prepare.turn.utterance == started["item_id"]
     assert prepare.turn.audio is not None  # the item keeps its audio
+    assert "heard" not in {f.name for f in fields(prepare.turn)}
     session.speech_stopped(900)
     (start,) = _actions(session, StartResponse)
     assert start.turn == prepare.turn  # the stop takes the prepared turn over
-
-
-def test_words_heard_before_another_silence_are_not_used() -> None:
-    session = _speaking_session()
-    session.speech_paused(600, "What is the")
-    session.speech_resumed()
-    session.speech_stopped(900)
-    (start,) = _actions(session, StartResponse)
-    assert start.turn.heard is None  # transcribed from its audio
-
-
-def test_a_live_transcribed_session_finishes_its_own_transcript() -> None:
-    session = _speaking_session()
-    update = {"type": "realtime", "audio": {"input": {"transcription": {"model": "whisper-1"}}}}
-    session.receive_text(json.dumps({"type": "session.update", "session": update}))
-    session.events_to_send()
-    session.speech_started(1000)
-    session.speech_paused(1100, "Hello there.")
-    (prepare,) = _actions(session, PrepareResponse)
-    assert prepare.turn.heard is None and prepare.turn.utterance is not None
 
 
 def test_speech_going_on_discards_the_prepared_response() -> None:

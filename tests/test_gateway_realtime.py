@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 
 from duplex.turn import Message, Stage
-from gateway.actions import (
+from gateway.config import GatewayConfig
+from gateway.protocol.audio import PCM16, PCMA, PCMU, StreamResampler
+from gateway.protocol.usage import realtime_usage
+from gateway.session.actions import (
     Action,
     CancelResponse,
     ConfigureVad,
@@ -18,11 +21,8 @@ from gateway.actions import (
     PrepareResponse,
     StartResponse,
 )
-from gateway.audio import PCM16, PCMA, PCMU, StreamResampler
-from gateway.backend import ResponseDone, ResponseOutput
-from gateway.config import GatewayConfig
-from gateway.realtime import RealtimeSession
-from gateway.usage import realtime_usage
+from gateway.session.backend import ResponseDone, ResponseOutput
+from gateway.session.realtime import RealtimeSession
 
 VOICE_RATE = 22050
 

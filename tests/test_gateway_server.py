@@ -23,11 +23,16 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.typing import Origin, Subprotocol
 
 from duplex.turn import Stage, TurnRequest
-from engine.speech_detector import SpeechDetector, SpeechPaused, SpeechResumed, SpeechStarted
-from gateway.backend import ResponseDone, ResponseOutput, SpeechDecision
+from engine.listening.speech_detector import (
+    SpeechDetector,
+    SpeechPaused,
+    SpeechResumed,
+    SpeechStarted,
+)
 from gateway.config import GatewayConfig
-from gateway.server import GatewayServer
-from gateway.session_config import TurnDetection
+from gateway.protocol.session_config import TurnDetection
+from gateway.server.server import GatewayServer
+from gateway.session.backend import ResponseDone, ResponseOutput, SpeechDecision
 from tests.fake_backend import IdleBackend, Reply, ScriptedSession
 
 INPUT_RATE = 24000  # the client's PCM16

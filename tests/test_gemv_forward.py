@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import gemv_forward
+from engine.native import gemv_forward
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,7 +50,7 @@ PRODUCTS = """
     engine.setup()
     import mlx.core as mx
     import numpy as np
-    from engine import gemv_forward
+    from engine.native import gemv_forward
 
     rng = np.random.default_rng(0)
     def arr(*shape):
@@ -181,7 +181,7 @@ def test_the_forwarder_answers_first_and_can_be_turned_off(tmp_path: Path) -> No
         active = """
             import json, engine
             engine.setup()
-            from engine import gemv_forward
+            from engine.native import gemv_forward
             print(json.dumps(gemv_forward.is_active()))
         """
         assert run_python(active, DUPLEX_GATEWAY_CACHE=str(tmp_path)) is False
@@ -190,7 +190,7 @@ def test_the_forwarder_answers_first_and_can_be_turned_off(tmp_path: Path) -> No
         import ctypes, json, os
         import engine
         engine.setup()
-        from engine import gemv_forward
+        from engine.native import gemv_forward
         addr = ctypes.cast(ctypes.CDLL(None).cblas_sgemm, ctypes.c_void_p).value
         owner = None
         for line in open("/proc/self/maps").read().splitlines():
@@ -235,7 +235,7 @@ def test_builds_of_other_sources_stay_and_only_long_unused_ones_go(
 
 
 def _blas_path() -> str:
-    from engine.blas import CANDIDATES
+    from engine.native.blas import CANDIDATES
 
     found = [path for path in CANDIDATES if os.path.exists(path)]
     assert found, "install the Debian package libopenblas0-pthread"
@@ -279,7 +279,7 @@ UNBOUND = """
     import engine
     engine.setup()
     import mlx.core as mx
-    from engine import gemv_forward
+    from engine.native import gemv_forward
 
     a, b = mx.ones((4, 64)), mx.ones((64, 64))
     print(json.dumps({"active": gemv_forward.is_active(), "sum": (a @ b).sum().item()}))
@@ -339,7 +339,7 @@ TWINS = """
     engine.setup()
     import mlx.core as mx
     import numpy as np
-    from engine import gemv_forward
+    from engine.native import gemv_forward
 
     rng = np.random.default_rng(0)
     def grouped(rows, cols, bits):
@@ -401,8 +401,9 @@ LLM_TWINS = """
     import numpy as np
     from mlx.utils import tree_flatten
     from mlx_lm.models.cache import make_prompt_cache
-    from engine import gemv_forward, registry
-    from engine.llm import LlmStage
+    from engine.native import gemv_forward
+    from engine.weights import registry
+    from engine.llm.stage import LlmStage
 
     stage = LlmStage.from_path(registry.prepare("smollm2-135m-instruct", progress=False))
     model, tokenizer = stage.model, stage.tokenizer

@@ -10,8 +10,8 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from gateway.connection import IDLE_REASON
-from gateway.server import GatewayServer
+from gateway.server.connection import IDLE_REASON
+from gateway.server.server import GatewayServer
 from tests.helpers import wait_until
 from tests.test_gateway_server import recv, start_server, url
 

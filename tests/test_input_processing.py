@@ -13,14 +13,14 @@ import pytest
 import soundfile as sf
 import soxr
 
-from gateway import input_processing
-from gateway.actions import CancelResponse, Hear, WatchWords
-from gateway.audio import ENGINE_RATE, PCM16, Samples
-from gateway.backend import ResponseDone, ResponseOutput
 from gateway.config import GatewayConfig
-from gateway.far_end import KEPT_S, FarEnd
-from gateway.input_processing import FRAME, InputProcessing, NoiseReduction
-from gateway.realtime import RealtimeSession
+from gateway.protocol.audio import ENGINE_RATE, PCM16, Samples
+from gateway.session import input_processing
+from gateway.session.actions import CancelResponse, Hear, WatchWords
+from gateway.session.backend import ResponseDone, ResponseOutput
+from gateway.session.far_end import KEPT_S, FarEnd
+from gateway.session.input_processing import FRAME, InputProcessing, NoiseReduction
+from gateway.session.realtime import RealtimeSession
 
 RECORDING = Path("/usr/share/sounds/alsa/Front_Center.wav")
 OTHER = Path("/usr/share/sounds/alsa/Rear_Left.wav")

@@ -15,7 +15,9 @@ import pytest
 from duplex.contracts import DuplexFence, duplex_resource_request_id
 from duplex.manager import DuplexSessionManager
 from duplex.session import RESIDENT_ROLE
-from gateway.actions import (
+from gateway.config import GatewayConfig
+from gateway.protocol.audio import PCM16
+from gateway.session.actions import (
     CancelResponse,
     EndUtterance,
     Hear,
@@ -23,17 +25,15 @@ from gateway.actions import (
     StartResponse,
     StartUtterance,
 )
-from gateway.audio import PCM16
-from gateway.backend import (
+from gateway.session.backend import (
     LiveTranscription,
     ResponseDone,
     ResponseOutput,
     TokenLogprob,
     TranscriptDelta,
 )
-from gateway.config import GatewayConfig
-from gateway.engine_backend import EngineBackendSession
-from gateway.realtime import RealtimeSession
+from gateway.session.engine_backend import EngineBackendSession
+from gateway.session.realtime import RealtimeSession
 from tests.fakes import FakeStagePort
 
 TRANSCRIBED = {"type": "realtime", "audio": {"input": {"transcription": {"model": "whisper-1"}}}}
@@ -182,6 +182,37 @@ async def test_a_session_not_listening_sends_no_audio_but_keeps_the_clock(
     await manager.get("s").settled()  # type: ignore[union-attr]
     listen, heard = (dict(s.prompt) for s in port.submitted)
     assert (listen["append"], listen["clock"], heard["append"]) == ("listen", 5 * 640, "heard")
+
+
+async def test_heard_audio_goes_down_a_vad_window_at_a_time_and_before_any_other_append(
+    port: FakeStagePort,
+) -> None:
+    manager = DuplexSessionManager(port, max_sessions=1)
+    session = EngineBackendSession(manager.open("s"))
+    session.listen(LiveTranscription())
+    frames = [np.full(320, n, np.float32) for n in range(4)]  # 20 ms each
+    frames.append(np.full(100, 4, np.float32))  # ends short of the window at 1536
+    for frame in frames[:4]:
+        session.hear(frame)
+    session.utterance_started("item_1", 60.0)
+    session.hear(frames[4])
+    await manager.get("s").settled()  # type: ignore[union-attr]
+    prompts = [dict(s.prompt) for s in port.submitted]
+    assert [p["append"] for p in prompts] == ["listen", "heard", "heard", "utterance_started"]
+    # Windows end at 512 and 1024 samples: frames 0-1 (640), then 2-3 (1280); the last
+    # frame waits for the next window; the utterance start takes none of it ahead of it.
+    sent = [np.frombuffer(p["audio"], "<f4") for p in prompts[1:3]]
+    assert [len(s) for s in sent] == [640, 640]
+    assert np.array_equal(np.concatenate(sent), np.concatenate(frames[:4]))
+    session.watch_words()
+    await manager.get("s").settled()  # type: ignore[union-attr]
+    last, watch = (dict(s.prompt) for s in port.submitted[-2:])
+    assert (last["append"], len(last["audio"]), watch["append"]) == (
+        "heard",
+        100 * 4,
+        "watch_words",
+    )
+    await session.close()
 
 
 async def test_the_engine_backend_appends_to_the_resident_request(port: FakeStagePort) -> None:

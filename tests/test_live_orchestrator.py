@@ -1,4 +1,4 @@
-"""The orchestrator's resident stage-0 request (rule 5 of `engine.orchestrator`), with
+"""The orchestrator's resident stage-0 request (rule 5 of `engine.pipeline.orchestrator`), with
 fake stages in a real EngineCore: live transcript deltas while an utterance grows, a
 turn that finishes the live transcript (only the tail decoded), prepared turns that
 freeze and thaw it, and an abort that stops everything of it at once."""
@@ -17,11 +17,12 @@ from duplex.contracts import (
     DuplexStageSubmission,
     duplex_resource_request_id,
 )
+from duplex.events import SpeechDecision
 from duplex.outputs import DuplexPreparedTurn, DuplexStageOutput
 from duplex.session import RESIDENT_ROLE
 from duplex.turn import Stage
 from engine.config import parse_config
-from engine.listener import LOOKBACK_S, SAMPLE_RATE
+from engine.listening.listener import LOOKBACK_S, SAMPLE_RATE
 from tests.fake_engine import BLOCK, FakeAsrRequest, Harness, spoken, turn
 
 FRAME = 640  # 40 ms
@@ -189,6 +190,64 @@ async def test_without_listening_a_turn_is_transcribed_whole(h: Harness) -> None
     await h.until(lambda: h.finished(contexts[0].request_id))
     assert h.of(contexts[0].request_id)[0].text == "question 1"  # the plain path
     assert resident.deltas() == [] and h.asr.lives == []
+
+
+QUESTION = "What is the capital of France?"
+
+
+async def heard_then_decided(h: Harness, *decisions: SpeechDecision) -> Resident:
+    """Utterance item_1 said without listening, then `decisions` as the session's speech
+    detection makes them (the listener hears them first, then they go up)."""
+    resident = Resident(h)
+    await resident.append(UtteranceStarted("item_1", 0.0))
+    await resident.say(spoken(*WORDS))
+    listener = h.orch.listener("s1")
+    assert listener is not None
+    for decision in decisions:
+        listener.speech._emit(decision)  # as the detection decides it
+    return resident
+
+
+async def test_words_the_detection_heard_at_the_stop_are_the_transcript(h: Harness) -> None:
+    resident = await heard_then_decided(
+        h, SpeechDecision("paused", 900.0, QUESTION), SpeechDecision("stopped", 900.0)
+    )
+    up = [o.metadata for o in h.of(resident.rid) if o.kind == "speech"]
+    assert [m["words"] for m in up] == [QUESTION, None]  # they go up once, with the pause
+    contexts = h.reserve(final=0)
+    await h.submit(contexts, turn(Stage.ASR, audio=spoken(*WORDS).tobytes(), utterance="item_1"))
+    await h.until(lambda: h.finished(contexts[0].request_id))
+    (transcript, _) = h.of(contexts[0].request_id)
+    assert (transcript.text, transcript.metadata["heard"]) == (QUESTION, True)
+    assert h.asr.requests == []  # the utterance was transcribed once: by the detection
+
+
+@pytest.mark.parametrize(
+    "after",
+    [SpeechDecision("resumed", 900.0), SpeechDecision("stopped", 1400.0)],
+    ids=["resumed", "stopped-later"],
+)
+async def test_words_heard_before_speech_went_on_are_not_the_transcript(
+    h: Harness, after: SpeechDecision
+) -> None:
+    await heard_then_decided(h, SpeechDecision("paused", 900.0, "What is the"), after)
+    contexts = h.reserve(final=0)
+    await h.submit(contexts, turn(Stage.ASR, audio=spoken(*WORDS).tobytes(), utterance="item_1"))
+    await h.until(lambda: h.finished(contexts[0].request_id))
+    assert h.of(contexts[0].request_id)[0].text == "question 1"  # transcribed whole
+    assert "heard" not in h.of(contexts[0].request_id)[0].metadata
+
+
+async def test_a_listening_session_finishes_its_live_transcript_not_the_detections_words(
+    h: Harness,
+) -> None:
+    resident = Resident(h)
+    await speak(h, resident)
+    listener = h.orch.listener("s1")
+    assert listener is not None and listener.utterance is not None
+    listener.speech._emit(SpeechDecision("paused", 900.0, QUESTION))
+    assert listener.utterance.words is None
+    await resident.append(UtteranceEnded("item_1"))
 
 
 async def test_a_prompt_or_logprobs_transcribe_whole_through_their_own_transcript(

@@ -161,7 +161,7 @@ async def test_speech_over_an_answer_cancels_it_and_is_transcribed_live(gateway:
 
 
 def test_the_engine_threads_run_below_the_event_loop(process: GatewayProcess) -> None:
-    """gateway/priority.py in the CLI: the main thread (the event loop) keeps its
+    """gateway/server/priority.py in the CLI: the main thread (the event loop) keeps its
     priority, the engine's threads (lanes, BLAS, MLX) run `engine_nice` (5) below."""
     tasks = Path(f"/proc/{process.proc.pid}/task")
     nice = {int(t.name): os.getpriority(os.PRIO_PROCESS, int(t.name)) for t in tasks.iterdir()}

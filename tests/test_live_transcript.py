@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from engine.asr import AsrRequest, AsrStage, Transcription
-from engine.live_transcript import LiveDelta, LiveTranscript
+from engine.listening.live_transcript import LiveDelta, LiveTranscript
+from engine.stages.asr import AsrRequest, AsrStage, Transcription
 
 RATE = 16000
 WORD_S, GAP_S = 0.3, 0.15

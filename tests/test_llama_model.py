@@ -16,8 +16,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama as mlx_lm_llama
 from mlx_lm.models.base import create_causal_mask
 
-from engine import registry
 from engine.models import llama
+from engine.weights import registry
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 TINY = {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.detokenizer import StreamingDetokenizer
+from engine.llm.detokenizer import StreamingDetokenizer
 
 
 def byte_decode(ids: list[int]) -> str:

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from openai import AsyncOpenAI
 
-from engine.paths import CACHE_ENV, cache_dir
+from engine.weights.paths import CACHE_ENV, cache_dir
 from gateway.cli import llm_override, local_llm_ref, served_name
 from tests.helpers import ROOT, free_port, running_gateway, wait_until_serving
 
@@ -92,7 +92,7 @@ def test_what_the_flags_cannot_mean_is_refused_by_name(given: dict[str, str]) ->
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The converted SmolLM2 as a user's own mlx-lm model folder (files linked)."""
-    from engine.registry import MARKER, prepare
+    from engine.weights.registry import MARKER, prepare
 
     converted = prepare("smollm2-135m-instruct", precision="fp32", progress=False)
     folder = tmp_path_factory.mktemp("models") / "SmolLM2-135M-Instruct"

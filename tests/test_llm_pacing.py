@@ -1,4 +1,4 @@
-"""The LLM stage keeps pace with speech (rule 3 of engine/llm_scheduler.py) and ages prefills.
+"""The LLM stage keeps pace with speech (rule 3 of engine/llm/scheduler.py) and ages prefills.
 
 A tiny random llama and a hand-set clock; the engine-thread test uses the real clock
 and waits on the finished output, never on a sleep.
@@ -12,9 +12,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 
-from engine.core import EngineCore
-from engine.llm import AHEAD_S, PREFILL_AGEING_TOKENS_PER_S, LlmInput, LlmStage
-from engine.stage import StageOutput
+from engine.llm.stage import AHEAD_S, PREFILL_AGEING_TOKENS_PER_S, LlmInput, LlmStage
+from engine.runtime.core import EngineCore
+from engine.runtime.stage import StageOutput
 from tests.test_llm_stage import EOS, ByteTokenizer, greedy, prompt, tiny_model
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from engine.prompt_cache import PromptCache, common_prefix_length
+from engine.llm.prompt_cache import PromptCache, common_prefix_length
 
 
 def _layers(n_tokens: int, n_layers: int = 2) -> list[KVCache]:

@@ -7,12 +7,13 @@ from typing import Any
 
 import pytest
 
-from engine import clients, registry
-from engine.context import ContextLimitError, ContextLimits
-from engine.core import AsyncEngine, EngineCore
-from engine.llm import LlmInput, LlmStage
+from engine.llm.context import ContextLimitError, ContextLimits
+from engine.llm.stage import LlmInput, LlmStage
 from engine.models.llama import load
-from engine.request import SamplingParams
+from engine.runtime import clients
+from engine.runtime.core import AsyncEngine, EngineCore
+from engine.runtime.request import SamplingParams
+from engine.weights import registry
 
 pytestmark = pytest.mark.models
 

@@ -8,8 +8,8 @@ import random
 import mlx.core as mx
 import pytest
 
-from engine.request import SamplingParams
-from engine.sampling import RowSampler, _weights, new_key, sample_batch
+from engine.llm.sampling import RowSampler, _weights, new_key, sample_batch
+from engine.runtime.request import SamplingParams
 
 # Probabilities 0.5 / 0.3 / 0.2 over the first three tokens, ~0 elsewhere.
 BASE = [0.5, 0.3, 0.2] + [1e-9] * 13

@@ -8,8 +8,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 
-from engine.llm import LlmInput, LlmStage
-from engine.request import RequestOutput, RequestStatus, SamplingParams
+from engine.llm.stage import LlmInput, LlmStage
+from engine.runtime.request import RequestOutput, RequestStatus, SamplingParams
 
 EOS = 256
 

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
 from gateway.config import GatewayConfig
-from gateway.server import GatewayServer
+from gateway.server.server import GatewayServer
 from tests.fake_backend import IdleBackend
 from tests.helpers import running_gateway, wait_until
 

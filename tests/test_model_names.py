@@ -23,8 +23,8 @@ from openai import AsyncOpenAI
 from pydantic import ValidationError
 
 from gateway.config import GatewayConfig
-from gateway.realtime import RealtimeSession
-from gateway.server import GatewayServer
+from gateway.server.server import GatewayServer
+from gateway.session.realtime import RealtimeSession
 from tests.fake_backend import IdleBackend
 from tests.helpers import RATE, GatewayProcess, pcm16, read_audio, running_gateway
 

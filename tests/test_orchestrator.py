@@ -24,12 +24,12 @@ from duplex.contracts import (
 from duplex.outputs import fence_from_request_id
 from duplex.turn import Stage
 from engine.config import RemoteLlmConfig, parse_config
-from engine.llm import LlmInput
-from engine.orchestrator import AsrParams, TtsParams
-from engine.remote_llm import RemoteLlm
-from engine.request import RequestOutput, SamplingParams
-from engine.stage import StageOutput
-from engine.tts import TtsRequest
+from engine.llm.remote_llm import RemoteLlm
+from engine.llm.stage import LlmInput
+from engine.pipeline.orchestrator import AsrParams, TtsParams
+from engine.runtime.request import RequestOutput, SamplingParams
+from engine.runtime.stage import StageOutput
+from engine.stages.tts import TtsRequest
 from tests.fake_engine import VOICE_RATE, Harness, audio, turn
 
 
@@ -235,34 +235,6 @@ async def test_empty_transcript_ends_the_turn_without_the_llm(h: Harness) -> Non
     assert h.of(asr)[0].text == ""
     assert h.of(llm)[0].metadata["skipped"] is True
     assert not h.llm.inputs
-
-
-async def test_words_the_gateway_heard_are_answered_without_transcribing_again(
-    h: Harness,
-) -> None:
-    contexts = h.reserve()
-    await h.submit(contexts, turn(audio=audio(3), heard="What is the capital of France?"))
-    asr, llm, tts = (c.request_id for c in contexts)
-    await h.until(lambda: h.finished(tts))
-    (transcript, _) = h.of(asr)
-    assert transcript.text == "What is the capital of France?"
-    assert transcript.metadata["heard"] is True
-    assert h.asr.requests == []  # the ASR stage never saw the audio
-    assert h.llm.inputs[llm].messages[-1]["content"] == "What is the capital of France?"
-    await h.idle()
-
-
-def test_heard_words_go_with_audio_and_no_transcription_options() -> None:
-    for fields in (
-        {"text": "hi", "heard": "hi"},
-        {"audio": audio(1), "heard": "hi", "logprobs": True},
-        {"audio": audio(1), "heard": "hi", "transcription_prompt": "Names: Ada."},
-    ):
-        with pytest.raises(ValueError, match="heard words"):
-            turn(**fields)
-
-
-# ---- errors -------------------------------------------------------------------------
 
 
 async def test_asr_error_fails_the_turn_on_stage_0(h: Harness) -> None:

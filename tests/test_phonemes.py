@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from engine import registry
-from engine.phonemes import PhonemeError, Phonemizer, get_phonemizer, phoneme_ids
+from engine.stages.phonemes import PhonemeError, Phonemizer, get_phonemizer, phoneme_ids
+from engine.weights import registry
 
 
 @pytest.fixture(scope="module")

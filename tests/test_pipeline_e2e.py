@@ -26,10 +26,10 @@ from duplex.contracts import (
 )
 from duplex.outputs import DuplexStageOutput
 from duplex.turn import AUDIO_RATE, Stage, TurnRequest
-from engine import clients
 from engine.build import EngineBundle, build_engine
 from engine.config import load_config
-from engine.tts import TtsRequest
+from engine.runtime import clients
+from engine.stages.tts import TtsRequest
 from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.models, pytest.mark.asyncio(loop_scope="module")]

@@ -1,5 +1,5 @@
 """Prepared turns: the orchestrator works ahead on a turn and a submission of an equal turn
-request adopts it (engine/orchestrator.py rule 4), with the fake stages of
+request adopts it (engine/pipeline/orchestrator.py rule 4), with the fake stages of
 tests/fake_engine.py; then once for real, through the gateway and its embedded models."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The event loop before the models (gateway/priority.py): every other thread of the
+"""The event loop before the models (gateway/server/priority.py): every other thread of the
 process runs at a lower CPU priority, the caller's (the loop's) is unchanged."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ CHECK = textwrap.dedent(
     """
     import os, threading
     from pathlib import Path
-    from gateway.priority import lower_other_threads, lower_this_thread
+    from gateway.server.priority import lower_other_threads, lower_this_thread
 
     if not Path("/proc/self/task").is_dir():  # threads have no priority of their own
         assert lower_other_threads(3) == 0

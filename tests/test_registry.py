@@ -16,9 +16,10 @@ from pathlib import Path
 import huggingface_hub as hub
 import pytest
 
-import engine.registry as registry
-from engine import carriers, device
-from engine.registry import ConversionError, ModelSourceError, ModelSpec
+import engine.weights.registry as registry
+from engine.runtime import device
+from engine.weights import carriers
+from engine.weights.registry import ConversionError, ModelSourceError, ModelSpec
 from tests.helpers import lock_contention_code, share_carriers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,7 +102,7 @@ def test_killed_conversion_is_never_used_and_is_redone(
     code = f"""
         import os
         from pathlib import Path
-        import engine.registry as registry
+        import engine.weights.registry as registry
 
         def die(source_dir, out_dir, progress):
             (out_dir / "weights.txt").write_text("half")
@@ -151,7 +152,7 @@ def test_two_processes_convert_once(cache: Path, tmp_path: Path, source: Path) -
     counter = tmp_path / "calls.txt"
     code = lock_contention_code(tmp_path / "contended", "slow.lock") + textwrap.dedent(
         f"""
-        import engine.registry as registry
+        import engine.weights.registry as registry
 
         def slow(source_dir, out_dir, progress):
             with open("{counter}", "a") as fh:
@@ -299,7 +300,9 @@ def test_hf_source_uses_the_hub_snapshot(
         return str(source)
 
     monkeypatch.setattr(hub, "snapshot_download", snapshot_download)
-    registry.register(ModelSpec("hub-model", "llm", "hf:org/model", "engine.registry:link_files"))
+    registry.register(
+        ModelSpec("hub-model", "llm", "hf:org/model", "engine.weights.registry:link_files")
+    )
     try:
         path = registry.prepare("hub-model", progress=False)
     finally:

@@ -22,12 +22,12 @@ from duplex.contracts import (
 from duplex.outputs import DuplexStageOutput
 from duplex.turn import Stage, TurnRequest
 from engine.config import RemoteLlmConfig, parse_config
-from engine.core import AsyncEngine, EngineCore
-from engine.llm import LlmInput
-from engine.orchestrator import DuplexOrchestrator
-from engine.remote_llm import RemoteLlm, chat_body
-from engine.request import SamplingParams
-from engine.stage import StageOutput
+from engine.llm.remote_llm import RemoteLlm, chat_body
+from engine.llm.stage import LlmInput
+from engine.pipeline.orchestrator import DuplexOrchestrator
+from engine.runtime.core import AsyncEngine, EngineCore
+from engine.runtime.request import SamplingParams
+from engine.runtime.stage import StageOutput
 from tests.helpers import free_port, wait_until, wait_until_serving
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,7 +161,7 @@ async def test_a_request_id_streams_once() -> None:
 
 @pytest.fixture(scope="module")
 def mlx_server() -> Iterator[str]:
-    from engine.registry import prepare
+    from engine.weights.registry import prepare
 
     model_dir = prepare("smollm2-135m-instruct", precision="fp32", progress=False)
     port = free_port()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.request import (
+from engine.runtime.request import (
     UNSUPPORTED_FIELDS,
     Request,
     RequestOutput,

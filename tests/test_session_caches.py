@@ -10,8 +10,8 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 from test_llm_stage import greedy, make_stage, prompt, run, tiny_model
 
-from engine.llm import LlmInput, LlmStage
-from engine.prompt_cache import PromptCache
+from engine.llm.prompt_cache import PromptCache
+from engine.llm.stage import LlmInput, LlmStage
 
 
 @pytest.fixture(scope="module")

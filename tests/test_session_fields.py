@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from gateway.actions import StartResponse
-from gateway.backend import ResponseDone
 from gateway.config import OPENAI_VOICES, GatewayConfig
-from gateway.realtime import RealtimeSession
+from gateway.session.actions import StartResponse
+from gateway.session.backend import ResponseDone
+from gateway.session.realtime import RealtimeSession
 
 PROMPTS = {
     "pmpt_weather": {

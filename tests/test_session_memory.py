@@ -7,11 +7,11 @@ import json
 
 import numpy as np
 
-from gateway.actions import StartResponse
-from gateway.audio import PCM16
-from gateway.backend import ResponseDone, ResponseOutput
 from gateway.config import GatewayConfig
-from gateway.realtime import RealtimeSession
+from gateway.protocol.audio import PCM16
+from gateway.session.actions import StartResponse
+from gateway.session.backend import ResponseDone, ResponseOutput
+from gateway.session.realtime import RealtimeSession
 
 MANUAL = {"type": "realtime", "audio": {"input": {"turn_detection": None}}}
 

@@ -17,8 +17,8 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from duplex.manager import DuplexSessionManager
 from gateway.config import GatewayConfig
-from gateway.engine_backend import EngineBackend
-from gateway.server import GatewayServer
+from gateway.server.server import GatewayServer
+from gateway.session.engine_backend import EngineBackend
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.models

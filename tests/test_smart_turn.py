@@ -17,9 +17,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from engine import registry
 from engine.models import smart_turn
-from engine.turn_end import TurnEndModel, TurnEndStage
+from engine.stages.turn_end import TurnEndModel, TurnEndStage
+from engine.weights import registry
 from tests.turn_clips import turn_end_clips
 
 pytestmark = pytest.mark.models

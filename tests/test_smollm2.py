@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama
 
-import engine.registry as registry
+import engine.weights.registry as registry
 from engine.models import smollm2_gguf
 
 MIXED_TEXT = (

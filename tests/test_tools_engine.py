@@ -15,12 +15,12 @@ import pytest
 
 from duplex.turn import Message, Stage, Tool, ToolCall, ToolChoice, TurnRequest
 from engine.config import RemoteLlmConfig, parse_config
-from engine.llm import LlmInput
-from engine.paths import cache_dir
-from engine.remote_llm import RemoteLlm, chat_body
-from engine.request import RequestOutput, ToolCallDelta
-from engine.stage import StageOutput
-from engine.tool_calls import CallReader, call_text, template_messages
+from engine.llm.remote_llm import RemoteLlm, chat_body
+from engine.llm.stage import LlmInput
+from engine.llm.tool_calls import CallReader, call_text, template_messages
+from engine.runtime.request import RequestOutput, ToolCallDelta
+from engine.runtime.stage import StageOutput
+from engine.weights.paths import cache_dir
 from tests.fake_engine import Harness
 
 WEATHER_SCHEMA = {
@@ -133,7 +133,7 @@ def small_tokenizer() -> Any:
 def grammar(request: pytest.FixtureRequest) -> Any:
     from transformers import AutoTokenizer
 
-    from engine.grammar import CallGrammar
+    from engine.llm.grammar import CallGrammar
 
     if request.param == "small":
         tokenizer = small_tokenizer()

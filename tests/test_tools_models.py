@@ -16,10 +16,10 @@ import jsonschema
 import pytest
 
 from engine.config import RemoteLlmConfig
-from engine.llm import LlmInput, LlmStage
-from engine.paths import cache_dir
-from engine.remote_llm import RemoteLlm
-from engine.request import RequestOutput, SamplingParams
+from engine.llm.remote_llm import RemoteLlm
+from engine.llm.stage import LlmInput, LlmStage
+from engine.runtime.request import RequestOutput, SamplingParams
+from engine.weights.paths import cache_dir
 from tests.helpers import ROOT, free_port, wait_until_serving
 
 pytestmark = pytest.mark.models

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from duplex.turn import Message, Stage, Tool, ToolCall, ToolChoice, TurnRequest
-from gateway.actions import CancelResponse, StartResponse
-from gateway.backend import ResponseDone, ResponseOutput
 from gateway.config import GatewayConfig
-from gateway.realtime import RealtimeSession
+from gateway.session.actions import CancelResponse, StartResponse
+from gateway.session.backend import ResponseDone, ResponseOutput
+from gateway.session.realtime import RealtimeSession
 
 WEATHER = {
     "type": "function",
@@ -375,7 +375,7 @@ def test_barge_in_during_a_call_cancels_it_as_any_response() -> None:
 def test_the_engine_backend_forwards_call_outputs() -> None:
     from duplex.events import TurnOutput
     from duplex.outputs import DuplexStageOutput
-    from gateway.engine_backend import _response_output
+    from gateway.session.engine_backend import _response_output
 
     out = DuplexStageOutput(
         session_id="s",

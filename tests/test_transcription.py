@@ -15,10 +15,10 @@ from websockets.asyncio.client import connect
 
 from duplex.turn import Stage
 from engine.config import parse_config
-from gateway.actions import CancelResponse, StartResponse
-from gateway.backend import ResponseDone, ResponseOutput
 from gateway.config import GatewayConfig
-from gateway.realtime import RealtimeSession
+from gateway.session.actions import CancelResponse, StartResponse
+from gateway.session.backend import ResponseDone, ResponseOutput
+from gateway.session.realtime import RealtimeSession
 from tests.fake_engine import Harness, audio, turn
 from tests.helpers import pcm16, read_audio, running_gateway, tone_b64
 

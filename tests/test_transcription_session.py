@@ -13,15 +13,15 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from duplex.turn import Stage
-from gateway.actions import ConfigureVad, DiscardPrepared, PrepareResponse, StartResponse
-from gateway.audio import PCM16
-from gateway.backend import ResponseDone, ResponseOutput
 from gateway.config import GatewayConfig
-from gateway.conversation import Item
-from gateway.input_buffer import Clip
-from gateway.realtime import RealtimeSession
-from gateway.session_config import LOGPROBS, LiveTranscription
-from gateway.turns import transcription_turn
+from gateway.protocol.audio import PCM16
+from gateway.protocol.session_config import LOGPROBS, LiveTranscription
+from gateway.session.actions import ConfigureVad, DiscardPrepared, PrepareResponse, StartResponse
+from gateway.session.backend import ResponseDone, ResponseOutput
+from gateway.session.conversation import Item
+from gateway.session.input_buffer import Clip
+from gateway.session.realtime import RealtimeSession
+from gateway.session.turns import transcription_turn
 from tests.helpers import tone_b64
 from tests.test_gateway_server import FakeBackend, recv, send_audio, start_server, url
 

@@ -14,10 +14,9 @@ import soxr
 from mlx.utils import tree_map
 
 from duplex.playback import words_before
-from engine import registry
 from engine.models import vits
 from engine.models.piper_onnx import convert, find_voice, read_voice
-from engine.tts import (
+from engine.stages.tts import (
     FIRST_CHUNK_FRAMES,
     MIN_REST_FRAMES,
     AudioChunk,
@@ -27,7 +26,8 @@ from engine.tts import (
     Voice,
     load_voice,
 )
-from engine.tts_text import first_piece, split_phonemes, spoken_text
+from engine.stages.tts_text import first_piece, split_phonemes, spoken_text
+from engine.weights import registry
 
 # --- tiny random models ---------------------------------------------------------------
 
@@ -350,8 +350,8 @@ def _edits(ref: list[str], hyp: list[str]) -> int:
 
 @pytest.mark.models
 def test_whisper_understands_the_voice(voice: Voice) -> None:
-    from engine import registry
-    from engine.asr import load_transcriber
+    from engine.stages.asr import load_transcriber
+    from engine.weights import registry
 
     asr = load_transcriber(registry.prepare("whisper-tiny.en"))
     audio = voice.synthesize(SENTENCES, [voice.scales(TtsRequest())] * len(SENTENCES))

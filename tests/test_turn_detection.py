@@ -13,21 +13,26 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from engine.asr_request import AsrRequest, Transcription
-from engine.listener import HeardAudio
-from engine.stage import StageOutput
-from engine.turn_words import ends_unsure, is_backchannel, sounds_unfinished, sounds_unsure
-from gateway.actions import (
+from engine.listening.listener import HeardAudio
+from engine.listening.turn_words import (
+    ends_unsure,
+    is_backchannel,
+    sounds_unfinished,
+    sounds_unsure,
+)
+from engine.runtime.stage import StageOutput
+from engine.stages.asr_request import AsrRequest, Transcription
+from gateway.config import GatewayConfig, TurnSettings
+from gateway.protocol.session_config import TurnDetection
+from gateway.session.actions import (
     CancelResponse,
     ConfigureVad,
     PrepareResponse,
     StartResponse,
     WatchWords,
 )
-from gateway.backend import ResponseDone, ResponseOutput, SpeechDecision
-from gateway.config import GatewayConfig, TurnSettings
-from gateway.realtime import RealtimeSession
-from gateway.session_config import TurnDetection
+from gateway.session.backend import ResponseDone, ResponseOutput, SpeechDecision
+from gateway.session.realtime import RealtimeSession
 from tests.helpers import wait_until
 from tests.speech_harness import DetectionHarness
 

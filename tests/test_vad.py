@@ -15,14 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 
-from engine import registry
-from engine.core import AsyncEngine, EngineCore
+from engine.listening.speech_detector import SpeechDetector, SpeechStarted, SpeechStopped
+from engine.listening.vad_feeder import FEED_PIECE_SAMPLES, MAX_QUEUED_SAMPLES, MAX_UNHEARD_SAMPLES
 from engine.models import silero, silero_onnx
-from engine.speech_detector import SpeechDetector, SpeechStarted, SpeechStopped
-from engine.vad import SileroVad, VadStage, VadState
-from engine.vad_feeder import FEED_PIECE_SAMPLES, MAX_QUEUED_SAMPLES, MAX_UNHEARD_SAMPLES
-from gateway.backend import SpeechDecision
-from gateway.session_config import TurnDetection
+from engine.runtime.core import AsyncEngine, EngineCore
+from engine.stages.vad import SileroVad, VadStage, VadState
+from engine.weights import registry
+from gateway.protocol.session_config import TurnDetection
+from gateway.session.backend import SpeechDecision
 from tests.helpers import read_audio, running_gateway
 from tests.speech_harness import DetectionHarness
 

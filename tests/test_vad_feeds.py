@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-from engine.vad import VadStage
-from engine.vad_feeds import VadFeeds
+from engine.listening.vad_feeds import VadFeeds
+from engine.stages.vad import VadStage
 
 T = TypeVar("T")
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from websockets.asyncio.client import connect as ws_connect
 
-from gateway.server import GatewayServer
+from gateway.server.server import GatewayServer
 from tests.helpers import wait_until
 from tests.test_gateway_server import FakeBackend, start_server
 from tests.webrtc_client import Call, connect, mint, post_sdp, post_unified

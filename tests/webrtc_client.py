@@ -13,7 +13,7 @@ from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av import AudioFrame
 
-from gateway.call_audio import PacedAudioTrack
+from gateway.webrtc.call_audio import PacedAudioTrack
 
 RATE = 48000
 

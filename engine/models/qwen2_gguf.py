@@ -14,7 +14,7 @@ is permuted back.
 Each quantized matrix is rounded again into groups of 32. `precision="fp32"` (the CPU's)
 rounds every group to signed 8-bit integers times the group's largest magnitude / 127,
 the form the engine's few-row products recognise in fp32 weights and read in a quarter
-of the bytes (`engine.gemv_forward`); 8 bits keep every block type (at most 6 bits of
+of the bytes (`engine.native.gemv_forward`); 8 bits keep every block type (at most 6 bits of
 resolution per block) to within half an 8-bit step. `precision="4bit"` stores MLX's
 own affine groups for its quantized kernels (Metal, CUDA): Q4_K (already 4-bit groups
 of 32) in 4 bits, the 5-, 6- and 8-bit types in 8.
@@ -142,7 +142,7 @@ def _grouped(module: str, values: np.ndarray, bits: int, precision: str) -> dict
 def symmetric_8bit(values: np.ndarray) -> np.ndarray:
     """`values` (rows of a multiple of 32) rounded, per group of 32, to q * s with q an
     integer in -127..127 and s the group's largest magnitude / 127, in float32 exactly
-    as `engine.gemv_forward` checks it: s is computed again from the rounded group, so
+    as `engine.native.gemv_forward` checks it: s is computed again from the rounded group, so
     the rounding repeats until it no longer changes the group (twice, nearly always)."""
     groups = values.astype(np.float32).reshape(-1, GROUP_SIZE)
     for _ in range(8):

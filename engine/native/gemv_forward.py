@@ -1,0 +1,210 @@
+"""Build and load `native/gemv_forward.c`: few-row matrix products that read the
+weights once.
+
+Why: one decode step of a few sequences multiplies a few rows by every weight matrix,
+and OpenBLAS's sgemm packs each whole matrix before multiplying it; the forwarder's
+kernels stream it once, in place, and skip the library's set-up on the many tiny
+attention products (see the C file). The library is compiled once for this CPU with the
+system's C compiler into the engine cache and must be loaded before the BLAS itself
+(`engine.native.blas` does both). Without a compiler, or with `DUPLEX_GATEWAY_GEMV_FORWARD=0`,
+nothing changes: MLX calls the BLAS's sgemm directly.
+
+`compress` gives the weight matrices of a loaded model compact twins where their values
+are exactly groups of 4-bit or 8-bit integers times a scale (a model dequantized from
+GGUF, such as the embedded LLM): few-row products then read about a fifth (4-bit) or a
+third (8-bit) of the bytes, scales included, and rebuild the same fp32 weights in
+registers, so decode steps get faster and their results stay bit for bit the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import time
+import uuid
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from engine.weights.paths import cache_dir
+
+if TYPE_CHECKING:  # this module is imported before mlx.core (engine.native.blas)
+    import mlx.core as mx
+    import mlx.nn as nn
+
+__all__ = [
+    "ENV",
+    "compress",
+    "enable",
+    "is_active",
+    "live_twins",
+    "load",
+    "twin",
+    "twin_products",
+    "use_twins",
+]
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("gemv_forward.c")
+ENV = "DUPLEX_GATEWAY_GEMV_FORWARD"
+# Builds not loaded for this long are deleted from the cache (30 days).
+PRUNE_AFTER_S = 30 * 24 * 3600
+
+_lib: ctypes.CDLL | None = None
+
+
+def load(blas_path: str) -> bool:
+    """Load the forwarder into the global symbol scope, bound to the BLAS at
+    `blas_path`; call before that BLAS is loaded globally. True when active."""
+    global _lib
+    if _lib is not None:
+        return True
+    if os.environ.get(ENV) == "0":
+        return False
+    built = _built()
+    if built is None:
+        return False
+    # Bound first, in the local scope: until it knows the BLAS's routines its
+    # cblas_sgemm has nothing to forward to, so it must not answer MLX's calls.
+    lib = ctypes.CDLL(str(built))
+    lib.gemv_forward_twin_products.restype = ctypes.c_long
+    if not lib.gemv_forward_bind(blas_path.encode()):
+        log.warning("%s lacks cblas_sgemv or cblas_sgemm; few-row products use sgemm", blas_path)
+        return False
+    ctypes.CDLL(str(built), mode=ctypes.RTLD_GLOBAL)  # the same library, now global
+    _lib = lib
+    return True
+
+
+def is_active() -> bool:
+    return _lib is not None
+
+
+def enable(on: bool) -> bool:
+    """Turn forwarding on or off at run time (for side-by-side timing); returns the
+    previous setting. Raises RuntimeError when the forwarder is not loaded."""
+    if _lib is None:
+        raise RuntimeError("the few-row forwarder is not loaded")
+    return bool(_lib.gemv_forward_enable(int(on)))
+
+
+def twin(weight: mx.array) -> int | None:
+    """Give the fp32 matrix `weight` a compact twin; returns its bits per weight (4 or 8),
+    or None when its values are not exactly such groups or the forwarder is off. The
+    twin is found by the matrix's address, so it goes when `weight` does."""
+    import mlx.core as mx
+    import numpy as np
+
+    if _lib is None or weight.ndim != 2 or weight.shape[1] % 32 or weight.dtype != mx.float32:
+        return None
+    rows, cols = weight.shape
+    view = np.asarray(memoryview(cast(Any, weight)))  # MLX's buffer: the address sgemm gets
+    if not view.flags.c_contiguous:
+        return None
+    address = ctypes.c_void_p(view.ctypes.data)
+    for bits in (4, 8):
+        made = _lib.gemv_forward_twin(address, rows, cols, bits)
+        if made == 1:
+            # Before the array's buffer can hold other numbers, the twin goes.
+            weakref.finalize(weight, _lib.gemv_forward_untwin, address)
+            return bits
+        if made < 0:
+            log.warning("no room for more compact weights: the rest stay fp32")
+            return None
+    return None
+
+
+def compress(model: nn.Module) -> dict[int, int]:
+    """Twin every fp32 matrix of `model` that has an exact compact form (`twin`);
+    returns how many got each width."""
+    from mlx.utils import tree_flatten
+
+    made: dict[int, int] = {}
+    leaves = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
+    for _, weight in leaves:
+        bits = twin(weight)
+        if bits is not None:
+            made[bits] = made.get(bits, 0) + 1
+    return made
+
+
+def use_twins(on: bool) -> bool:
+    """Read the twins or leave them unread (for side-by-side timing); returns the
+    previous setting. Raises RuntimeError when the forwarder is not loaded."""
+    if _lib is None:
+        raise RuntimeError("the few-row forwarder is not loaded")
+    return bool(_lib.gemv_forward_use_twins(int(on)))
+
+
+def live_twins() -> int:
+    """How many matrices have a twin now."""
+    return int(_lib.gemv_forward_live_twins()) if _lib is not None else 0
+
+
+def twin_products() -> int:
+    """How many products have read a twin in this process (0 when the forwarder is off)."""
+    return int(_lib.gemv_forward_twin_products()) if _lib is not None else 0
+
+
+def _built() -> Path | None:
+    """The compiled library of `SOURCE` in the cache, built now if needed; None without
+    a compiler.
+
+    Its name is its content's hash: checkouts of different versions share one cache,
+    and each finds its own build there, never one another's. A build is written under a
+    temporary name and renamed into place, so a process never loads a partial one."""
+    source = SOURCE
+    code = source.read_bytes()
+    # Built for this CPU's instruction set: a cache moved to another machine rebuilds.
+    key = hashlib.sha256(code + platform.machine().encode() + _cpu_flags()).hexdigest()[:16]
+    target = cache_dir() / "native" / f"gemv_forward-{key}.so"
+    if target.exists():
+        with contextlib.suppress(OSError):
+            os.utime(target)  # in use: not pruned (`_prune`)
+        return target
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler: few-row products use the BLAS's sgemm (slower decode)")
+        return None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
+    cmd = [compiler, "-O3", "-march=native", "-Wno-psabi", "-shared", "-fPIC", "-pthread"]
+    cmd += ["-o", str(tmp)]
+    cmd += [str(source), "-ldl"]
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("building %s failed (%s); few-row products use sgemm", source.name, detail)
+        tmp.unlink(missing_ok=True)
+        return None
+    os.replace(tmp, target)  # atomic: another process may be building the same file
+    _prune(target.parent)
+    return target
+
+
+def _prune(folder: Path) -> None:
+    """Drop builds no process has loaded for `PRUNE_AFTER_S`, so upgrades do not pile
+    them up. A build in use is refreshed each time it is loaded, and a process that
+    still has one mapped keeps its mapping."""
+    cutoff = time.time() - PRUNE_AFTER_S
+    # The hidden ones are what builds that were stopped half-way left behind.
+    for old in [*folder.glob("gemv_forward-*.so"), *folder.glob(".gemv_forward-*.so.*")]:
+        with contextlib.suppress(OSError):  # another process pruned it first
+            if old.stat().st_mtime < cutoff:
+                old.unlink()
+
+
+def _cpu_flags() -> bytes:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return b""
+    return next((line for line in text.splitlines() if line.startswith("flags")), "").encode()

@@ -1,0 +1,464 @@
+"""Text to speech: a Piper voice on MLX, streamed clause by clause.
+
+`Voice` turns clauses into float audio at the voice rate (one batched forward for many
+clauses). Every chunk leaves the engine as that audio, float32 mono at the voice's own
+rate: converting it to what a client wants is the gateway's job, done once there.
+`Synthesizer` is the plain API: text in, one chunk per clause out. `TtsStage` is the
+engine stage: requests are opened with `add`, text arrives with `feed` as the LLM
+produces it, and each `step` speaks the next chunk of the most urgent requests in one
+batch.
+
+The stage renders a request's first audio in a short chunk: the clause's latents are
+computed whole (the text encoder and duration predictor need every phoneme), but the
+flows and the vocoder, both convolutional, run over windows of latent frames with enough
+context on each side that the window's middle equals the whole clause's audio. Each
+later chunk of a request is at most twice the audio already rendered for it, so the
+next chunk is ready well before playback reaches it, and at most MAX_CHUNK_FRAMES, so
+that no single chunk holds a step for long.
+
+Scheduling is earliest deadline first. A request's deadline is the moment its listener
+runs out of audio: the wall time of its first chunk plus the audio emitted since. A
+request not yet heard is already late (its deadline is when it arrived). Each step takes
+the requests with the soonest deadlines whose next chunk is at most twice as wide as the
+most urgent one's (a wider one would hold it up; cutting it narrower would cost more
+context per second of audio), and stops adding requests when the padded batch would exceed
+STEP_WINDOW_FRAMES, so that the most urgent chunk never waits behind a big batch. A
+request with more than AHEAD_S of audio in hand is not rendered while another has less.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from engine.models import vits
+from engine.runtime.stage import StageOutput
+from engine.stages.phonemes import get_phonemizer, phoneme_ids
+from engine.stages.tts_text import (
+    MAX_PIECE_PHONEMES,
+    first_piece,
+    speakable_clauses,
+    split_phonemes,
+    spoken_text,
+)
+
+__all__ = [
+    "AHEAD_S",
+    "AudioChunk",
+    "DEFAULT_VOICE",
+    "FIRST_CHUNK_FRAMES",
+    "MAX_CHUNK_FRAMES",
+    "MIN_REST_FRAMES",
+    "STEP_WINDOW_FRAMES",
+    "Synthesizer",
+    "TtsRequest",
+    "TtsStage",
+    "Voice",
+    "load_voice",
+]
+
+DEFAULT_VOICE = "piper-en_US-joe-medium"
+# A request's first chunk: 32 latent frames, about 0.37 s of speech at Piper's hop.
+FIRST_CHUNK_FRAMES = 32
+# A remainder shorter than this joins the chunk before it: rendering it apart would
+# cost more in window context than it saves.
+MIN_REST_FRAMES = 16
+# The widest chunk (about 3 s of speech). Each chunk also computes 2 x 44 frames of
+# context, so narrower chunks cost more per second of audio; wider ones hold every other
+# request's chunk for their whole step.
+MAX_CHUNK_FRAMES = 256
+# The most latent frames one step renders, counted as the padded batch computes them
+# (rows x (widest chunk + context)): six first chunks, or two of the widest.
+STEP_WINDOW_FRAMES = 720
+# A request with this much audio in hand (seconds) waits while another has less.
+AHEAD_S = 5.0
+
+
+@dataclass(frozen=True)
+class TtsRequest:
+    """Per-request voice settings; None takes the voice's own default.
+
+    `speed` is a multiplier on speaking rate (2.0 = twice as fast); `length_scale` is
+    Piper's own knob (its inverse). Give at most one of the two.
+    """
+
+    speed: float | None = None
+    length_scale: float | None = None
+    noise_scale: float | None = None
+    noise_w: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.speed is not None and self.length_scale is not None:
+            raise ValueError("give speed or length_scale, not both")
+        for name in ("speed", "length_scale"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and 0.1 <= value <= 10.0):
+                raise ValueError(f"{name} must be within [0.1, 10]")
+        for name in ("noise_scale", "noise_w"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and 0.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be within [0, 2]")
+
+
+@dataclass(frozen=True, eq=False)
+class AudioChunk:
+    """Float32 mono `samples` at the voice's `sample_rate`, speaking `text` (empty for a
+    final tail)."""
+
+    samples: np.ndarray
+    sample_rate: int
+    text: str
+    duration_ms: float
+
+    @classmethod
+    def of(cls, samples: np.ndarray, sample_rate: int, text: str) -> AudioChunk:
+        samples = np.asarray(samples, dtype=np.float32)
+        return cls(samples, sample_rate, text, 1000 * len(samples) / sample_rate)
+
+
+@dataclass(frozen=True)
+class Scales:
+    noise_scale: float
+    length_scale: float
+    noise_w: float
+
+
+class Voice:
+    """A converted Piper voice: phonemizer + MLX VITS."""
+
+    def __init__(self, model: vits.Model, config: dict) -> None:
+        self.model = model
+        self.config = config
+        args = model.args
+        self.sample_rate = args.sample_rate
+        self.id_map = config["phoneme_id_map"]
+        self.phonemizer = get_phonemizer(config.get("espeak", {}).get("voice", "en-us"))
+        # The converter copied the voice json's inference defaults into the model args.
+        self.defaults = Scales(args.noise_scale, args.length_scale, args.noise_w)
+
+    @classmethod
+    def load(cls, model_dir: Path | str) -> Voice:
+        model, config = vits.load(model_dir)
+        return cls(model, config)
+
+    def scales(self, request: TtsRequest) -> Scales:
+        d = self.defaults
+        length = request.length_scale
+        if request.speed is not None:
+            length = d.length_scale / request.speed
+        return Scales(
+            d.noise_scale if request.noise_scale is None else request.noise_scale,
+            d.length_scale if length is None else length,
+            d.noise_w if request.noise_w is None else request.noise_w,
+        )
+
+    def ids(self, text: str) -> list[int]:
+        return phoneme_ids(self.phonemizer.phonemize(text), self.id_map)
+
+    def context_frames(self) -> int:
+        """Latent frames of context a rendered span needs on each side."""
+        return int(self.model.context_frames())
+
+    def id_pieces(self, text: str) -> list[list[int]]:
+        """Ids of the text in pieces of at most MAX_PIECE_PHONEMES phonemes."""
+        ipa = self.phonemizer.phonemize(text)
+        return [phoneme_ids(p, self.id_map) for p in split_phonemes(ipa, MAX_PIECE_PHONEMES)]
+
+    def latents(self, batch: Sequence[list[int]], scales: Sequence[Scales]) -> list[mx.array]:
+        """Prior latents [1, frames, C] per id sequence, evaluated (noise drawn once)."""
+        L = max(len(ids) for ids in batch)
+        padded = np.zeros((len(batch), L), dtype=np.int32)
+        for i, ids in enumerate(batch):
+            padded[i, : len(ids)] = ids
+        z_p, frames = self.model.latents(
+            mx.array(padded),
+            mx.array([len(ids) for ids in batch]),
+            mx.array([s.noise_scale for s in scales]),
+            mx.array([s.length_scale for s in scales]),
+            mx.array([s.noise_w for s in scales]),
+        )
+        out = [z_p[i : i + 1, : int(n)] for i, n in enumerate(frames)]
+        mx.eval(out)
+        return out
+
+    def render(self, spans: Sequence[tuple[mx.array, int, int]]) -> list[np.ndarray]:
+        """Float32 audio of latent frames [start, stop) of each (latents, start, stop),
+        equal to that span of the whole sequence's audio, in one batched pass."""
+        model = self.model
+        context, vocoder_context = model.context_frames(), model.dec.context_frames()
+        windows = [_window(z_p, start, stop, context) for z_p, start, stop in spans]
+        z = model.flows(*_stack([w for w, _ in windows]))
+        # The vocoder needs fewer frames around each span than the flows did.
+        windows = [
+            _window(z[i : i + 1, : w.shape[1]], a, a + n, vocoder_context)
+            for i, (w, (a, n)) in enumerate(windows)
+        ]
+        audio = np.array(model.vocode(*_stack([w for w, _ in windows])))
+        hop = model.args.hop_length
+        return [audio[i, a * hop : (a + n) * hop].copy() for i, (_, (a, n)) in enumerate(windows)]
+
+    def synthesize_ids(
+        self, batch: Sequence[list[int]], scales: Sequence[Scales]
+    ) -> list[np.ndarray]:
+        """Float32 audio at the voice rate, one array per id sequence."""
+        z_p = self.latents(batch, scales)
+        return self.render([(z, 0, z.shape[1]) for z in z_p])
+
+    def synthesize(self, texts: Sequence[str], scales: Sequence[Scales]) -> list[np.ndarray]:
+        """One batched forward over every piece of every text; audio per text."""
+        pieces = [self.id_pieces(t) for t in texts]
+        flat = [ids for ps in pieces for ids in ps]
+        flat_scales = [sc for ps, sc in zip(pieces, scales, strict=True) for _ in ps]
+        audio = iter(self.synthesize_ids(flat, flat_scales))
+        return [np.concatenate([next(audio) for _ in ps]) for ps in pieces]
+
+
+def _window(z: mx.array, start: int, stop: int, context: int) -> tuple[mx.array, tuple[int, int]]:
+    # Frames [start, stop) of z with `context` frames around, and where the span sits in it.
+    lo, hi = max(0, start - context), min(z.shape[1], stop + context)
+    return z[:, lo:hi], (start - lo, stop - start)
+
+
+def _stack(windows: list[mx.array]) -> tuple[mx.array, np.ndarray]:
+    # One zero-padded batch and each window's frame count.
+    T = max(w.shape[1] for w in windows)
+    batch = mx.concatenate([mx.pad(w, [(0, 0), (0, T - w.shape[1]), (0, 0)]) for w in windows])
+    return batch, np.array([w.shape[1] for w in windows])
+
+
+def load_voice(name: str = DEFAULT_VOICE) -> Voice:
+    """A registered voice, converted into the cache on first use."""
+    from engine.weights import registry
+
+    return Voice.load(registry.prepare(name))
+
+
+class Synthesizer:
+    """Text in, one `AudioChunk` per clause out, at the voice rate."""
+
+    def __init__(self, voice: Voice) -> None:
+        self.voice = voice
+
+    def stream(self, text: str, request: TtsRequest | None = None) -> Iterator[AudioChunk]:
+        scales = self.voice.scales(request or TtsRequest())
+        for clause in speakable_clauses(text):
+            (audio,) = self.voice.synthesize([clause], [scales])
+            yield AudioChunk.of(audio, self.voice.sample_rate, clause)
+
+    def synthesize(self, text: str, request: TtsRequest | None = None) -> AudioChunk:
+        """The whole text as one chunk."""
+        chunks = list(self.stream(text, request))
+        samples = np.concatenate([c.samples for c in chunks] or [np.zeros(0, np.float32)])
+        return AudioChunk.of(samples, self.voice.sample_rate, " ".join(c.text for c in chunks))
+
+
+@dataclass
+class _Segment:
+    """One phoneme piece of a clause, between steps: its latents and how far it is rendered."""
+
+    text: str  # the whole clause
+    z_p: mx.array  # [1, frames, C]
+    offset: int  # frames of the clause's earlier pieces
+    clause_frames: int
+    rendered: int = 0
+
+    @property
+    def frames(self) -> int:
+        return self.z_p.shape[1]
+
+
+@dataclass
+class _Stream:
+    scales: Scales
+    arrived: float  # stage clock when the request was added
+    pending: deque[str] = field(default_factory=deque)
+    segments: deque[_Segment] = field(default_factory=deque)
+    final: bool = False
+    started: bool = False
+    frames_out: int = 0  # latent frames rendered so far
+    first_at: float | None = None  # stage clock when its first chunk left
+    audio_s: float = 0.0  # seconds of audio emitted so far
+
+    def busy(self) -> bool:
+        return bool(self.pending or self.segments or self.final)
+
+    def speakable(self) -> bool:
+        return bool(self.pending or self.segments)
+
+    def deadline(self) -> float:
+        """When its listener runs out of audio; a request not yet heard is already late."""
+        if self.first_at is None:
+            return self.arrived
+        return self.first_at + self.audio_s
+
+    def chunk_frames(self) -> int:
+        # Each chunk at most doubles the audio rendered before it, so it is ready before
+        # the audio ahead of it has played.
+        return min(MAX_CHUNK_FRAMES, max(FIRST_CHUNK_FRAMES, 2 * self.frames_out))
+
+    def next_span(self, width: int) -> tuple[_Segment, int, int]:
+        """The segment to render from and the frames [start, stop) of this step's chunk,
+        at most `width` frames (plus a remainder too short to render apart)."""
+        seg = self.segments[0]
+        start = seg.rendered
+        stop = min(seg.frames, start + min(width, self.chunk_frames()))
+        if seg.frames - stop < MIN_REST_FRAMES:
+            stop = seg.frames
+        return seg, start, stop
+
+
+class TtsStage:
+    """Engine stage: streaming requests, the most urgent first, batched (module docstring).
+
+    A step picks the requests to speak (`_pick`), starts the next clause of each picked
+    request that has none in progress, then renders one chunk of each. `feed` for an id
+    the stage does not hold (e.g. aborted a moment ago) is ignored and returns False, so
+    late LLM text after a barge-in is harmless. `clock` is the wall clock deadlines are
+    read on (seconds).
+    """
+
+    name = "tts"
+
+    def __init__(
+        self, voice: Voice, max_batch: int = 8, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.voice = voice
+        self.max_batch = max_batch
+        self._clock = clock
+        self._context = voice.context_frames()
+        self._streams: dict[str, _Stream] = {}
+
+    def add(self, request_id: str, inputs: TtsRequest) -> None:
+        if not isinstance(inputs, TtsRequest):
+            raise ValueError(f"TTS inputs must be a TtsRequest, not {type(inputs).__name__}")
+        if request_id in self._streams:
+            raise ValueError(f"TTS request {request_id!r} already exists")
+        self._streams[request_id] = _Stream(self.voice.scales(inputs), self._clock())
+
+    def runway(self, request_id: str) -> float | None:
+        """Seconds of audio its listener has in hand now (negative: already dry); None
+        for a request not held or not yet heard."""
+        stream = self._streams.get(request_id)
+        if stream is None or stream.first_at is None:
+            return None
+        return stream.deadline() - self._clock()
+
+    def feed(self, request_id: str, text: str, final: bool = False) -> bool:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        if stream.final:
+            raise ValueError(f"TTS request {request_id!r} already received its final text")
+        clauses = speakable_clauses(text)
+        if clauses and not stream.started and not stream.pending:
+            head, rest = first_piece(clauses[0])
+            clauses[:1] = [head, rest] if rest else [head]
+        stream.pending.extend(clauses)
+        stream.final = final
+        return True
+
+    def abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        return any(s.busy() for s in self._streams.values())
+
+    def step(self) -> list[StageOutput]:
+        # Requests with their final text all spoken only need their finished output.
+        ended = [(rid, s) for rid, s in self._streams.items() if s.busy() and not s.speakable()]
+        speak, width = self._pick()
+        outputs = self._speak(speak, width) if speak else []
+        for rid, s in ended:
+            outputs.append(self._emit(rid, s, np.zeros(0, np.float32), "", {}))
+        return outputs
+
+    def _pick(self) -> tuple[list[tuple[str, _Stream]], int]:
+        """This step's requests, earliest deadline first, and the widest chunk they may
+        render: twice the most urgent one's, so it is never held up much longer."""
+        now = self._clock()
+        ready = sorted(
+            ((rid, s) for rid, s in self._streams.items() if s.speakable()),
+            key=lambda item: item[1].deadline(),
+        )
+        if not ready:
+            return [], 0
+        limit = 2 * ready[0][1].chunk_frames()
+        short = ready[0][1].deadline() - now <= AHEAD_S
+        picked: list[tuple[str, _Stream]] = []
+        widest = 0
+        for rid, s in ready:
+            if len(picked) == self.max_batch:
+                break
+            if short and s.deadline() - now > AHEAD_S:
+                break  # far enough ahead: it waits while others run short
+            width = s.chunk_frames()
+            if width > limit:
+                continue  # its wide chunk would hold the urgent one up: a later step
+            rows, widest = len(picked) + 1, max(widest, width)
+            if picked and rows * (widest + 2 * self._context) > STEP_WINDOW_FRAMES:
+                break
+            picked.append((rid, s))
+        return picked, limit
+
+    def _speak(self, speak: list[tuple[str, _Stream]], width: int) -> list[StageOutput]:
+        start = time.perf_counter()
+        try:
+            self._start_clauses([s for _, s in speak if not s.segments])
+            spans = [s.next_span(width) for _, s in speak]
+            audio = self.voice.render([(seg.z_p, a, b) for seg, a, b in spans])
+        except Exception as exc:  # a model failure fails these requests, not the engine
+            for rid, _ in speak:
+                self._streams.pop(rid, None)
+            return [
+                StageOutput(rid, None, finished=True, error=f"tts failed: {exc}")
+                for rid, _ in speak
+            ]
+        synth_ms = 1000 * (time.perf_counter() - start)
+        metrics = {"synth_ms": synth_ms, "batch": float(len(speak))}
+        now = self._clock()
+        outputs = []
+        for (rid, s), (seg, a, b), chunk in zip(speak, spans, audio, strict=True):
+            seg.rendered = b
+            s.frames_out += b - a
+            if s.first_at is None:
+                s.first_at = now
+            s.audio_s += len(chunk) / self.voice.sample_rate
+            if seg.rendered == seg.frames:
+                s.segments.popleft()
+            total = seg.clause_frames
+            text = spoken_text(seg.text, (seg.offset + a) / total, (seg.offset + b) / total)
+            outputs.append(self._emit(rid, s, chunk, text, metrics))
+        return outputs
+
+    def _start_clauses(self, streams: list[_Stream]) -> None:
+        # One batched latents pass over every phoneme piece of each stream's next clause.
+        texts = [s.pending.popleft() for s in streams]
+        pieces = [self.voice.id_pieces(t) for t in texts]
+        flat = [ids for ps in pieces for ids in ps]
+        if not flat:
+            return
+        scales = [s.scales for s, ps in zip(streams, pieces, strict=True) for _ in ps]
+        latents = iter(self.voice.latents(flat, scales))
+        for s, text, ps in zip(streams, texts, pieces, strict=True):
+            s.started = True
+            z_ps = [next(latents) for _ in ps]
+            total, offset = sum(z.shape[1] for z in z_ps), 0
+            for z_p in z_ps:
+                s.segments.append(_Segment(text, z_p, offset, total))
+                offset += z_p.shape[1]
+
+    def _emit(
+        self, rid: str, s: _Stream, audio: np.ndarray, text: str, metrics: dict
+    ) -> StageOutput:
+        finished = s.final and not s.pending and not s.segments
+        chunk = AudioChunk.of(audio, self.voice.sample_rate, text)
+        if finished:
+            self._streams.pop(rid, None)
+        return StageOutput(rid, chunk, finished=finished, metrics=dict(metrics))

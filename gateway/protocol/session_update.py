@@ -41,7 +41,16 @@ from gateway.protocol.session_config import (
 from gateway.protocol.tools import ToolSettingError, check_choice, parse_tool_choice, parse_tools
 from gateway.session.input_processing import NoiseReduction
 
-__all__ = ["apply_update", "check_voice", "stored_prompt", "voice_name"]
+__all__ = [
+    "apply_update",
+    "beta_format",
+    "check_voice",
+    "ga_format",
+    "read_max_tokens",
+    "read_modalities",
+    "stored_prompt",
+    "voice_name",
+]
 
 # server_vad's tuning fields, which semantic_vad does not take.
 _SERVER_VAD_ONLY = ("threshold", "prefix_padding_ms", "silence_duration_ms", "idle_timeout_ms")
@@ -162,7 +171,7 @@ def _beta_input_changes(
     given = update.model_fields_set
     changes: dict[str, Any] = {}
     if update.input_audio_format is not None:
-        changes["input_format"] = _beta_format(update.input_audio_format, "input_audio_format")
+        changes["input_format"] = beta_format(update.input_audio_format, "input_audio_format")
     if "input_audio_transcription" in given:
         changes["transcription"] = _transcription(
             update.input_audio_transcription, "session.input_audio_transcription"
@@ -261,9 +270,9 @@ def _ga_changes(
     given = update.model_fields_set
     changes: dict[str, Any] = {}
     if update.output_modalities is not None:
-        changes["output_modalities"] = _modalities(update.output_modalities, ga=True)
+        changes["output_modalities"] = read_modalities(update.output_modalities, ga=True)
     if "max_output_tokens" in given:
-        changes["max_output_tokens"] = _max_tokens(update.max_output_tokens)
+        changes["max_output_tokens"] = read_max_tokens(update.max_output_tokens)
     if "prompt" in given:
         changes["prompt"] = stored_prompt(update.prompt, config, "session.prompt")
     if "truncation" in given and update.truncation is not None:
@@ -277,7 +286,7 @@ def _ga_changes(
         changes.update(_ga_input_changes(audio.input, current))
     if audio and audio.output:
         if audio.output.format is not None:
-            changes["output_format"] = _ga_format(
+            changes["output_format"] = ga_format(
                 audio.output.format.model_dump(exclude_none=True), "session.audio.output.format"
             )
         if audio.output.voice is not None:
@@ -292,7 +301,7 @@ def _ga_input_changes(value: AudioInputIn, current: SessionSettings) -> dict[str
     given = value.model_fields_set
     changes: dict[str, Any] = {}
     if value.format is not None:
-        changes["input_format"] = _ga_format(
+        changes["input_format"] = ga_format(
             value.format.model_dump(exclude_none=True), "session.audio.input.format"
         )
     if "transcription" in given:
@@ -314,20 +323,20 @@ def _beta_changes(update: BetaSessionIn, current: SessionSettings) -> dict[str, 
     given = update.model_fields_set
     changes: dict[str, Any] = {}
     if update.modalities is not None:
-        changes["output_modalities"] = _modalities(update.modalities, ga=False)
+        changes["output_modalities"] = read_modalities(update.modalities, ga=False)
     if update.voice is not None:
         changes["voice"] = update.voice
     if update.speed is not None:
         changes["speed"] = update.speed
     if update.output_audio_format is not None:
-        changes["output_format"] = _beta_format(update.output_audio_format, "output_audio_format")
+        changes["output_format"] = beta_format(update.output_audio_format, "output_audio_format")
     changes |= _beta_input_changes(update, current)
     if update.input_audio_echo_cancellation is not None:
         changes["echo_cancellation"] = update.input_audio_echo_cancellation
     if "temperature" in given:
         changes["temperature"] = update.temperature
     if "max_response_output_tokens" in given:
-        changes["max_output_tokens"] = _max_tokens(update.max_response_output_tokens)
+        changes["max_output_tokens"] = read_max_tokens(update.max_response_output_tokens)
     return changes
 
 
@@ -353,7 +362,7 @@ def stored_prompt(value: PromptIn | None, config: GatewayConfig, param: str) -> 
         raise SettingError(str(exc), exc.param) from None
 
 
-def _modalities(values: Sequence[str], *, ga: bool) -> tuple[str, ...]:
+def read_modalities(values: Sequence[str], *, ga: bool) -> tuple[str, ...]:
     chosen = set(values)
     if chosen == {"text"}:
         return ("text",)
@@ -367,20 +376,20 @@ def _modalities(values: Sequence[str], *, ga: bool) -> tuple[str, ...]:
     raise SettingError("output modalities must not be empty", "output_modalities")
 
 
-def _max_tokens(value: int | str | None) -> int | None:
+def read_max_tokens(value: int | str | None) -> int | None:
     # The event model (`gateway.protocol.values.TokenLimit`) checked the range; "inf" is the
     # model's own limit, which the engine applies when none is given.
     return value if isinstance(value, int) else None
 
 
-def _ga_format(shape: dict[str, Any], param: str) -> AudioFormat:
+def ga_format(shape: dict[str, Any], param: str) -> AudioFormat:
     try:
         return format_from_ga(shape)
     except AudioFormatError as exc:
         raise SettingError(str(exc), param) from None
 
 
-def _beta_format(name: str, param: str) -> AudioFormat:
+def beta_format(name: str, param: str) -> AudioFormat:
     try:
         return format_from_beta(name)
     except AudioFormatError as exc:

@@ -18,11 +18,11 @@ from gateway.protocol.events import (
 from gateway.protocol.prompts import StoredPrompt
 from gateway.protocol.session_config import SessionSettings, SettingError
 from gateway.protocol.session_update import (
-    _beta_format,
-    _ga_format,
-    _max_tokens,
-    _modalities,
+    beta_format,
     check_voice,
+    ga_format,
+    read_max_tokens,
+    read_modalities,
     stored_prompt,
     voice_name,
 )
@@ -127,14 +127,14 @@ def _ga_overrides(spec: GAResponseIn, config: GatewayConfig) -> dict[str, Any]:
     if "reasoning" in given:
         changes["reasoning"] = spec.reasoning
     if spec.output_modalities is not None:
-        changes["output_modalities"] = _modalities(list[str](spec.output_modalities), ga=True)
+        changes["output_modalities"] = read_modalities(list[str](spec.output_modalities), ga=True)
     if "max_output_tokens" in spec.model_fields_set:
-        changes["max_output_tokens"] = _max_tokens(spec.max_output_tokens)
+        changes["max_output_tokens"] = read_max_tokens(spec.max_output_tokens)
     output = spec.audio.output if spec.audio else None
     if spec.audio and spec.audio.input:
         raise SettingError("a response takes no input audio settings", "response.audio.input")
     if output and output.format is not None:
-        changes["output_format"] = _ga_format(
+        changes["output_format"] = ga_format(
             output.format.model_dump(exclude_none=True), "response.audio.output.format"
         )
     if output and output.voice is not None:
@@ -147,11 +147,11 @@ def _ga_overrides(spec: GAResponseIn, config: GatewayConfig) -> dict[str, Any]:
 def _beta_overrides(spec: BetaResponseIn) -> dict[str, Any]:
     changes: dict[str, Any] = {}
     if spec.modalities is not None:
-        changes["output_modalities"] = _modalities(list[str](spec.modalities), ga=False)
+        changes["output_modalities"] = read_modalities(list[str](spec.modalities), ga=False)
     if "max_response_output_tokens" in spec.model_fields_set:
-        changes["max_output_tokens"] = _max_tokens(spec.max_response_output_tokens)
+        changes["max_output_tokens"] = read_max_tokens(spec.max_response_output_tokens)
     if spec.output_audio_format is not None:
-        changes["output_format"] = _beta_format(spec.output_audio_format, "output_audio_format")
+        changes["output_format"] = beta_format(spec.output_audio_format, "output_audio_format")
     if spec.voice is not None:
         changes["voice"] = spec.voice
     if spec.temperature is not None:

@@ -16,6 +16,8 @@ Per level (N sessions, N/10 of them speaking one utterance at once):
 - `cpu_percent`: the gateway process (every thread) over the window; 100 = one core.
 - `rss_mb_per_session`: gateway RSS growth from just before the N sessions open to all of
   them streaming (before any turn, so model activations are not counted), divided by N.
+- `error_events`: error events the sessions received; `error_messages`, the five most
+  common of their messages with their counts.
 
 Knee: the speaking count is stepped up (1, 2, 3, 4, 6, 8, ...) among `KNEE_POOL` (20) open
 sessions until a step fails. A speaking session is served in real time when its reply
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import collections
 import contextlib
 import itertools
 import json
@@ -293,7 +296,7 @@ async def measure_level(
             cpu = server.cpu_percent(None)
             rss = server.memory_info().rss / 2**20
         lags = [max(0.0, r - idle["rtt_ms"]) for r in rtts]
-        errors = sum(len(c.errors) for c in clients)
+        errors = collections.Counter(message for c in clients for message in c.errors)
     finally:
         await asyncio.gather(*(c.close() for c in clients))
     await drained(url)
@@ -307,7 +310,8 @@ async def measure_level(
         "rss_mb_streaming": round(streaming_rss, 1),
         "rss_mb_after_turns": round(rss, 1),
         "rss_mb_per_session": round((streaming_rss - before_rss) / n, 2),
-        "error_events": errors,
+        "error_events": sum(errors.values()),
+        "error_messages": dict(errors.most_common(5)),
         **summarize_turns(turns),
     }
 
@@ -390,9 +394,6 @@ async def run(
 
 def stage_costs(config: Path | None) -> dict[str, float]:
     """Time each stage in this process, as the gateway builds it (module docstring)."""
-    import engine
-
-    engine.setup()  # before anything imports mlx: the optimised BLAS
     import mlx.core as mx
 
     from engine.build import cache_system_prompt, load_stages, warm_up
@@ -612,6 +613,9 @@ def main() -> None:
 if __name__ == "__main__":
     # `stage_costs` runs MLX on a worker thread: skip its C++ teardown, which can abort,
     # whether the run ends well or with an error.
+    import engine
+
+    engine.setup()  # before engine.runtime.core imports mlx: stage_costs on the optimised BLAS
     from engine.runtime.core import exit_after
 
     exit_after(main)

@@ -208,7 +208,7 @@ class GatewayConfig(BaseModel):
     # The engine's threads (lanes, BLAS and MLX workers) run this many nice levels below
     # the event loop (Linux; gateway/server/priority.py), so that frames, pings and audio are
     # handled as soon as they come while the models keep every core busy. 0: equal.
-    engine_nice: int = Field(default=5, ge=0, le=19)
+    engine_nice: int = Field(default=10, ge=0, le=19)
     # The profile's own voices (the CLI fills in the TTS stage's voice).
     voices: tuple[str, ...] = ("joe",)
     # OpenAI voice name -> the profile voice that speaks it. A name of OPENAI_VOICES left

@@ -162,9 +162,9 @@ async def test_speech_over_an_answer_cancels_it_and_is_transcribed_live(gateway:
 
 def test_the_engine_threads_run_below_the_event_loop(process: GatewayProcess) -> None:
     """gateway/server/priority.py in the CLI: the main thread (the event loop) keeps its
-    priority, the engine's threads (lanes, BLAS, MLX) run `engine_nice` (5) below."""
+    priority, the engine's threads (lanes, BLAS, MLX) run `engine_nice` (10) below."""
     tasks = Path(f"/proc/{process.proc.pid}/task")
     nice = {int(t.name): os.getpriority(os.PRIO_PROCESS, int(t.name)) for t in tasks.iterdir()}
     loop = nice.pop(process.proc.pid)
     assert len(nice) >= 4  # the engine's lanes at least
-    assert all(value == min(loop + 5, 19) for value in nice.values()), (loop, nice)
+    assert all(value == min(loop + 10, 19) for value in nice.values()), (loop, nice)

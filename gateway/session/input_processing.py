@@ -216,7 +216,12 @@ class InputProcessing:
         cleaned = self._cleaned.read(start, end - start)
         cancelled_db = 10 * np.log10((_energy(mic) + 1e-12) / (_energy(cleaned) + 1e-12))
         share = echo_share(mic, far)
-        logger.debug("speech over the answer: %.2f echo, %.1f dB cancelled", share, cancelled_db)
+        logger.debug(
+            "speech over the answer: %.2f echo, %.1f dB cancelled in %d ms",
+            share,
+            cancelled_db,
+            (end - start) * 1000 // ENGINE_RATE,
+        )
         # Partly the far end's, and much of it taken off: two weak signs that agree.
         partly = share >= PARTLY_ECHO_SHARE and cancelled_db >= PARTLY_CANCELLED_DB
         echo = share >= ECHO_SHARE or cancelled_db >= CANCELLED_DB or partly
@@ -316,10 +321,17 @@ class _History:
         return self._start
 
     def write(self, at: int, frame: Samples | None) -> None:
-        """`frame` (None: silence) from clock index `at`, right after what came before;
-        a jump of the clock (a restart) starts the history again there."""
-        if at != self._end:
+        """`frame` (None: silence) from clock index `at`. The clock may step back within
+        what is held (a flush pads its last frame, then the session clock takes the
+        padding back, rule 4): later frames overwrite from there, and the history before
+        stays, so the first check after a commit still sees the speech and the far end
+        before it. A step forward is silence; a step back past the oldest sample held
+        starts the history again."""
+        if at < self._start:
             self._start = at
+        elif at > self._end:
+            gap = np.arange(max(self._end, at - self._SIZE), at)
+            self._ring[gap % self._SIZE] = 0.0
         self._end = at + FRAME
         self._start = max(self._start, self._end - self._SIZE)
         self._ring[np.arange(at, at + FRAME) % self._SIZE] = 0.0 if frame is None else frame

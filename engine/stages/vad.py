@@ -66,10 +66,8 @@ class SileroVad:
     """The Silero model plus the bookkeeping of per-stream state."""
 
     def __init__(self, model_dir: Path | str, *, row_multiple: int | None = ROW_MULTIPLE) -> None:
-        valid = (
-            isinstance(row_multiple, int) and not isinstance(row_multiple, bool) and row_multiple > 0
-        )
-        if row_multiple is not None and not valid:
+        whole = isinstance(row_multiple, int) and not isinstance(row_multiple, bool)
+        if row_multiple is not None and not (whole and row_multiple > 0):
             raise ValueError("row_multiple must be a positive integer or None")
         self.model = silero.load(Path(model_dir))
         self.row_multiple = row_multiple

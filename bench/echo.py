@@ -20,7 +20,9 @@ self-interruption; the person is detected when `speech_started` arrives after th
 began (`detect_ms`: from their first sample to the event, on the client's clock).
 Then on echo-free speech (headphones: no echo, the answer still playing), each clip is
 committed by server VAD and transcribed: `clean_wer_delta` is on minus off, and the
-speech timing (start, end) is compared clip by clip.
+speech timing (start, end) is compared clip by clip. The clips keep a fixed schedule on
+the client's clock, so on and off get the same microphone sample for sample;
+`clean_clips_over_answer` counts those (of both runs) whose answer was playing by then.
 
 Offline, on the microphone signals the echo trials recorded, the gateway's input
 processing and speexdsp (the other candidate) are replayed: `erle_db` (echo return loss
@@ -71,6 +73,11 @@ from _echo_offline import headset_wer, offline, offline_rooms  # noqa: E402
 from _gateway import gateway_process  # noqa: E402
 from _rooms import RATE, ROOMS, Room, Speakerphone  # noqa: E402
 
+# The clean clips' schedule on the client's clock, on the VAD's 32 ms chunk grid (its
+# stream starts at the session's first sample): each question at a multiple of the
+# period, its clip this long after it, the answer playing by then.
+CLEAN_PERIOD_MS = 9_600
+CLEAN_LEAD_MS = 2_496
 TAIL_S = 1.5  # after playback ends, how long the echo trial still listens
 INSTRUCTIONS = "You are a storyteller. Answer every request with a story of four or five sentences."
 QUESTIONS = (
@@ -293,19 +300,18 @@ async def room_trial(
     return trial
 
 
-async def clean_clip(client: Client, clip: np.ndarray, question: str) -> dict[str, Any]:
-    """One clip spoken while an answer plays; its transcript and speech timing."""
+async def clean_clip(client: Client, clip: np.ndarray, question: str, at_ms: int) -> dict[str, Any]:
+    """One clip spoken while an answer plays; its transcript and speech timing.
+
+    The question goes at `at_ms` of the client's clock and the clip `CLEAN_LEAD_MS`
+    later, whenever the answer's audio began: on and off then send the gateway the same
+    microphone, sample for sample (the noise is seeded by position), and only what the
+    canceller does to it can tell them apart."""
+    await client.sleep_until(at_ms)
     await client.send(type="conversation.item.create", item=text_item(question))
     asked = client.now_ms
     await client.send(type="response.create")
-    await client.wait(
-        lambda: (
-            bool(client.seen("response.output_audio.delta", asked))
-            or bool(client.seen("response.done", asked))
-        )
-    )
-    # The clip starts while the answer plays (the canceller is working).
-    start = client.say(clip, at_ms=client.now_ms + 500)
+    start = client.say(clip, at_ms=at_ms + CLEAN_LEAD_MS)
     start_ms, end_ms = start * 1000 / RATE, (start + len(clip)) * 1000 / RATE
     await client.wait(
         has(client, "conversation.item.input_audio_transcription.completed", start_ms)
@@ -313,15 +319,17 @@ async def clean_clip(client: Client, clip: np.ndarray, question: str) -> dict[st
     stopped = client.seen("input_audio_buffer.speech_stopped", start_ms)
     began = client.seen("input_audio_buffer.speech_started", start_ms - 1000)
     done = client.seen("conversation.item.input_audio_transcription.completed", start_ms)
+    played = bool(client.seen("response.output_audio.delta", asked))
     if not client.seen("response.done", asked):
         await client.send(type="response.cancel")
     await client.stop_playback()
     await client.wait(has(client, "response.done", asked))
-    await client.sleep_until(client.now_ms + 500)
     return {
         "transcript": done[0][1]["transcript"],
         "start_ms": began[0][1]["audio_start_ms"] - start_ms if began else None,
         "end_ms": stopped[0][1]["audio_end_ms"] - end_ms if stopped else None,
+        "over_answer": played
+        and min(t for t, _ in client.seen("response.output_audio.delta", asked)) < start_ms,
     }
 
 
@@ -342,10 +350,13 @@ async def clean_run(url: str, clips: list[np.ndarray], cancel: bool) -> list[dic
     results = []
     try:
         for n, clip in enumerate(clips):
+            question, at_ms = QUESTIONS[n % len(QUESTIONS)], (n + 1) * CLEAN_PERIOD_MS
             try:
-                results.append(await clean_clip(client, clip, QUESTIONS[n % len(QUESTIONS)]))
+                results.append(await clean_clip(client, clip, question, at_ms))
             except TimeoutError:
-                results.append({"transcript": "", "start_ms": None, "end_ms": None})
+                results.append(
+                    {"transcript": "", "start_ms": None, "end_ms": None, "over_answer": False}
+                )
                 errors = [e["error"]["message"] for _, e in client.seen("error")][-3:]
                 log(f"clean clip {n} timed out: {[e['type'] for _, e in client.events[-5:]]}")
                 log(f"  errors: {errors}")
@@ -448,6 +459,7 @@ async def run(url: str, rooms: int, clean: int) -> dict[str, Any]:
         "clean_wer_delta": round(wer_on - wer_off, 4),
         "clean_speech_start_ms_mean_abs_diff": timing("start_ms"),
         "clean_speech_end_ms_mean_abs_diff": timing("end_ms"),
+        "clean_clips_over_answer": sum(bool(r.get("over_answer")) for r in clean_on + clean_off),
         "clean_transcripts_on": [r["transcript"] for r in clean_on],
         "clean_transcripts_off": [r["transcript"] for r in clean_off],
         "replay": offline(trials[True], person_len),

@@ -96,10 +96,10 @@ def test_a_synthetic_echo_is_cancelled() -> None:
 
 
 def test_a_person_over_the_echo_is_kept() -> None:
-    far = np.tile(recording(), 4)
+    far = np.tile(recording(), 5)
     near = recording(OTHER)
     mic = room(far, delay_ms=80, gain_db=-4, seed=1)
-    start = len(mic) // 2
+    start = len(mic) * 3 // 5  # the echo heard (rule 7) a second of echo before
     mic[start : start + len(near)] += near
     out = run(mic, far)
     talk = slice(start, start + len(near))
@@ -413,3 +413,52 @@ def test_speech_while_a_finished_answer_still_plays_waits_to_be_confirmed() -> N
     rt.speech_confirmed(200)
     assert rt.events_to_send() == []
     assert WatchWords(again=True) in rt.actions()
+
+
+def test_a_check_right_after_a_commit_sees_the_speech_before_it() -> None:
+    # A commit flushes the processing (its last frame padded) and takes the clock back
+    # to the end of the real samples; the echo check that follows must still look at
+    # the speech before the commit, and the far end before that.
+    far = np.tile(recording(), 3)
+    mic = room(far, delay_ms=120, gain_db=-10)
+    clock = Clock()
+    far_end = FarEnd(clock)
+    far_end.play("item_1", far, ENGINE_RATE)
+    far_end.flush()
+    processing = InputProcessing(
+        far_end, echo_cancellation=True, noise_reduction=None, start_ms=0.0
+    )
+    commit = 2 * ENGINE_RATE + 100  # not on a 10 ms frame: the flush pads
+    for lo in range(0, commit, CHUNK):
+        chunk = mic[lo : min(lo + CHUNK, commit)]
+        clock.ms += len(chunk) / 16
+        processing.push(chunk, last=lo + CHUNK >= commit)
+    processing.restart(commit / 16)
+    after = commit + 1600
+    for lo in range(commit, after, CHUNK):
+        clock.ms += CHUNK / 16
+        processing.push(mic[lo : lo + CHUNK])
+    assert processing.heard_echo(commit / 16 - 800, after / 16) is True
+
+
+def test_one_window_the_canceller_took_much_off_is_not_yet_an_echo() -> None:
+    # On a headset, AEC3's suppressor once took 18 dB off one quiet window (a person's
+    # speech starting over the answer); an echo is taken off window after window.
+    processing = InputProcessing(
+        FarEnd(Clock()), echo_cancellation=True, noise_reduction=None, start_ms=0.0
+    )
+    window = input_processing.COUPLING_WINDOW_MS * ENGINE_RATE // 1000
+    heard = np.full(window, 0.01, np.float32)  # -40 dBFS: the microphone heard something
+
+    def weigh(cancelled_db: float) -> None:
+        left = heard * np.float32(10 ** (-cancelled_db / 20))
+        for lo in range(0, window, FRAME):
+            processing._weigh(heard[lo : lo + FRAME], left[lo : lo + FRAME])
+
+    weigh(18.0)
+    weigh(1.0)
+    weigh(18.0)
+    assert not processing.echo_heard
+    for _ in range(input_processing.COUPLING_WINDOWS - 1):
+        weigh(12.0)
+    assert processing.echo_heard

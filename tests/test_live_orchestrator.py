@@ -106,6 +106,27 @@ async def test_deltas_come_while_the_utterance_grows(h: Harness) -> None:
     await resident.append(UtteranceEnded("item_1"))
 
 
+async def test_partials_end_on_their_grid_whatever_the_frames(h: Harness) -> None:
+    # Appends of 1000 samples never end on the 100 ms grid (half of live_interval_ms,
+    # the first 1.5 s): each partial still ends on it, so the same speech gets the same
+    # partials however its frames came.
+    resident = Resident(h)
+    await resident.append(Listen())
+    await resident.append(UtteranceStarted("item_1", 0.0))
+    await h.until(lambda: bool(h.asr.lives))
+    listener = h.orch.listener("s1")
+    assert listener is not None and listener.utterance is not None
+    utterance, audio = listener.utterance, spoken(*WORDS)
+    for start in range(0, len(audio), 1000):
+        await resident.say(audio[start : start + 1000])
+        point = listener.heard.end // BLOCK * BLOCK
+        await h.until(lambda p=point: utterance.partial_at == p and not h.asr.waiting)
+    partials = [r for _, r in h.asr.requests if isinstance(r, FakeAsrRequest) and r.partial]
+    assert len(partials) >= 4
+    assert all(len(r.audio) % BLOCK == 0 for r in partials), [len(r.audio) for r in partials]
+    await resident.append(UtteranceEnded("item_1"))
+
+
 async def test_no_partial_runs_on_less_audio_than_counts(h: Harness) -> None:
     h.asr.counts_from_s = 0.5  # five spoken words
     resident = Resident(h)

@@ -15,7 +15,9 @@ Rules of this module:
    the engine keeps: speech detection looks back at it too.
 3. While listening, one task per utterance runs a partial transcription whenever
    `interval_ms` more audio has arrived (half that in the utterance's first
-   `EARLY_S`, so its first words show sooner) and none of its partials is running; each
+   `EARLY_S`, so its first words show sooner) and none of its partials is running,
+   over its audio up to the newest point of that grid heard (so the same speech gets
+   the same partials whenever the engine keeps up); each
    partial's newly agreed words (LocalAgreement, inside `LiveTranscript`) go out as one
    `transcript_delta`, so deltas are only ever appended. The first delta's leading
    blank is dropped, as a transcript's is.
@@ -235,7 +237,7 @@ class Listener:
             self.heard.keep_from(self.heard.end - self._max_samples)
             return
         self.heard.keep_from(utterance.start)
-        if self._task is not None and self._due(utterance):
+        if self._task is not None and self._partial_end(utterance) is not None:
             self._wake.set()
 
     def start_utterance(self, utterance_id: str, start_ms: float) -> None:
@@ -376,11 +378,11 @@ class Listener:
             utterance.live = await self._new_live(options)
         live = utterance.live
         while True:
-            while not self._due(utterance):
+            while (end := self._partial_end(utterance)) is None:
                 await self._wake.wait()
                 self._wake.clear()
-            utterance.partial_at = self.heard.end
-            audio = self.heard.since(utterance.start)
+            utterance.partial_at = end
+            audio = self.heard.between(utterance.start, end)
             result = await self._transcribe(live.request(audio, final=False))
             delta = live.agree(result) if result is not None else None
             if delta is not None:
@@ -391,13 +393,24 @@ class Listener:
             lambda asr: asr.new_live_transcript(options.prompt, options.logprobs)
         )
 
-    def _due(self, utterance: Utterance) -> bool:
-        """Whether enough new audio of `utterance` arrived for its next partial."""
-        spoken = self.heard.end - utterance.start
-        if utterance.live is not None and spoken < utterance.live.counts_from_s * SAMPLE_RATE:
-            return False  # its guess would count for nothing
-        interval = self._interval // 2 if spoken < EARLY_S * SAMPLE_RATE else self._interval
-        return self.heard.end - utterance.partial_at >= interval
+    def _partial_end(self, utterance: Utterance) -> int | None:
+        """Where the next partial of `utterance` ends: the newest point heard of its grid
+        (every interval from its start, half intervals in its first `EARLY_S`); None
+        while none is new. A grid, not the newest sample heard, so that the same speech
+        gets the same partials, and so the same transcript, whenever the engine keeps
+        up, however its frames were batched on the way."""
+        early = utterance.partial_at - utterance.start < EARLY_S * SAMPLE_RATE
+        interval = self._interval // 2 if early else self._interval
+        steps = (self.heard.end - utterance.partial_at) // interval
+        end = utterance.partial_at + steps * interval
+        if not steps:
+            return None
+        if (
+            utterance.live is not None
+            and end - utterance.start < utterance.live.counts_from_s * SAMPLE_RATE
+        ):
+            return None  # its guess would count for nothing
+        return end
 
     async def _transcribe(self, request: Any) -> Any:
         rid = f"live.{self.session_id}.{next(self._serial)}"

@@ -13,6 +13,8 @@ that sends audio faster than it can be heard is slowed down by TCP, never given 
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol, TypeVar
@@ -59,93 +61,113 @@ class VadEngine(Protocol):
 
 
 class FeedProgress:
-    """How far the VAD stage got through one stream's audio: samples fed and heard."""
+    """How far the VAD stage got through one stream's audio: samples handed over (`fed`)
+    and heard."""
 
     def __init__(self) -> None:
         self.fed = 0
         self.heard = 0
         self.closed = False
-        self._changed = asyncio.Event()
+        self._changed: Callable[[], None] | None = None
 
     def hear(self, samples: int) -> None:
         self.heard += samples
-        self._changed.set()
+        self._notify()
 
     def close(self) -> None:
         self.closed = True
-        self._changed.set()
+        self._notify()
 
-    async def room_for(self, samples: int) -> None:
-        """Wait until `samples` more keep the unheard audio within its bound (or the
-        stream is closed: the caller then drops the audio of a stream nobody reads)."""
-        while not self.closed and self.fed - self.heard + samples > MAX_UNHEARD_SAMPLES:
-            self._changed.clear()
-            await self._changed.wait()
+    def has_room(self, samples: int) -> bool:
+        """Whether `samples` more keep the unheard audio within its bound."""
+        return self.fed - self.heard + samples <= MAX_UNHEARD_SAMPLES
+
+    def on_change(self, changed: Callable[[], None]) -> None:
+        """Call `changed` once, at the next `hear` or `close`."""
+        self._changed = changed
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, None
+        if changed is not None:
+            changed()
 
 
 class VadFeeder:
-    """Feeds the appended audio, in order, to the VAD stream open now (`stream_id`)."""
+    """Feeds the appended audio, in order, to the VAD stream open now (`stream_id`).
+
+    Audio goes to the tick's engine call as it comes, in pieces of at most
+    `FEED_PIECE_SAMPLES`, while the stream's unheard audio has room; the rest waits here
+    until the VAD's probabilities say it heard more. No task and no future per frame: a
+    frame on a stream with room costs a list append."""
 
     def __init__(self, engine: VadEngine) -> None:
-        self._engine = engine
+        self._feeds = vad_feeds(engine)
         self.stream_id: str | None = None  # the stream appended audio goes to; None: none
         self.progress = FeedProgress()  # that stream's
-        self._feeds: asyncio.Queue[tuple[str, np.ndarray]] = asyncio.Queue()
-        self._queued = 0  # samples in `_feeds` and in the append being fed
+        self._waiting: collections.deque[tuple[str, np.ndarray, int]] = collections.deque()
+        self._queued = 0  # samples of the appends not yet handed over whole
         self._caught_up = asyncio.Event()
         self._caught_up.set()
-        self._task = asyncio.create_task(self._feed_loop(), name="vad-feed")
+        self._closed = False
 
     def open(self, stream_id: str) -> FeedProgress:
         """Feed `stream_id` from now on; returns its progress, for its reader to report
         what the VAD heard."""
         self.stream_id = stream_id
         self.progress = FeedProgress()
+        self._feed()  # audio of the stream before, if any waits, is dropped
         return self.progress
 
     def put(self, samples: np.ndarray) -> None:
         """Queue `samples` for the open stream."""
         assert self.stream_id is not None
-        self._feeds.put_nowait((self.stream_id, samples))
+        if self._closed:
+            return
+        self._waiting.append((self.stream_id, samples, samples.size))
         self._queued += samples.size
         if self._queued > MAX_QUEUED_SAMPLES:
             self._caught_up.clear()
+        self._feed()
 
     async def room(self) -> None:
         """Wait until the queued audio is back within `MAX_QUEUED_SAMPLES`."""
         await self._caught_up.wait()
 
     def close(self) -> None:
-        self._task.cancel()
+        self._closed = True
+        self._waiting.clear()
+        self._queued = 0
         self._caught_up.set()  # nothing will be fed any more: nobody may wait for it
 
-    async def _feed_loop(self) -> None:
-        while True:
-            stream_id, samples = await self._feeds.get()
-            for start in range(0, len(samples), FEED_PIECE_SAMPLES):
-                if not await self._feed_piece(
-                    stream_id, samples[start : start + FEED_PIECE_SAMPLES]
-                ):
-                    break
-            self._queued -= samples.size
-            if self._queued <= MAX_QUEUED_SAMPLES:
-                self._caught_up.set()
-
-    async def _feed_piece(self, stream_id: str, piece: np.ndarray) -> bool:
-        """Hand one piece to the VAD stage once it has room; False if the stream is gone."""
+    def _feed(self) -> None:
+        """Hand over what waits, in order, while the open stream has room."""
         progress = self.progress
-        if stream_id != self.stream_id:
-            return False  # audio for a stream closed since
-        await progress.room_for(len(piece))
-        if progress.closed:
-            return False
-        try:
-            await vad_feeds(self._engine).feed(stream_id, piece)  # one engine call a tick
-        except (KeyError, ValueError) as exc:
-            # The stream closed under us (KeyError); a refusal (ValueError) is a bug in
-            # the bound above, and is logged as one.
-            log = logger.debug if isinstance(exc, KeyError) else logger.error
-            log("VAD feed for %s dropped: %s", stream_id, exc)
-            return False
-        progress.fed += len(piece)
-        return True
+        while self._waiting:
+            stream_id, samples, size = self._waiting[0]
+            if stream_id != self.stream_id or progress.closed:
+                self._handed_over(size)  # audio for a stream closed since
+                continue
+            piece = samples[:FEED_PIECE_SAMPLES]
+            if not progress.has_room(piece.size):
+                progress.on_change(self._feed)
+                return
+            if piece.size < samples.size:
+                self._waiting[0] = (stream_id, samples[piece.size :], size)
+            else:
+                self._handed_over(size)
+            progress.fed += piece.size
+            self._feeds.add(stream_id, piece, functools.partial(_fed, stream_id))
+
+    def _handed_over(self, size: int) -> None:
+        self._waiting.popleft()
+        self._queued -= size
+        if self._queued <= MAX_QUEUED_SAMPLES:
+            self._caught_up.set()
+
+
+def _fed(stream_id: str, error: Exception | None) -> None:
+    # The stream closed under us (KeyError); a refusal (ValueError) is a bug in the
+    # bound above, and is logged as one.
+    if error is not None:
+        log = logger.debug if isinstance(error, KeyError) else logger.error
+        log("VAD feed for %s dropped: %s", stream_id, error)

@@ -6,24 +6,32 @@ second, each a future, a wake-up of the VAD thread and a wake-up of the loop, an
 VAD thread runs its model on the one or two streams whose frame just came. Batched, it
 is 50 calls a second, and each VAD step runs every stream with a chunk ready in one
 pass. The price is at most one tick of delay on speech decisions, against the 32 ms
-chunks the VAD hears in and the hundreds of ms of silence that end a turn. A feed still
-completes (or raises the KeyError or ValueError of a closed stream or a refused piece)
-for its own caller, so each session keeps its order and its bounds.
+chunks the VAD hears in and the hundreds of ms of silence that end a turn.
+
+A piece is added with a callback, not awaited: a frame then costs the loop a list
+append, and the tick's one engine call answers every piece (None, or the KeyError or
+ValueError of a closed stream or a refused piece) in the order they came, so each
+session keeps its order and its bounds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 import numpy as np
 
-__all__ = ["TICK_S", "VadFeeds", "vad_feeds"]
+__all__ = ["TICK_S", "Fed", "VadFeeds", "vad_feeds"]
+
+logger = logging.getLogger(__name__)
 
 TICK_S = 0.02  # one microphone frame
 T = TypeVar("T")
+# What a piece's sender is told once the stage has it: None, or why it was refused.
+Fed = Callable[[Exception | None], None]
 
 
 class VadStage(Protocol):
@@ -40,40 +48,49 @@ class VadFeeds:
     def __init__(self, engine: _Engine) -> None:
         self._engine = engine
         self._pieces: list[tuple[str, np.ndarray]] = []
-        self._errors: asyncio.Future[list[Exception | None]] | None = None
+        self._senders: list[Fed] = []
         self._calls: set[asyncio.Task[None]] = set()
 
-    async def feed(self, stream_id: str, samples: np.ndarray) -> None:
-        """Queue `samples` on VAD stream `stream_id`; return once the stage has them."""
-        if self._errors is None:
-            self._errors = asyncio.get_running_loop().create_future()
+    def add(self, stream_id: str, samples: np.ndarray, fed: Fed) -> None:
+        """Queue `samples` on VAD stream `stream_id` for this tick's call; `fed` is
+        called once the stage has them (or refused them)."""
+        if not self._pieces:
             asyncio.get_running_loop().call_later(TICK_S, self._send)
-        index = len(self._pieces)
         self._pieces.append((stream_id, samples))
-        # Shielded: a session that closes while waiting must not cancel the others' feed.
-        error = (await asyncio.shield(self._errors))[index]
+        self._senders.append(fed)
+
+    async def feed(self, stream_id: str, samples: np.ndarray) -> None:
+        """`add`, awaited: returns once the stage has `samples`, or raises its refusal."""
+        answer: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
+
+        def fed(error: Exception | None) -> None:
+            if not answer.done():  # a cancelled caller leaves its batch alone
+                answer.set_result(error)
+
+        self.add(stream_id, samples, fed)
+        error = await answer
         if error is not None:
             raise error
 
     def _send(self) -> None:
-        pieces, errors = self._pieces, self._errors
-        self._pieces, self._errors = [], None
-        assert errors is not None
-        call = asyncio.ensure_future(self._call(pieces, errors))
+        pieces, senders = self._pieces, self._senders
+        self._pieces, self._senders = [], []
+        call = asyncio.ensure_future(self._call(pieces, senders))
         self._calls.add(call)
         call.add_done_callback(self._calls.discard)
 
-    async def _call(
-        self, pieces: list[tuple[str, np.ndarray]], errors: asyncio.Future[list[Exception | None]]
-    ) -> None:
+    async def _call(self, pieces: list[tuple[str, np.ndarray]], senders: list[Fed]) -> None:
         try:
-            result = await self._engine.run("vad", lambda vad: vad.feed_many(pieces))
-        except Exception as exc:  # the engine stopped: every waiting feed gets it
-            errors.set_exception(exc)
-            errors.exception()  # retrieved here: the feeds may all have been cancelled
-            return
-        assert isinstance(result, list)
-        errors.set_result(result)
+            errors: list[Exception | None] = await self._engine.run(
+                "vad", lambda vad: vad.feed_many(pieces)
+            )
+        except Exception as exc:  # the engine stopped: every piece's sender is told
+            errors = [exc] * len(pieces)
+        for fed, error in zip(senders, errors, strict=True):
+            try:
+                fed(error)
+            except Exception:  # one sender's bug must not keep the others uninformed
+                logger.exception("a VAD feed's callback failed")
 
 
 _SHARED: weakref.WeakKeyDictionary[_Engine, VadFeeds] = weakref.WeakKeyDictionary()

@@ -37,9 +37,10 @@ Rules of this module:
    the microphone is heard to carry the far end's echo, the canceller runs (it learns
    the room) but what it makes is not passed on: the detectors hear the microphone as
    it came. The echo is heard either way rule 6 tells it (a confirmation `heard_echo`
-   finds to be echo), or when over `COUPLING_WINDOW_MS` of far-end audio the canceller
-   took `CANCELLED_DB` or more off a microphone that heard something; from then on,
-   for the rest of the session, the detectors hear the canceller's output.
+   finds to be echo), or when in `COUPLING_WINDOWS` windows in a row, each of
+   `COUPLING_WINDOW_MS` of far-end audio, the canceller took `CANCELLED_DB` or more off
+   a microphone that heard something; from then on, for the rest of the session, the
+   detectors hear the canceller's output.
 8. Processing runs on the caller's thread: about 15 ms of CPU per second of audio while
    the canceller is active (bench/echo.py measures it), none while it passes frames on.
    The echo canceller's module (about 0.4 MiB) is made when the session's first spoken
@@ -69,6 +70,7 @@ __all__ = [
     "CANCELLED_DB",
     "CHECKED_MS",
     "COUPLING_WINDOW_MS",
+    "COUPLING_WINDOWS",
     "ECHO_TAIL_MS",
     "PARTLY_CANCELLED_DB",
     "PARTLY_ECHO_SHARE",
@@ -92,6 +94,10 @@ HISTORY_S = 4  # rule 6: longer than the speech a check looks at, and its far en
 CHECKED_MS = 1000  # the most recent speech `heard_echo` looks at
 COUPLING_WINDOW_MS = 500  # rule 7: the span over which the canceller's work is weighed
 _COUPLING_WINDOW = COUPLING_WINDOW_MS * ENGINE_RATE // 1000
+# Rule 7: this many windows in a row. An echo lasts as long as the answer plays; on a
+# headset, AEC3's suppressor once took 17.9 dB off a quiet window (-50.8 dBFS: a
+# person's speech starting over the answer, `bench/echo.py`'s clean clips), once.
+COUPLING_WINDOWS = 2
 # Rule 7: a microphone quieter than this (RMS, -55 dBFS) heard nothing but its noise.
 _HEARD_SOMETHING = (10 ** (-55 / 20)) ** 2
 # Speech the canceller took this much off is the echo: a person talking over the echo
@@ -151,6 +157,7 @@ class InputProcessing:
         self.frames_processed = 0  # frames that went through the module (rule 5)
         self.echo_heard = False  # rule 7: the microphone carries the far end's echo
         self._weighed = _Weighing()  # rule 7: the current window's energy, in and out
+        self._coupled_windows = 0  # rule 7: windows in a row the canceller took it off
 
     def configure(self, *, echo_cancellation: bool, noise_reduction: NoiseReduction | None) -> None:
         """New settings: a fresh module if they changed (the held frame is kept)."""
@@ -225,6 +232,8 @@ class InputProcessing:
         # Partly the far end's, and much of it taken off: two weak signs that agree.
         partly = share >= PARTLY_ECHO_SHARE and cancelled_db >= PARTLY_CANCELLED_DB
         echo = share >= ECHO_SHARE or cancelled_db >= CANCELLED_DB or partly
+        if echo and not self.echo_heard:
+            logger.debug("echo heard in a check: the detectors hear the canceller from now on")
         self.echo_heard = self.echo_heard or echo  # rule 7
         return echo
 
@@ -271,9 +280,19 @@ class InputProcessing:
         if window.samples < _COUPLING_WINDOW:
             return
         self._weighed = _Weighing()
-        if window.heard / window.samples >= _HEARD_SOMETHING:
-            cancelled_db = 10 * np.log10((window.heard + 1e-12) / (window.left + 1e-12))
-            self.echo_heard = cancelled_db >= CANCELLED_DB
+        if window.heard / window.samples < _HEARD_SOMETHING:
+            return  # a pause in the answer, or its echo: says nothing either way
+        cancelled_db = 10 * np.log10((window.heard + 1e-12) / (window.left + 1e-12))
+        self._coupled_windows = self._coupled_windows + 1 if cancelled_db >= CANCELLED_DB else 0
+        if self._coupled_windows >= COUPLING_WINDOWS:
+            self.echo_heard = True
+            logger.debug(
+                "echo heard: %d windows of %d ms with %.1f dB or more cancelled; the "
+                "detectors hear the canceller from now on",
+                COUPLING_WINDOWS,
+                COUPLING_WINDOW_MS,
+                CANCELLED_DB,
+            )
 
     def _played_within_tail(self, at: int) -> bool:
         """Whether the far end played within `ECHO_TAIL_MS` before clock index `at`."""

@@ -46,6 +46,9 @@ class DetectionHarness:
     def watch_words(self, again: bool = False) -> None:
         self.detection.watch_words(again)
 
+    def turn_taken(self) -> None:
+        self.detection.turn_taken()
+
     @property
     def scoring(self) -> bool:
         return self.detection.scoring

@@ -456,6 +456,39 @@ async def test_backchannel_words_do_not_confirm() -> None:
     await source.close()
 
 
+async def candidate_in_semantic_mode(engine: ScriptedEngine) -> DetectionHarness:
+    """semantic_vad speech that started over an answer (or its echo) and was confirmed."""
+    source = semantic_source(engine, min_interruption_ms=1000, interruption_words_after_ms=256)
+    engine.push(0.9)
+    (started,) = await decisions(source, 1)
+    source.watch_words()
+    engine.push(*[0.9] * 7)  # 256 ms: the words confirm it
+    (confirmed,) = await decisions(source, 1)
+    assert (started.kind, confirmed.kind) == ("started", "confirmed")
+    return source
+
+
+async def test_an_unconfirmed_turn_ends_at_the_candidate_silence() -> None:
+    engine = ScriptedEngine(score=0.1, transcript="I would like to book a table for")
+    source = await candidate_in_semantic_mode(engine)
+    engine.push(*[0.0] * 20)  # 640 ms of silence, over CANDIDATE_SILENCE_MS
+    assert [e.kind for e in await decisions(source, 2)] == ["paused", "stopped"]
+    await source.close()
+
+
+async def test_a_confirmed_interruption_taken_as_a_turn_ends_as_a_turn_does() -> None:
+    # A hesitation over the echo of an answer: once the session took the speech as its
+    # turn, a 640 ms pause mid-sentence is a pause, not the end of the turn.
+    engine = ScriptedEngine(score=0.1, transcript="I would like to book a table for")
+    source = await candidate_in_semantic_mode(engine)
+    source.turn_taken()
+    engine.push(*[0.0] * 20)
+    await wait_until(lambda: engine.vad.empty() and not source.scoring, 5, "the silence")
+    engine.push(0.9)  # the speaker goes on
+    assert [e.kind for e in await decisions(source, 2)] == ["paused", "resumed"]
+    await source.close()
+
+
 async def test_a_confirmed_interruption_is_not_checked_again() -> None:
     engine = ScriptedEngine(score=0.1, transcript="Wait, stop")
     source, _ = await speech_over_an_answer(engine, min_interruption_ms=2000)

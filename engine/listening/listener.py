@@ -244,6 +244,7 @@ class Listener:
         self._stop_partials()
         start = min(max(round(start_ms * SAMPLE_RATE / 1000), self.heard.start), self.heard.end)
         self.utterance = Utterance(utterance_id, start, partial_at=start)
+        self.speech.turn_taken()
         self._start_partials()
 
     def end_utterance(self, utterance_id: str) -> None:

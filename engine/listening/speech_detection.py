@@ -62,8 +62,8 @@ __all__ = ["CANDIDATE_SILENCE_MS", "SAMPLES_PER_MS", "SpeechDetection"]
 logger = logging.getLogger(__name__)
 
 SAMPLES_PER_MS = 16
-# How long a silence ends speech heard over a running answer, in either mode: server
-# VAD's default silence.
+# How long a silence ends speech heard over a running answer (or its echo), in either
+# mode, until it is a turn: server VAD's default silence.
 CANDIDATE_SILENCE_MS = 500
 
 # The audio between two times of the detection's stream (ms since it was configured).
@@ -131,6 +131,12 @@ class SpeechDetection:
     def watch_words(self, again: bool = False) -> None:
         self._watch_words = True
         self._reopen = self._reopen or again
+
+    def turn_taken(self) -> None:
+        """The speech under way is the user's turn now (its utterance started): no
+        candidate interruption any more, so it ends as a turn does, not at
+        `CANDIDATE_SILENCE_MS`."""
+        self._watch_words = self._reopen = False
 
     def feed(self, samples: np.ndarray) -> None:
         if self._feeder.stream_id is not None and samples.size:

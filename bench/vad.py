@@ -206,7 +206,7 @@ def main() -> int:
         "onnxruntime_streams_per_core_batched": round(args.sessions * seconds / ort_batched.cpu, 1),
         "sessions": args.sessions,
         "audio_seconds_per_stream": round(seconds, 2),
-        "row_multiple": vad.row_multiple,
+        "block_size": vad.block_size,
     }
     if args.ablation:
         result["ablation"] = ablation(vad, session, audio[: int(min(seconds, 15) * RATE)])

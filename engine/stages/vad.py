@@ -30,7 +30,6 @@ from engine.runtime.stage import StageOutput
 
 __all__ = [
     "DEFAULT_MODEL",
-    "ROW_MULTIPLE",
     "SileroVad",
     "SpeechDetector",
     "SpeechEvent",
@@ -42,16 +41,12 @@ __all__ = [
 ]
 
 DEFAULT_MODEL = "silero-vad"
-# Streams run as one batch zero-padded to a multiple of this many rows. BLAS picks its
-# kernel (and so its rounding) by matrix size, and for the last rows of a matrix whose row
-# count its kernel does not divide: on an AMD EPYC with OpenBLAS, a stream alone (padded
-# to 1, 4 or 16 rows) and the same stream among 100 rounded differently. Every product of
-# a batch padded to 32 rows has a multiple of 32 rows (the convolutions' frames are rows
-# too, 4 and 2 a stream), and there every row rounds alike, wherever it sits: a stream's
-# probabilities are bit-identical whatever the number of streams batched with it. One
-# product for the whole batch, instead of one per small block of streams, costs a
-# quarter of the time with 100 streams (bench/vad.py).
-ROW_MULTIPLE = 32
+# Streams run in zero-padded blocks of this many rows. BLAS picks its kernel (and so its
+# rounding) by matrix size, and on some CPUs by a row's place in the block too: on an AMD
+# EPYC with OpenBLAS, rows 1, 3, 5-7, 9, 11, 13 and 14 of a 16-row block round differently
+# from row 0, while every row of a 4-row block rounds alike. A fixed, small block makes a
+# stream's probabilities bit-identical whatever the number of streams batched with it.
+DEFAULT_BLOCK = 4
 
 
 @dataclass(frozen=True)
@@ -65,12 +60,12 @@ class VadState:
 class SileroVad:
     """The Silero model plus the bookkeeping of per-stream state."""
 
-    def __init__(self, model_dir: Path | str, *, row_multiple: int | None = ROW_MULTIPLE) -> None:
-        whole = isinstance(row_multiple, int) and not isinstance(row_multiple, bool)
-        if row_multiple is not None and not (whole and row_multiple > 0):
-            raise ValueError("row_multiple must be a positive integer or None")
+    def __init__(self, model_dir: Path | str, *, block_size: int | None = DEFAULT_BLOCK) -> None:
+        valid = isinstance(block_size, int) and not isinstance(block_size, bool) and block_size > 0
+        if block_size is not None and not valid:
+            raise ValueError("block_size must be a positive integer or None")
         self.model = silero.load(Path(model_dir))
-        self.row_multiple = row_multiple
+        self.block_size = block_size
         args = self.model.args
         self.sample_rate: int = args.sample_rate
         self.chunk_size: int = args.chunk_size
@@ -120,12 +115,15 @@ class SileroVad:
 
     def _forward(self, x: np.ndarray, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         batch = x.shape[0]
-        multiple = self.row_multiple or batch
-        rows = -(-batch // multiple) * multiple
+        block = self.block_size or batch
+        rows = -(-batch // block) * block
         if rows != batch:
             x = np.pad(x, ((0, rows - batch), (0, 0)))
             hidden = np.pad(hidden, ((0, 0), (0, rows - batch), (0, 0)))
-        probs, new_hidden = self.model(mx.array(x), mx.array(hidden))
+        xs, hs = mx.array(x), mx.array(hidden)
+        outs = [self.model(xs[i : i + block], hs[:, i : i + block]) for i in range(0, rows, block)]
+        probs = mx.concatenate([p for p, _ in outs])
+        new_hidden = mx.concatenate([h for _, h in outs], axis=1)
         mx.eval(probs, new_hidden)
         return np.array(probs[:batch]), np.array(new_hidden[:, :batch])
 

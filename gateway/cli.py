@@ -329,8 +329,8 @@ async def _start_engine(
     start_runtime()  # the echo canceller's threads
     lower_other_threads(config.engine_nice)  # the engine's threads all exist now
     # The models, their modules and their caches live as long as the process: out of
-    # the collector's sight, a full collection no longer walks them (about 107,000
-    # objects, tens of ms with the event loop stopped: a lag spike for every session).
+    # the collector's sight, a full collection (the event loop stopped meanwhile) no
+    # longer walks them, only what the sessions made since.
     gc.freeze()
     manager = DuplexSessionManager(bundle.orchestrator, max_sessions=config.max_sessions)
 

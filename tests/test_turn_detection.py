@@ -468,7 +468,7 @@ async def candidate_in_semantic_mode(engine: ScriptedEngine) -> DetectionHarness
     return source
 
 
-async def test_an_unconfirmed_turn_ends_at_the_candidate_silence() -> None:
+async def test_a_candidate_not_yet_taken_as_a_turn_ends_at_the_candidate_silence() -> None:
     engine = ScriptedEngine(score=0.1, transcript="I would like to book a table for")
     source = await candidate_in_semantic_mode(engine)
     engine.push(*[0.0] * 20)  # 640 ms of silence, over CANDIDATE_SILENCE_MS

@@ -1,6 +1,6 @@
 """Server-VAD audio of every session in one engine call per event-loop tick: the batch,
-per-piece errors for their own callers, and a closing session that leaves the others'
-feed alone. `VadStage.feed_many` checks each piece as `feed` does."""
+per-piece answers for their own senders, and a sender whose callback fails that leaves
+the others answered. `VadStage.feed_many` checks each piece as `feed` does."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from types import SimpleNamespace
 from typing import Any, TypeVar
 
 import numpy as np
-import pytest
 
 from engine.listening.vad_feeds import VadFeeds
 from engine.stages.vad import VadStage
@@ -24,14 +23,9 @@ class RecordingEngine:
     def __init__(self, stage: VadStage) -> None:
         self.stage = stage
         self.calls: list[list[str]] = []
-        self.release = asyncio.Event()
-        self.release.set()
-        self.called = asyncio.Event()  # a call reached the engine
 
     async def run(self, stage: str, fn: Callable[[Any], T]) -> T:
         assert stage == "vad"
-        self.called.set()
-        await self.release.wait()
         return fn(self)
 
     def feed_many(self, pieces: list[tuple[str, np.ndarray]]) -> list[Exception | None]:
@@ -50,44 +44,66 @@ def frame(ms: int = 20) -> np.ndarray:
     return np.zeros(16 * ms, np.float32)
 
 
-async def test_one_tick_of_feeds_is_one_engine_call() -> None:
+class Answers:
+    """Each piece's answer, in the order they came; `all_in` once `expected` are in."""
+
+    def __init__(self, expected: int) -> None:
+        self.got: list[tuple[str, Exception | None]] = []
+        self.expected = expected
+        self.all_in = asyncio.Event()
+
+    def sender(self, name: str) -> Callable[[Exception | None], None]:
+        def fed(error: Exception | None) -> None:
+            self.got.append((name, error))
+            if len(self.got) == self.expected:
+                self.all_in.set()
+
+        return fed
+
+
+async def test_one_tick_of_pieces_is_one_engine_call() -> None:
     vad = stage()
     for stream in ("a", "b", "c"):
         vad.add(stream, None)
     engine = RecordingEngine(vad)
     feeds = VadFeeds(engine)
-    await asyncio.gather(*(feeds.feed(stream, frame()) for stream in ("a", "b", "c")))
-    await feeds.feed("a", frame())
+    first = Answers(3)
+    for stream in ("a", "b", "c"):
+        feeds.add(stream, frame(), first.sender(stream))
+    await first.all_in.wait()
+    second = Answers(1)
+    feeds.add("a", frame(), second.sender("a"))
+    await second.all_in.wait()
     assert engine.calls == [["a", "b", "c"], ["a"]]
+    assert first.got == [("a", None), ("b", None), ("c", None)]
 
 
-async def test_a_refused_piece_raises_for_its_caller_only() -> None:
+async def test_a_refused_piece_is_answered_to_its_sender_only() -> None:
     vad = stage()
     vad.add("open", None)
     feeds = VadFeeds(RecordingEngine(vad))
-    results = await asyncio.gather(
-        feeds.feed("open", frame()),
-        feeds.feed("closed", frame()),
-        feeds.feed("open", frame(2000)),  # more than the stage holds unheard
-        return_exceptions=True,
-    )
-    assert results[0] is None
-    assert isinstance(results[1], KeyError) and isinstance(results[2], ValueError)
+    answers = Answers(3)
+    feeds.add("open", frame(), answers.sender("fits"))
+    feeds.add("closed", frame(), answers.sender("closed"))
+    feeds.add("open", frame(2000), answers.sender("too long"))  # more than the stage holds
+    await answers.all_in.wait()
+    errors = dict(answers.got)
+    assert errors["fits"] is None
+    assert isinstance(errors["closed"], KeyError)
+    assert isinstance(errors["too long"], ValueError)
 
 
-async def test_a_cancelled_feed_leaves_the_rest_of_its_batch_alone() -> None:
+async def test_a_failing_sender_leaves_the_rest_of_its_batch_answered() -> None:
     vad = stage()
     vad.add("a", None)
     vad.add("b", None)
-    engine = RecordingEngine(vad)
-    engine.release.clear()
-    feeds = VadFeeds(engine)
-    leaving = asyncio.create_task(feeds.feed("a", frame()))
-    staying = asyncio.create_task(feeds.feed("b", frame()))
-    await engine.called.wait()
-    leaving.cancel()
-    engine.release.set()
-    await staying
-    with pytest.raises(asyncio.CancelledError):
-        await leaving
-    assert engine.calls == [["a", "b"]]
+    feeds = VadFeeds(RecordingEngine(vad))
+    answers = Answers(1)
+
+    def failing(error: Exception | None) -> None:
+        raise RuntimeError("a sender's bug")
+
+    feeds.add("a", frame(), failing)
+    feeds.add("b", frame(), answers.sender("b"))
+    await answers.all_in.wait()
+    assert answers.got == [("b", None)]

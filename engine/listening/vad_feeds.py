@@ -59,19 +59,6 @@ class VadFeeds:
         self._pieces.append((stream_id, samples))
         self._senders.append(fed)
 
-    async def feed(self, stream_id: str, samples: np.ndarray) -> None:
-        """`add`, awaited: returns once the stage has `samples`, or raises its refusal."""
-        answer: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
-
-        def fed(error: Exception | None) -> None:
-            if not answer.done():  # a cancelled caller leaves its batch alone
-                answer.set_result(error)
-
-        self.add(stream_id, samples, fed)
-        error = await answer
-        if error is not None:
-            raise error
-
     def _send(self) -> None:
         pieces, senders = self._pieces, self._senders
         self._pieces, self._senders = [], []

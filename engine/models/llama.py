@@ -14,7 +14,8 @@ Three things differ from mlx-lm, measured by `bench/elementwise.py` and
     rotary angles are computed once per forward and shared by every layer; queries and
     keys rotate together, as `x * cos + roll(x) * sin` (mlx-lm's non-traditional rope
     in half the ops of slicing the halves apart); and the query, key and value
-    projections are one product, with weights joined at load (`Model.sanitize`).
+    projections are one product, as are the gate and up projections, with weights
+    joined at load (`Model.sanitize`).
 Llama models with sliding-window layers, scaled or interleaved RoPE load with mlx-lm's
 own class.
 """
@@ -39,7 +40,7 @@ __all__ = [
     "exp",
     "load",
     "is_supported",
-    "join_qkv",
+    "join_projections",
     "rotary_angles",
     "rotate",
     "silu",
@@ -141,12 +142,12 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         dim, hidden, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
-        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
-        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.gate_up_proj = nn.Linear(dim, 2 * hidden, bias=bias)  # gate rows, then up
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
@@ -207,19 +208,29 @@ class Model(nn.Module):
         weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
         if self.args.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
-        return join_qkv(weights)
+        return join_projections(weights)
 
 
-def join_qkv(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """q_proj, k_proj and v_proj of each layer as one qkv_proj, rows in that order: the
-    same weights (and 4-bit scales and biases, which run along rows), one product."""
+# Products that read the same input, each joined into one at load: (module, parts, joined).
+JOINED = (
+    ("self_attn", ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+    ("mlp", ("gate_proj", "up_proj"), "gate_up_proj"),
+)
+
+
+def join_projections(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Each layer's query, key and value projections as one qkv_proj, and its gate and up
+    projections as one gate_up_proj, rows in that order: the same weights (and 4-bit
+    scales and biases, which run along rows), fewer and larger products."""
     joined = dict(weights)
-    for name in [n for n in weights if ".self_attn.q_proj." in n]:
-        prefix, kind = name.split(".self_attn.q_proj.")
-        parts = [f"{prefix}.self_attn.{p}_proj.{kind}" for p in "qkv"]
-        joined[f"{prefix}.self_attn.qkv_proj.{kind}"] = mx.concatenate(
-            [joined.pop(part) for part in parts], axis=0
-        )
+    for module, parts, name in JOINED:
+        first = f".{module}.{parts[0]}."
+        for weight in [n for n in weights if first in n]:
+            prefix, kind = weight.split(first)
+            names = [f"{prefix}.{module}.{part}.{kind}" for part in parts]
+            joined[f"{prefix}.{module}.{name}.{kind}"] = mx.concatenate(
+                [joined.pop(n) for n in names], axis=0
+            )
     return joined
 
 

@@ -107,6 +107,21 @@ def test_exp_silu_and_softmax_are_as_accurate_as_float64_allows() -> None:
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 576), (3, 7, 64), (2, 960)])
+def test_the_compiled_norm_and_swiglu_match_mlx(shape: tuple[int, ...]) -> None:
+    # Compiled shapeless: any batch, length and width, with MLX's own results.
+    x = mx.random.normal(shape, key=mx.random.key(1))
+    weight = mx.random.normal(shape[-1:], key=mx.random.key(2))
+    got, want = llama.rms_norm(x, weight, 1e-5), mx.fast.rms_norm(x, weight, 1e-5)
+    assert np.allclose(np.array(got), np.array(want), rtol=1e-6, atol=1e-6)
+    norm = llama.RMSNorm(shape[-1], eps=1e-5)
+    assert np.allclose(
+        np.array(norm(x)), np.array(mx.fast.rms_norm(x, norm.weight, 1e-5)), atol=1e-6
+    )
+    up = mx.random.normal(shape, key=mx.random.key(3))
+    assert np.array_equal(np.array(llama.swiglu(x, up)), np.array(llama.silu(x) * up))
+
+
 def test_plain_llama_configs_are_supported_and_others_not() -> None:
     assert llama.is_supported({"model_type": "llama"})
     assert not llama.is_supported({"model_type": "qwen2"})

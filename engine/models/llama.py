@@ -1,7 +1,7 @@
 """Llama decoder for the LLM stage: the module tree, weights and cache interface of
 mlx-lm's llama, with a forward pass shaped for batched decode on MLX's CPU backend.
 
-Three things differ from mlx-lm, measured by `bench/elementwise.py` and
+What differs from mlx-lm, measured by `bench/elementwise.py` and
 `bench/llm_batch.py`:
   - MLX's CPU `exp` (and `sigmoid`, `softmax`, which use it) costs about 12 ns per
     element, while `power` with a constant base runs 2-3x faster at the same accuracy
@@ -15,7 +15,10 @@ Three things differ from mlx-lm, measured by `bench/elementwise.py` and
     keys rotate together, as `x * cos + roll(x) * sin` (mlx-lm's non-traditional rope
     in half the ops of slicing the halves apart); and the query, key and value
     projections are one product, as are the gate and up projections, with weights
-    joined at load (`Model.sanitize`).
+    joined at load (`Model.sanitize`); and the elementwise chains of RMSNorm, SwiGLU
+    and softmax are compiled (`mx.compile`, shapeless), so each runs as one fused
+    kernel after its reduction (MLX's CPU `fast.rms_norm` runs its eight ops one by
+    one). Without a C++ compiler MLX runs them unfused, with the same results.
 Llama models with sliding-window layers, scaled or interleaved RoPE load with mlx-lm's
 own class.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +40,18 @@ from mlx_lm.utils import load_model, load_tokenizer
 __all__ = [
     "Model",
     "ModelArgs",
+    "RMSNorm",
     "attention",
     "exp",
     "load",
     "is_supported",
     "join_projections",
     "rotary_angles",
+    "rms_norm",
     "rotate",
     "silu",
     "softmax",
+    "swiglu",
 ]
 
 E = math.e
@@ -58,9 +65,30 @@ def silu(x: mx.array) -> mx.array:
     return x / (1.0 + exp(-x))
 
 
+@partial(mx.compile, shapeless=True)
 def softmax(x: mx.array) -> mx.array:
     e = exp(x - mx.max(x, axis=-1, keepdims=True))
     return e / mx.sum(e, axis=-1, keepdims=True)
+
+
+@partial(mx.compile, shapeless=True)
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return silu(gate) * up
+
+
+@partial(mx.compile, shapeless=True)
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    return weight * (x * mx.rsqrt(mx.mean(mx.square(x), axis=-1, keepdims=True) + eps))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return rms_norm(x, self.weight, self.eps)
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any) -> mx.array:
@@ -147,7 +175,7 @@ class MLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(silu(gate) * up)
+        return self.down_proj(swiglu(gate, up))
 
 
 class TransformerBlock(nn.Module):
@@ -155,8 +183,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.self_attn = Attention(args)
         self.mlp = MLP(args)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(
         self, x: mx.array, angles: tuple[mx.array, mx.array], mask: Any, cache: Any
@@ -172,7 +200,7 @@ class LlamaModel(nn.Module):
         self.head_dim = args.head_dim or args.hidden_size // args.num_attention_heads
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
         h = self.embed_tokens(inputs)

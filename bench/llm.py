@@ -172,7 +172,7 @@ def step_profile(stage: LlmStage, steps: int = 30) -> dict[str, Any]:
             build += built - start
             evaluate += time.perf_counter() - built
     linears = [m for _, m in model.named_modules() if isinstance(m, nn.Linear)]
-    x = {width: mx.zeros((1, 1, width)) for width in {m.weight.shape[1] for m in linears}}
+    x = {width: mx.zeros((1, width)) for width in {m.weight.shape[1] for m in linears}}
     embed = model.model.embed_tokens
 
     def products() -> None:

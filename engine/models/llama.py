@@ -10,7 +10,8 @@ What differs from mlx-lm, measured by `bench/elementwise.py` and
   - Attention multiplies each key/value head by its whole group of query heads at once
     (one product of `group x length` rows instead of one per query head), so a decode
     step of B sequences makes B x kv_heads small products, not B x heads.
-  - At one stream a decode step is mostly per-op overhead, so it makes fewer ops: the
+  - At one stream a decode step is mostly per-op overhead, so it makes fewer ops: it
+    runs on (B, D) rows, so that its products need no reshaping to 2-D and back; the
     rotary angles are computed once per forward and shared by every layer; queries and
     keys rotate together, as `x * cos + roll(x) * sin` (mlx-lm's non-traditional rope
     in half the ops of slicing the halves apart); and the query, key and value
@@ -76,9 +77,16 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     return silu(gate) * up
 
 
-@partial(mx.compile, shapeless=True)
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    return weight * (x * mx.rsqrt(mx.mean(mx.square(x), axis=-1, keepdims=True) + eps))
+    return _rms_norm(x, weight, eps, 1.0 / x.shape[-1])
+
+
+# Shapeless, the mean's divisor would be an op of its own each call; a constant
+# argument is part of the compiled function's key instead.
+@partial(mx.compile, shapeless=True)
+def _rms_norm(x: mx.array, weight: mx.array, eps: float, inverse_width: float) -> mx.array:
+    mean_square = mx.sum(mx.square(x), axis=-1, keepdims=True) * inverse_width
+    return weight * (x * mx.rsqrt(mean_square + eps))
 
 
 class RMSNorm(nn.Module):
@@ -155,15 +163,23 @@ class Attention(nn.Module):
     def __call__(
         self, x: mx.array, angles: tuple[mx.array, mx.array], mask: Any, cache: Any
     ) -> mx.array:
-        b, length, _ = x.shape
-        qkv = self.qkv_proj(x).reshape(b, length, -1, self.head_dim).transpose(0, 2, 1, 3)
+        """x is (B, L, D), or (B, D) for a decode step: one position per row, whose
+        heads need no transposing to (B, heads, 1, head_dim) and back."""
+        b = x.shape[0]
+        qkv = self.qkv_proj(x)
+        if x.ndim == 2:
+            qkv = qkv.reshape(b, -1, 1, self.head_dim)
+        else:
+            qkv = qkv.reshape(b, x.shape[1], -1, self.head_dim).transpose(0, 2, 1, 3)
         rotated = self.n_heads + self.n_kv_heads
         qk = rotate(qkv[:, :rotated], *angles)
         q, k, v = qk[:, : self.n_heads], qk[:, self.n_heads :], qkv[:, rotated:]
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         out = attention(q, k, v, self.scale, mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+        if x.ndim == 2:
+            return self.o_proj(out.reshape(b, -1))
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, x.shape[1], -1))
 
 
 class MLP(nn.Module):
@@ -207,10 +223,13 @@ class LlamaModel(nn.Module):
         cache = cache or [None] * len(self.layers)
         mask = create_attention_mask(h, cache[0])
         offset = 0 if cache[0] is None else cache[0].offset
-        angles = rotary_angles(offset, inputs.shape[1], self.head_dim, self.args.rope_theta)
+        batch, length = inputs.shape
+        angles = rotary_angles(offset, length, self.head_dim, self.args.rope_theta)
+        if length == 1:  # a decode step runs on (B, D) rows: 2-D products, no reshaping
+            h = h.reshape(batch, -1)
         for layer, layer_cache in zip(self.layers, cache, strict=True):
             h = layer(h, angles, mask, layer_cache)
-        return self.norm(h)
+        return self.norm(h).reshape(batch, length, -1)
 
 
 class Model(nn.Module):

@@ -331,8 +331,9 @@ def test_a_failing_build_leaves_no_partial_file(
 
 # Matrices whose values are exactly 4-bit or 8-bit groups times a scale (plus an offset)
 # get a compact twin; products that read it in floats equal those over the fp32 weights
-# bit for bit, for every row count and over the thread pool; those over 4-bit twins run
-# in integers by default, within a stated tolerance, each row's result its own.
+# bit for bit, for every row count and over the thread pool; those over 4-bit twins (and
+# 8-bit ones, with 512-bit VNNI) run in integers by default, within a stated tolerance,
+# each row's result its own.
 # Other matrices get none, and a freed matrix's twin goes with it.
 TWINS = """
     import gc, json
@@ -400,9 +401,9 @@ def test_compact_twins_give_the_same_products_and_go_with_their_matrix() -> None
     assert all(result["equal"].values()), result["equal"]  # exact: bit for bit
     error = result["error"]
     assert max(error.values()) < INTEGER_TOLERANCE, error
-    # 4-bit twins run in integers (they round); 8-bit ones are rebuilt in floats either way.
+    # 4-bit twins run in integers (they round); 8-bit ones too where the CPU has 512-bit
+    # VNNI, and are rebuilt in floats otherwise.
     assert all(e > 0 for name, e in error.items() if not name.startswith("8")), error
-    assert all(e == 0 for name, e in error.items() if name.startswith("8")), error
     assert all(result["alone"].values()), result["alone"]  # a row's result is its own
     assert result["used"] == 3 * 8 * 3  # every product above read its twin
     assert result["after_free"] == 0

@@ -12,10 +12,11 @@ nothing changes: MLX calls the BLAS's sgemm directly.
 `compress` gives the weight matrices of a loaded model compact twins where their values
 are exactly groups of 4-bit or 8-bit integers times a scale (a model dequantized from
 GGUF, such as the embedded LLM): few-row products then read about a fifth (4-bit) or a
-third (8-bit) of the bytes, scales included. Over 4-bit twins they run in integers
-against activations rounded to 8 bits per group of 32, as llama.cpp's do (results within
-a stated tolerance, each row's its own); `exact_twins(True)` or `DUPLEX_GATEWAY_EXACT_TWINS=1`
-rebuilds the fp32 weights in registers instead, bit for bit the fp32 product.
+third (8-bit) of the bytes, scales included. Over 4-bit twins (and 8-bit ones with
+AVX-512 VNNI) they run in integers against activations rounded to 8 bits per group of
+32, as llama.cpp's do (results within a stated tolerance, each row's its own);
+`exact_twins(True)` or `DUPLEX_GATEWAY_EXACT_TWINS=1` rebuilds the fp32 weights in
+registers instead, bit for bit the fp32 product.
 """
 
 from __future__ import annotations
@@ -152,9 +153,10 @@ def use_twins(on: bool) -> bool:
 
 
 def exact_twins(on: bool) -> bool:
-    """Products over twins in floats, bit for bit the fp32 product (True), or in
-    integers over 8-bit rounded activations, the default (False); returns the previous
-    setting. Raises RuntimeError when the forwarder is not loaded."""
+    """Products over twins in floats, bit for bit the fp32 product (True), or, where
+    the CPU makes them faster (4-bit twins; 8-bit with AVX-512 VNNI), in integers over
+    8-bit rounded activations, the default (False); returns the previous setting.
+    Raises RuntimeError when the forwarder is not loaded."""
     if _lib is None:
         raise RuntimeError("the few-row forwarder is not loaded")
     return bool(_lib.gemv_forward_exact_twins(int(on)))

@@ -141,7 +141,8 @@ few_rows_range(const struct product *p, int rows, int n0, int n1) {
  * fp32 weights, so a product's result is the same either way, only sooner), or, over
  * 4-bit twins by default, multiply in integers (below). */
 
-enum { GROUP = 32, MAX_TWINS = 2048 };
+/* Twins of rows up to MAX_ROW_GROUPS groups drop offsets that are all zero. */
+enum { GROUP = 32, MAX_TWINS = 2048, MAX_ROW_GROUPS = 1024 };
 
 struct twin {
   const float *w; /* the fp32 matrix it stands for: MLX's argument b */
@@ -149,7 +150,7 @@ struct twin {
   /* A group's q: 4 bits, byte j holds weight j (low nibble) and j + 16 (high); 8 bits,
    * one signed byte each. */
   uint8_t *q;
-  float *scale, *offset; /* per group */
+  float *scale, *offset; /* per group; offset NULL when every one is 0 (8 bits) */
 };
 
 static struct twin twins[MAX_TWINS];
@@ -231,6 +232,23 @@ static int compress_group(const float *w, int bits, uint8_t *q, float *scale, fl
 
 static pthread_mutex_t twins_lock = PTHREAD_MUTEX_INITIALIZER;
 
+static const float no_offsets[MAX_ROW_GROUPS];
+
+/* Row n's offsets, or zeros when the twin keeps none. */
+static inline const float *row_offsets(const struct twin *t, int n) {
+  return t->offset != NULL ? t->offset + (size_t)n * (t->k / GROUP) : no_offsets;
+}
+
+/* Offsets all zero (8-bit groups) are not kept: a group's 40 bytes become 36. */
+static void drop_zero_offsets(struct twin *t) {
+  size_t groups = (size_t)t->n * (t->k / GROUP);
+  if (t->k / GROUP > MAX_ROW_GROUPS) return;
+  for (size_t g = 0; g < groups; g++)
+    if (t->offset[g] != 0.0f) return;
+  free(t->offset);
+  t->offset = NULL;
+}
+
 static void free_twin(struct twin *t) {
   free(t->q);
   free(t->scale);
@@ -252,6 +270,7 @@ int gemv_forward_twin(const float *w, int n, int k, int bits) {
   for (size_t g = 0; made == 1 && g < groups; g++)
     made = compress_group(w + g * GROUP, bits, t.q + g * GROUP * bits / 8, t.scale + g,
                           t.offset + g);
+  if (made == 1) drop_zero_offsets(&t);
   pthread_mutex_lock(&twins_lock);
   int slot = 0, count = atomic_load(&twin_count);
   while (slot < count && twins[slot].w != NULL) slot++; /* a freed slot, or the next one */
@@ -314,7 +333,7 @@ twin_rows_range(const struct product *p, int rows, int n0, int n1) {
   const int k = p->k, groups = k / GROUP, row_bytes = k * t->bits / 8;
   for (int n = n0; n < n1; n++) {
     const uint8_t *q = t->q + (size_t)n * row_bytes;
-    const float *scale = t->scale + (size_t)n * groups, *offset = t->offset + (size_t)n * groups;
+    const float *scale = t->scale + (size_t)n * groups, *offset = row_offsets(t, n);
     lanes acc[MAX_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = (lanes){0};
     for (int g = 0; g < groups; g++) {
@@ -474,7 +493,7 @@ int_rows_range(const struct product *p, int rows, int n0, int n1) {
   const int group_bytes = GROUP * t->bits / 8;
   for (int n = n0; n < n1; n++) {
     const uint8_t *q = t->q + (size_t)n * row_bytes;
-    const float *scale = t->scale + (size_t)n * groups, *offset = t->offset + (size_t)n * groups;
+    const float *scale = t->scale + (size_t)n * groups, *offset = row_offsets(t, n);
     __m512 acc[MAX_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     int g = 0;
@@ -496,7 +515,7 @@ int_rows_range(const struct product *p, int rows, int n0, int n1) {
         sum += sum8(add_group(_mm256_setzero_ps(), q + (size_t)g * group_bytes, t->bits,
                               p->xq + (size_t)r * k + (size_t)g * GROUP,
                               scale[g] * p->xd[(size_t)r * groups + g]));
-      sum += offsets_dot(offset, p->xsum + (size_t)r * groups, groups);
+      if (t->offset != NULL) sum += offsets_dot(offset, p->xsum + (size_t)r * groups, groups);
       float *out = p->c + (size_t)r * p->ldc + n;
       *out = scaled(p, sum, out);
     }
@@ -514,7 +533,7 @@ int_rows_range(const struct product *p, int rows, int n0, int n1) {
   const int group_bytes = GROUP * t->bits / 8;
   for (int n = n0; n < n1; n++) {
     const uint8_t *q = t->q + (size_t)n * row_bytes;
-    const float *scale = t->scale + (size_t)n * groups, *offset = t->offset + (size_t)n * groups;
+    const float *scale = t->scale + (size_t)n * groups, *offset = row_offsets(t, n);
     group_acc even[MAX_ROWS], odd[MAX_ROWS];
     for (int r = 0; r < rows; r++) even[r] = odd[r] = (group_acc){0};
     int g = 0;
@@ -534,8 +553,8 @@ int_rows_range(const struct product *p, int rows, int n0, int n1) {
                             p->xq + (size_t)r * k + (size_t)g * GROUP,
                             scale[g] * p->xd[(size_t)r * groups + g]);
     for (int r = 0; r < rows; r++) {
-      float sum = group_acc_sum(even[r], odd[r]) +
-                  offsets_dot(offset, p->xsum + (size_t)r * groups, groups);
+      float sum = group_acc_sum(even[r], odd[r]);
+      if (t->offset != NULL) sum += offsets_dot(offset, p->xsum + (size_t)r * groups, groups);
       float *out = p->c + (size_t)r * p->ldc + n;
       *out = scaled(p, sum, out);
     }

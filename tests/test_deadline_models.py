@@ -40,7 +40,7 @@ async def test_a_short_answer_finishes_before_a_long_one_started_earlier(
     # The long answer gets well ahead of its listener before the short one is asked.
     await client.until(lambda: audio_s(long_tts) >= AHEAD_S + 20)
     asked = len(client.outputs)
-    _, short_tts = await client.turn("short", 0, text="Say hello.", max_output_tokens=12)
+    short_llm, short_tts = await client.turn("short", 0, text="Say hello.", max_output_tokens=12)
     await client.until(lambda: client.finished(short_tts) and client.finished(long_tts))
 
     # The long answer really is long: most of it was still to be spoken.
@@ -48,14 +48,17 @@ async def test_a_short_answer_finishes_before_a_long_one_started_earlier(
     done = [o.request_id for o in client.outputs if o.finished and o.kind == "done"]
     assert done.index(short_tts) < done.index(long_tts)
     # Nothing of the long answer, far ahead of its listener, was rendered once the short
-    # one had started to render: the short answer had the stage to itself. (Before its
-    # first audio the short answer's text is still being written, and a clause of the
-    # long one may be rendered meanwhile.)
+    # one's text was all written and until it was all spoken: the short answer had the
+    # stage to itself. (While its text is still being written the stage has nothing of
+    # the short one to render, and a chunk of the long one may be rendered meanwhile.)
     short_audio = [
         i for i, o in enumerate(client.outputs) if o.request_id == short_tts and o.kind == "audio"
     ]
     assert min(short_audio) >= asked
-    between = client.outputs[min(short_audio) : max(short_audio)]
+    written = next(
+        i for i, o in enumerate(client.outputs) if o.request_id == short_llm and o.finished
+    )
+    between = client.outputs[written : max(short_audio)]
     assert not [o for o in between if o.request_id == long_tts and o.kind == "audio"]
     assert all(o.kind != "error" for o in client.outputs)
     await client.idle()

@@ -409,6 +409,52 @@ def test_compact_twins_give_the_same_products_and_go_with_their_matrix() -> None
     assert result["after_free"] == 0
 
 
+# A matrix from given 4-bit groups (a GGUF file's own, whose values need not span 0..15)
+# gets its twin from them, and reads it as the found twins do; groups that do not rebuild
+# the matrix exactly give none.
+GIVEN_GROUPS = """
+    import json
+    import engine
+    engine.setup()
+    import mlx.core as mx
+    import numpy as np
+    from engine.native import gemv_forward
+
+    rng = np.random.default_rng(3)
+    rows, cols = 96, 576
+    q = rng.integers(3, 12, (rows, cols)).astype(np.uint8)  # never the whole 0..15
+    scales = (rng.integers(1, 64, (rows, cols // 32)) * 2.0**-12).astype(np.float32)
+    offsets = -(rng.integers(0, 64, (rows, cols // 32)) * 2.0**-10).astype(np.float32)
+    values = q.reshape(rows, -1, 32) * scales[..., None] + offsets[..., None]
+    w = mx.array(values.reshape(rows, cols).astype(np.float32))
+    groups = q.reshape(rows, -1, 32)
+    packed = (groups[..., :16] | (groups[..., 16:] << 4)).reshape(rows, -1)
+    found = gemv_forward.twin(w)  # not the form the twins find by themselves
+    made = gemv_forward.twin_groups(w, mx.array(packed), mx.array(scales), mx.array(offsets))
+    wrong = mx.array(np.array(w) + np.float32(1e-3))
+    refused = gemv_forward.twin_groups(wrong, mx.array(packed), mx.array(scales), mx.array(offsets))
+    x = mx.array(rng.standard_normal((2, cols)).astype(np.float32))
+    gemv_forward.exact_twins(True)
+    twin = np.array(x @ w.T)
+    gemv_forward.exact_twins(False)
+    integer = np.array(x @ w.T)
+    gemv_forward.use_twins(False)
+    fp32 = np.array(x @ w.T)
+    print(json.dumps({"found": found, "made": made, "refused": refused,
+                      "equal": bool(np.array_equal(twin, fp32)),
+                      "error": float(np.abs(integer - fp32).max() / np.abs(fp32).max())}))
+"""
+
+
+def test_a_matrix_gets_its_twin_from_given_4_bit_groups() -> None:
+    result = run_python(GIVEN_GROUPS)
+    if not LINUX:
+        assert not result["made"]
+        return
+    assert result["found"] is None and result["made"] and not result["refused"]
+    assert result["equal"] and 0 < result["error"] < INTEGER_TOLERANCE
+
+
 # The embedded LLM, dequantized from GGUF blocks, gets a twin for every matrix, and its
 # decode steps give the same logits with the twins read in floats as without them.
 LLM_TWINS = """

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from engine.models.qwen2_gguf import dequantize, requantize_bits, symmetric_8bit
+from engine.models.qwen2_gguf import dequantize, q4_k_groups, requantize_bits, symmetric_8bit
 
 QK_K = 256
 
@@ -173,3 +173,16 @@ def test_regrouped_weights_are_signed_bytes_times_a_group_scale() -> None:
     np.testing.assert_array_equal((q * scale).astype(np.float32), groups)
     step = np.abs(values.reshape(-1, 32)).max(axis=1, keepdims=True) / 127
     assert np.all(np.abs(groups - values.reshape(-1, 32)) <= step * 0.51)
+
+
+def test_q4_k_blocks_give_their_own_4_bit_groups() -> None:
+    # Two rows of four blocks each: every value is exactly q * scale + offset, with q
+    # packed two to a byte as the twins hold them (byte j: values j and j + 16).
+    data = random_blocks(T.Q4_K, 8, seed=7)
+    raw = np.frombuffer(data, dtype=np.uint8).reshape(2, -1)
+    q, scales, offsets = q4_k_groups(raw)
+    assert q.shape == (2, 4 * 256 // 2) and scales.shape == offsets.shape == (2, 4 * 256 // 32)
+    groups = q.reshape(2, -1, 16)
+    unpacked = np.concatenate([groups & 15, groups >> 4], axis=-1).astype(np.float32)
+    rebuilt = unpacked * scales[..., None] + offsets[..., None]
+    np.testing.assert_array_equal(rebuilt.reshape(2, -1), ours(T.Q4_K, data, rows=2))

@@ -148,12 +148,16 @@ class LlmStage:
 
     @classmethod
     def from_path(cls, path: str | Path, **limits: Any) -> LlmStage:
-        from engine.models.llama import load
+        from engine.models import llama
 
-        model, tokenizer = load(path)
+        model, tokenizer = llama.load(path)
         # Weights dequantized from 4- and 8-bit blocks (the embedded model's) get their
-        # compact twins: decode steps read a fraction of the bytes, with equal results.
-        compact = gemv_forward.compress(model)
+        # compact twins: decode steps read a fraction of the bytes. Groups the converter
+        # kept are joined as the model's own projections are.
+        groups = gemv_forward.load_groups(path)
+        if isinstance(model, llama.Model):
+            groups = llama.join_projections(groups)
+        compact = gemv_forward.compress(model, groups)
         if compact:
             log.info("LLM weights with compact twins: %s", compact)
         return cls(model, tokenizer, **limits)

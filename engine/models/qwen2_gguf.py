@@ -11,13 +11,17 @@ Qwen2 is llama with biases on the query, key and value projections: the output n
 Unlike llama GGUFs, qwen2 ones keep the rotary rows in Hugging Face's order, so nothing
 is permuted back.
 
-Each quantized matrix is rounded again into groups of 32. `precision="fp32"` (the CPU's)
-rounds every group to signed 8-bit integers times the group's largest magnitude / 127,
-the form the engine's few-row products recognise in fp32 weights and read in a quarter
-of the bytes (`engine.native.gemv_forward`); 8 bits keep every block type (at most 6 bits of
-resolution per block) to within half an 8-bit step. `precision="4bit"` stores MLX's
-own affine groups for its quantized kernels (Metal, CUDA): Q4_K (already 4-bit groups
-of 32) in 4 bits, the 5-, 6- and 8-bit types in 8.
+With `precision="fp32"` (the CPU's) the engine's few-row products read each matrix from a
+compact twin (`engine.native.gemv_forward`). A Q4_K matrix keeps its values exactly:
+its blocks' own 4-bit groups (each value q * scale + offset) are written beside the
+weights (`gemv_forward.GROUPS_FILE`), and its twin is made from them at load. Every
+other quantized matrix, and a Q4_K one that the llama class joins into one product with
+another type (query, key and value, or gate and up: `engine.models.llama.JOINED`), is
+rounded again per group of 32 to signed 8-bit integers times the group's largest
+magnitude / 127, the form the twins find in fp32 weights by themselves; 8 bits keep
+every block type (at most 6 bits of resolution per block) to within half an 8-bit step.
+`precision="4bit"` stores MLX's own affine groups for its quantized kernels (Metal,
+CUDA): Q4_K (already 4-bit groups of 32) in 4 bits, the 5-, 6- and 8-bit types in 8.
 """
 
 from __future__ import annotations
@@ -36,10 +40,18 @@ import numpy as np
 from tokenizers import Regex, normalizers, pre_tokenizers
 
 from engine.models.smollm2_gguf import write_tokenizer
+from engine.native import gemv_forward
 
-__all__ = ["CONVERTER_VERSION", "convert", "dequantize", "requantize_bits", "symmetric_8bit"]
+__all__ = [
+    "CONVERTER_VERSION",
+    "convert",
+    "dequantize",
+    "q4_k_groups",
+    "requantize_bits",
+    "symmetric_8bit",
+]
 
-CONVERTER_VERSION = "2"
+CONVERTER_VERSION = "3"
 GROUP_SIZE = 32
 # Qwen2's pre-tokenizer split (its tokenizer.json), before the byte-level step.
 QWEN2_SPLIT = (
@@ -79,13 +91,24 @@ def convert(
         steps = len(tensors) + 1
         config["tie_word_embeddings"] = not any(t.name == "output.weight" for t in tensors)
         weights: dict[str, mx.array] = {}
+        twins: dict[str, mx.array] = {}
         quantized: dict[str, Any] = {}
+        exact = _exact_4bit(tensors) if precision == "fp32" else set()
         for i, tensor in enumerate(tensors):
             module, kind = _mlx_name(tensor.name)
-            values = dequantize(np.asarray(tensor.data), int(tensor.tensor_type))
+            raw = np.asarray(tensor.data)
+            values = dequantize(raw, int(tensor.tensor_type))
             bits = requantize_bits(int(tensor.tensor_type))
             if bits is None or values.ndim != 2:
                 weights[f"{module}.{kind}"] = mx.array(values.astype(np.float32))
+            elif module in exact:
+                weights[f"{module}.{kind}"] = mx.array(values)
+                q, scales, offsets = q4_k_groups(raw)
+                twins |= {
+                    f"{module}.twin_q": mx.array(q),
+                    f"{module}.twin_scales": mx.array(scales),
+                }
+                twins[f"{module}.twin_offsets"] = mx.array(offsets)
             else:
                 weights |= _grouped(module, values, bits, precision)
                 if precision == "4bit":
@@ -101,6 +124,8 @@ def convert(
             common = widths.most_common(1)[0][0]
             config["quantization"] = {"group_size": GROUP_SIZE, "bits": common, **quantized}
         mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+        if twins:
+            mx.save_safetensors(str(out_dir / gemv_forward.GROUPS_FILE), twins)
         (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         split = pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated")
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -130,6 +155,45 @@ def requantize_bits(qtype: int) -> int | None:
     if kind in (T.F32, T.F16, T.BF16):
         return None
     return 4 if kind in (T.Q4_K, T.Q4_0, T.Q4_1) else 8
+
+
+def q4_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_K matrix's raw blocks (a row of 144-byte blocks per matrix row) as groups of
+    32 in a twin's layout: q packed two to a byte (byte j of a group holds values j and
+    j + 16), and each group's scale and offset, such that every value is q * scale +
+    offset exactly as `dequantize` computes it."""
+    from gguf.quants import Q4_K
+
+    rows = blocks.shape[0]
+    b = blocks.reshape(-1, 144)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(b[:, 4:16].copy())
+    scales = d * sc.astype(np.float32)  # (blocks, 8): eight groups of 32 per block
+    offsets = -(dmin * m.astype(np.float32))
+    shifts = np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = ((b[:, 16:].reshape(-1, 4, 1, 32) >> shifts) & np.uint8(15)).reshape(-1, 32)
+    packed = q[:, :16] | (q[:, 16:] << np.uint8(4))
+    return packed.reshape(rows, -1), scales.reshape(rows, -1), offsets.reshape(rows, -1)
+
+
+def _exact_4bit(tensors: list[Any]) -> set[str]:
+    """The modules whose Q4_K values stay exact: Q4_K matrices that the llama class joins
+    into one product only with other Q4_K matrices."""
+    from gguf import GGMLQuantizationType as T
+
+    from engine.models.llama import JOINED
+
+    kinds = {
+        _mlx_name(t.name)[0]: T(int(t.tensor_type)) for t in tensors if t.name.endswith(".weight")
+    }
+    exact = {module for module, kind in kinds.items() if kind == T.Q4_K}
+    for module in list(exact):
+        prefix, _, name = module.rpartition(".")
+        for _, parts, _ in JOINED:
+            if name in parts and any(kinds.get(f"{prefix}.{part}") != T.Q4_K for part in parts):
+                exact.discard(module)
+    return exact
 
 
 def _grouped(module: str, values: np.ndarray, bits: int, precision: str) -> dict[str, mx.array]:

@@ -259,17 +259,18 @@ static void free_twin(struct twin *t) {
  * 1: made; 0: w is not exactly of that form (nothing changes); -1: no room. Call it
  * before the products that should use it, and `gemv_forward_untwin` before `w` is
  * freed: its address may then hold other numbers. */
-int gemv_forward_twin(const float *w, int n, int k, int bits) {
-  if ((bits != 4 && bits != 8) || n <= 0 || k <= 0 || k % GROUP != 0) return 0;
+/* A new twin of n x k weights in `bits` bits, its arrays allocated; NULL without memory. */
+static int new_twin(struct twin *t, const float *w, int n, int k, int bits) {
   size_t groups = (size_t)n * (k / GROUP);
-  struct twin t = {w, n, k, bits, NULL, NULL, NULL};
-  t.q = aligned_alloc(64, (groups * GROUP * bits / 8 + 63) / 64 * 64);
-  t.scale = malloc(groups * sizeof(float));
-  t.offset = malloc(groups * sizeof(float));
-  int made = t.q != NULL && t.scale != NULL && t.offset != NULL ? 1 : -1;
-  for (size_t g = 0; made == 1 && g < groups; g++)
-    made = compress_group(w + g * GROUP, bits, t.q + g * GROUP * bits / 8, t.scale + g,
-                          t.offset + g);
+  *t = (struct twin){w, n, k, bits, NULL, NULL, NULL};
+  t->q = aligned_alloc(64, (groups * GROUP * bits / 8 + 63) / 64 * 64);
+  t->scale = malloc(groups * sizeof(float));
+  t->offset = malloc(groups * sizeof(float));
+  return t->q != NULL && t->scale != NULL && t->offset != NULL ? 1 : -1;
+}
+
+/* Publish t (made == 1) or free it; returns made, or -1 when there is no room. */
+static int keep_twin(struct twin t, int made) {
   if (made == 1) drop_zero_offsets(&t);
   pthread_mutex_lock(&twins_lock);
   int slot = 0, count = atomic_load(&twin_count);
@@ -286,6 +287,40 @@ int gemv_forward_twin(const float *w, int n, int k, int bits) {
   pthread_mutex_unlock(&twins_lock);
   if (made != 1) free_twin(&t);
   return made;
+}
+
+int gemv_forward_twin(const float *w, int n, int k, int bits) {
+  if ((bits != 4 && bits != 8) || n <= 0 || k <= 0 || k % GROUP != 0) return 0;
+  struct twin t;
+  int made = new_twin(&t, w, n, k, bits);
+  for (size_t g = 0; made == 1 && g < (size_t)n * (k / GROUP); g++)
+    made = compress_group(w + g * GROUP, bits, t.q + g * GROUP * bits / 8, t.scale + g,
+                          t.offset + g);
+  return keep_twin(t, made);
+}
+
+/* The 4-bit twin of w from given groups (a GGUF file's own 4-bit blocks, whose values a
+ * group's least and greatest need not span): q packed as a twin's (byte j of a group,
+ * weights j and j + 16), and each group's scale and offset. Made only where every
+ * group rebuilds w exactly; returns as gemv_forward_twin. */
+int gemv_forward_twin_groups(const float *w, int n, int k, const uint8_t *q, const float *scale,
+                             const float *offset) {
+  if (n <= 0 || k <= 0 || k % GROUP != 0) return 0;
+  size_t groups = (size_t)n * (k / GROUP);
+  struct twin t;
+  int made = new_twin(&t, w, n, k, 4);
+  if (made == 1) {
+    __builtin_memcpy(t.q, q, groups * GROUP / 2);
+    __builtin_memcpy(t.scale, scale, groups * sizeof(float));
+    __builtin_memcpy(t.offset, offset, groups * sizeof(float));
+  }
+  for (size_t g = 0; made == 1 && g < groups; g++)
+    for (int half = 0; half < 2 && made == 1; half++) {
+      lanes back = rebuild(t.q + g * GROUP / 2, 4, half, t.scale[g], t.offset[g]);
+      for (int i = 0; i < LANES; i++)
+        if (back[i] != w[g * GROUP + half * LANES + i]) made = 0;
+    }
+  return keep_twin(t, made);
 }
 
 /* Forget the twin of `w` (a matrix about to be freed); 0 when it had none. */

@@ -44,13 +44,16 @@ if TYPE_CHECKING:  # this module is imported before mlx.core (engine.native.blas
 __all__ = [
     "ENV",
     "EXACT_ENV",
+    "GROUPS_FILE",
     "compress",
     "enable",
     "exact_twins",
     "is_active",
     "live_twins",
     "load",
+    "load_groups",
     "twin",
+    "twin_groups",
     "twin_products",
     "use_twins",
 ]
@@ -59,6 +62,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv_forward.c")
 ENV = "DUPLEX_GATEWAY_GEMV_FORWARD"
+# Beside a converted model's weights: 4-bit groups its converter kept for their twins.
+GROUPS_FILE = "twins.safetensors"
 # "1": products over twins rebuild the weights in floats (bit for bit the fp32 product)
 # instead of running in integers over rounded activations (`exact_twins`).
 EXACT_ENV = "DUPLEX_GATEWAY_EXACT_TWINS"
@@ -130,15 +135,60 @@ def twin(weight: mx.array) -> int | None:
     return None
 
 
-def compress(model: nn.Module) -> dict[int, int]:
-    """Twin every fp32 matrix of `model` that has an exact compact form (`twin`);
-    returns how many got each width."""
+def twin_groups(weight: mx.array, q: mx.array, scales: mx.array, offsets: mx.array) -> bool:
+    """Give the fp32 matrix `weight` (n x k) a 4-bit twin from given groups of 32: `q`
+    (n x k/2 bytes, a group's byte j holding values j and j + 16 in its low and high
+    nibble), `scales` and `offsets` (n x k/32), as a GGUF file's blocks hold them. True
+    when made: every value must be exactly q * scale + offset."""
+    import mlx.core as mx
+    import numpy as np
+
+    if _lib is None or weight.ndim != 2 or weight.shape[1] % 32 or weight.dtype != mx.float32:
+        return False
+    rows, cols = weight.shape
+    arrays = [np.ascontiguousarray(np.asarray(a)) for a in (q, scales, offsets)]
+    shapes = [(rows, cols // 2), (rows, cols // 32), (rows, cols // 32)]
+    types = [np.uint8, np.float32, np.float32]
+    if any(a.shape != s or a.dtype != t for a, s, t in zip(arrays, shapes, types, strict=True)):
+        return False
+    view = np.asarray(memoryview(cast(Any, weight)))
+    if not view.flags.c_contiguous:
+        return False
+    address = ctypes.c_void_p(view.ctypes.data)
+    pointers = [ctypes.c_void_p(a.ctypes.data) for a in arrays]
+    made = _lib.gemv_forward_twin_groups(address, rows, cols, *pointers)
+    if made == 1:
+        weakref.finalize(weight, _lib.gemv_forward_untwin, address)
+    elif made < 0:
+        log.warning("no room for more compact weights: the rest stay fp32")
+    return bool(made == 1)
+
+
+def load_groups(folder: str | Path) -> dict[str, mx.array]:
+    """The 4-bit groups a converter wrote beside a model's weights (`GROUPS_FILE`):
+    `{module}.twin_q`, `.twin_scales` and `.twin_offsets` per matrix; {} without the file."""
+    import mlx.core as mx
+
+    path = Path(folder) / GROUPS_FILE
+    return cast(dict[str, "mx.array"], mx.load(str(path))) if path.exists() else {}
+
+
+def compress(model: nn.Module, groups: dict[str, mx.array] | None = None) -> dict[int, int]:
+    """Twin every fp32 matrix of `model`: from its given 4-bit `groups` (`load_groups`,
+    keyed by module) where it has them, otherwise where it has an exact compact form
+    (`twin`); returns how many got each width."""
     from mlx.utils import tree_flatten
 
+    groups = groups or {}
     made: dict[int, int] = {}
     leaves = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
-    for _, weight in leaves:
-        bits = twin(weight)
+    for name, weight in leaves:
+        module = name.removesuffix(".weight")
+        given = [groups.get(f"{module}.twin_{part}") for part in ("q", "scales", "offsets")]
+        if name.endswith(".weight") and all(a is not None for a in given):
+            bits: int | None = 4 if twin_groups(weight, *cast(list[Any], given)) else None
+        else:
+            bits = twin(weight)
         if bits is not None:
             made[bits] = made.get(bits, 0) + 1
     return made

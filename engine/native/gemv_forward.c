@@ -521,82 +521,69 @@ static inline __attribute__((always_inline)) __m512i pair_dot(const uint8_t *q, 
   return _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, shifted, w), own);
 }
 
-static inline __attribute__((always_inline)) void
-int_rows_range(const struct product *p, int rows, int n0, int n1) {
-  const struct twin *t = p->twin;
-  const int k = p->k, groups = k / GROUP, row_bytes = k * t->bits / 8;
-  const int group_bytes = GROUP * t->bits / 8;
-  for (int n = n0; n < n1; n++) {
-    const uint8_t *q = t->q + (size_t)n * row_bytes;
-    const float *scale = t->scale + (size_t)n * groups, *offset = row_offsets(t, n);
-    __m512 acc[MAX_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    int g = 0;
-    for (; g + 2 <= groups; g += 2) {
-      const uint8_t *gq = q + (size_t)g * group_bytes;
-      __builtin_prefetch(gq + 512, 0, 3);
-      for (int r = 0; r < rows; r++) {
-        const int8_t *x = p->xq + (size_t)r * k + (size_t)g * GROUP;
-        const float *xd = p->xd + (size_t)r * groups + g;
-        __m512i dot = pair_dot(gq, t->bits, _mm512_loadu_si512((const void *)x));
-        __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scale[g] * xd[0]),
-                                        _mm512_set1_ps(scale[g + 1] * xd[1]));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), d, acc[r]);
-      }
-    }
-    for (int r = 0; r < rows; r++) {
-      float sum = _mm512_reduce_add_ps(acc[r]);
-      if (g < groups) /* an odd group out */
-        sum += sum8(add_group(_mm256_setzero_ps(), q + (size_t)g * group_bytes, t->bits,
-                              p->xq + (size_t)r * k + (size_t)g * GROUP,
-                              scale[g] * p->xd[(size_t)r * groups + g]));
-      if (t->offset != NULL) sum += offsets_dot(offset, p->xsum + (size_t)r * groups, groups);
-      float *out = p->c + (size_t)r * p->ldc + n;
-      *out = scaled(p, sum, out);
-    }
-  }
+/* Two groups' dot products, scaled by d0 and d1, added to acc. */
+typedef __m512 pair_acc;
+static inline __attribute__((always_inline)) pair_acc add_pair(pair_acc acc, const uint8_t *q,
+                                                               int bits, const int8_t *x,
+                                                               float d0, float d1) {
+  __m512i dot = pair_dot(q, bits, _mm512_loadu_si512((const void *)x));
+  __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), d, acc);
 }
+static inline float pair_sum(pair_acc a) { return _mm512_reduce_add_ps(a); }
 #else
 #define WIDE_INT 0
 
-/* As twin_rows_range, in integers over p's rounded rows. Even and odd groups add into
- * their own accumulators, so that two chains of additions run at once. */
+/* Two groups, each into its own accumulator, so that two chains of additions run at
+ * once. */
+typedef struct {
+  group_acc even, odd;
+} pair_acc;
+static inline __attribute__((always_inline)) pair_acc add_pair(pair_acc acc, const uint8_t *q,
+                                                               int bits, const int8_t *x,
+                                                               float d0, float d1) {
+  acc.even = add_group(acc.even, q, bits, x, d0);
+  acc.odd = add_group(acc.odd, q + GROUP * bits / 8, bits, x + GROUP, d1);
+  return acc;
+}
+static inline float pair_sum(pair_acc a) { return group_acc_sum(a.even, a.odd); }
+#endif
+
+/* As twin_rows_range, in integers over p's rounded rows, two groups at a time. */
 static inline __attribute__((always_inline)) void
 int_rows_range(const struct product *p, int rows, int n0, int n1) {
   const struct twin *t = p->twin;
   const int k = p->k, groups = k / GROUP, row_bytes = k * t->bits / 8;
   const int group_bytes = GROUP * t->bits / 8;
+  const group_acc none = {0};
   for (int n = n0; n < n1; n++) {
     const uint8_t *q = t->q + (size_t)n * row_bytes;
     const float *scale = t->scale + (size_t)n * groups, *offset = row_offsets(t, n);
-    group_acc even[MAX_ROWS], odd[MAX_ROWS];
-    for (int r = 0; r < rows; r++) even[r] = odd[r] = (group_acc){0};
+    pair_acc acc[MAX_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = (pair_acc){0};
     int g = 0;
     for (; g + 2 <= groups; g += 2) {
       const uint8_t *gq = q + (size_t)g * group_bytes;
       __builtin_prefetch(gq + 512, 0, 3);
       for (int r = 0; r < rows; r++) {
-        const int8_t *x = p->xq + (size_t)r * k + (size_t)g * GROUP;
         const float *xd = p->xd + (size_t)r * groups + g;
-        even[r] = add_group(even[r], gq, t->bits, x, scale[g] * xd[0]);
-        odd[r] = add_group(odd[r], gq + group_bytes, t->bits, x + GROUP, scale[g + 1] * xd[1]);
+        acc[r] = add_pair(acc[r], gq, t->bits, p->xq + (size_t)r * k + (size_t)g * GROUP,
+                          scale[g] * xd[0], scale[g + 1] * xd[1]);
       }
     }
-    for (; g < groups; g++)
-      for (int r = 0; r < rows; r++)
-        even[r] = add_group(even[r], q + (size_t)g * group_bytes, t->bits,
-                            p->xq + (size_t)r * k + (size_t)g * GROUP,
-                            scale[g] * p->xd[(size_t)r * groups + g]);
     for (int r = 0; r < rows; r++) {
-      float sum = group_acc_sum(even[r], odd[r]);
+      float sum = pair_sum(acc[r]);
+      if (g < groups) /* an odd group out */
+        sum += group_acc_sum(add_group(none, q + (size_t)g * group_bytes, t->bits,
+                                       p->xq + (size_t)r * k + (size_t)g * GROUP,
+                                       scale[g] * p->xd[(size_t)r * groups + g]),
+                             none);
       if (t->offset != NULL) sum += offsets_dot(offset, p->xsum + (size_t)r * groups, groups);
       float *out = p->c + (size_t)r * p->ldc + n;
       *out = scaled(p, sum, out);
     }
   }
 }
-
-#endif
 
 /* Weight rows [n0, n1) against `rows` rows of a, from the twin if b has one. */
 static inline __attribute__((always_inline)) void

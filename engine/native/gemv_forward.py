@@ -113,25 +113,14 @@ def twin(weight: mx.array) -> int | None:
     """Give the fp32 matrix `weight` a compact twin; returns its bits per weight (4 or 8),
     or None when its values are not exactly such groups or the forwarder is off. The
     twin is found by the matrix's address, so it goes when `weight` does."""
-    import mlx.core as mx
-    import numpy as np
-
-    if _lib is None or weight.ndim != 2 or weight.shape[1] % 32 or weight.dtype != mx.float32:
+    address = _matrix_address(weight)
+    if _lib is None or address is None:
         return None
     rows, cols = weight.shape
-    view = np.asarray(memoryview(cast(Any, weight)))  # MLX's buffer: the address sgemm gets
-    if not view.flags.c_contiguous:
-        return None
-    address = ctypes.c_void_p(view.ctypes.data)
     for bits in (4, 8):
         made = _lib.gemv_forward_twin(address, rows, cols, bits)
-        if made == 1:
-            # Before the array's buffer can hold other numbers, the twin goes.
-            weakref.finalize(weight, _lib.gemv_forward_untwin, address)
-            return bits
-        if made < 0:
-            log.warning("no room for more compact weights: the rest stay fp32")
-            return None
+        if made != 0:
+            return bits if _kept(weight, address, made) else None
     return None
 
 
@@ -140,10 +129,10 @@ def twin_groups(weight: mx.array, q: mx.array, scales: mx.array, offsets: mx.arr
     (n x k/2 bytes, a group's byte j holding values j and j + 16 in its low and high
     nibble), `scales` and `offsets` (n x k/32), as a GGUF file's blocks hold them. True
     when made: every value must be exactly q * scale + offset."""
-    import mlx.core as mx
     import numpy as np
 
-    if _lib is None or weight.ndim != 2 or weight.shape[1] % 32 or weight.dtype != mx.float32:
+    address = _matrix_address(weight)
+    if _lib is None or address is None:
         return False
     rows, cols = weight.shape
     arrays = [np.ascontiguousarray(np.asarray(a)) for a in (q, scales, offsets)]
@@ -151,17 +140,31 @@ def twin_groups(weight: mx.array, q: mx.array, scales: mx.array, offsets: mx.arr
     types = [np.uint8, np.float32, np.float32]
     if any(a.shape != s or a.dtype != t for a, s, t in zip(arrays, shapes, types, strict=True)):
         return False
-    view = np.asarray(memoryview(cast(Any, weight)))
-    if not view.flags.c_contiguous:
-        return False
-    address = ctypes.c_void_p(view.ctypes.data)
     pointers = [ctypes.c_void_p(a.ctypes.data) for a in arrays]
-    made = _lib.gemv_forward_twin_groups(address, rows, cols, *pointers)
+    return _kept(weight, address, _lib.gemv_forward_twin_groups(address, rows, cols, *pointers))
+
+
+def _matrix_address(weight: mx.array) -> ctypes.c_void_p | None:
+    """The address sgemm gets for `weight` (MLX's buffer), if it can have a twin: a
+    contiguous fp32 matrix whose rows are whole groups of 32."""
+    import mlx.core as mx
+    import numpy as np
+
+    if weight.ndim != 2 or weight.shape[1] % 32 or weight.dtype != mx.float32:
+        return None
+    view = np.asarray(memoryview(cast(Any, weight)))
+    return ctypes.c_void_p(view.ctypes.data) if view.flags.c_contiguous else None
+
+
+def _kept(weight: mx.array, address: ctypes.c_void_p, made: int) -> bool:
+    """Whether a twin was made (1); a made twin goes before `weight`'s buffer can hold
+    other numbers."""
+    assert _lib is not None
     if made == 1:
         weakref.finalize(weight, _lib.gemv_forward_untwin, address)
     elif made < 0:
         log.warning("no room for more compact weights: the rest stay fp32")
-    return bool(made == 1)
+    return made == 1
 
 
 def load_groups(folder: str | Path) -> dict[str, mx.array]:

@@ -16,6 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from engine.models import fast_ops
+
 __all__ = ["ModelArgs", "Model", "load", "rational_quadratic_inverse"]
 
 
@@ -266,7 +268,7 @@ class MultiHeadAttention(nn.Module):
         local = mx.take_along_axis(rel_logits, mx.broadcast_to(rel_idx, (B, H, L, L)), axis=-1)
         scores = q @ k.transpose(0, 1, 3, 2) + mx.where(near, local, 0.0)
         scores = mx.where(mask, scores, -1e4)
-        p = mx.softmax(scores, axis=-1)
+        p = fast_ops.softmax(scores)
         out = p @ v
         # p at offsets -W..W per query, as weights for the value embeddings.
         col = mx.arange(L)[:, None] + mx.arange(-W, W + 1)[None, :]
@@ -401,8 +403,8 @@ class DDSConv(nn.Module):
         for sep, c1, n1, n2 in zip(
             self.convs_sep, self.convs_1x1, self.norms_1, self.norms_2, strict=True
         ):
-            y = nn.gelu(n1(sep(x * x_mask)))
-            y = nn.gelu(n2(c1(y)))
+            y = fast_ops.gelu(n1(sep(x * x_mask)))
+            y = fast_ops.gelu(n2(c1(y)))
             x = x + y
         return x * x_mask
 
@@ -489,7 +491,7 @@ class WN(nn.Module):
         last = len(self.in_layers) - 1
         for i, (cin, cres) in enumerate(zip(self.in_layers, self.res_skip_layers, strict=True)):
             a = cin(x)
-            acts = mx.tanh(a[..., :H]) * mx.sigmoid(a[..., H:])
+            acts = fast_ops.tanh(a[..., :H]) * fast_ops.sigmoid(a[..., H:])
             rs = cres(acts)
             if i < last:
                 x = (x + rs[..., :H]) * x_mask
@@ -611,7 +613,7 @@ class Generator(nn.Module):
             xs = xs + block(x, mask)
         x = xs / self.n_kernels
         if i == len(self.ups) - 1:
-            x = mx.tanh(self.conv_post(_masked(nn.leaky_relu(x, 0.01), mask)))
+            x = fast_ops.tanh(self.conv_post(_masked(nn.leaky_relu(x, 0.01), mask)))
         return x
 
     def _run_stage(self, i: int, x: mx.array, mask: mx.array | None) -> mx.array:

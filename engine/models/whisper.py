@@ -8,13 +8,19 @@ utterance pays for its own length only. Positional embeddings are sliced to matc
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
+from engine.models import fast_ops
+
+Attend = Callable[[mx.array, mx.array, mx.array, float, Any], mx.array]
 
 SAMPLE_RATE = 16000
 N_FFT = 400
@@ -116,10 +122,15 @@ def log_mel_spectrogram(
 # --- model ---
 
 
+def _sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any) -> mx.array:
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
 class MultiHeadAttention(nn.Module):
-    def __init__(self, n_state: int, n_head: int):
+    def __init__(self, n_state: int, n_head: int, attend: Attend = _sdpa):
         super().__init__()
         self.n_head = n_head
+        self.attend = attend
         self.query = nn.Linear(n_state, n_state)
         self.key = nn.Linear(n_state, n_state, bias=False)
         self.value = nn.Linear(n_state, n_state)
@@ -140,7 +151,7 @@ class MultiHeadAttention(nn.Module):
         q = self.split_heads(self.query(x))
         k, v = kv
         scale = (D // self.n_head) ** -0.5
-        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        o = self.attend(q, k, v, scale, mask)
         return self.out(o.transpose(0, 2, 1, 3).reshape(B, L, D))
 
     def project_kv(self, x: mx.array) -> tuple[mx.array, mx.array]:
@@ -148,11 +159,18 @@ class MultiHeadAttention(nn.Module):
 
 
 class _Block(nn.Module):
-    """Self-attention and an MLP, each around a residual: what every layer has."""
+    """Self-attention and an MLP, each around a residual: what every layer has.
+
+    The decoder's layers take MLX's own GELU and attention: a step's few rows make every
+    op's dispatch cost more than its arithmetic. The encoder's hundreds of rows take
+    `fast_ops`' (MLX's CPU runs `erf` and `exp` one element at a time)."""
+
+    gelu: Callable[[mx.array], mx.array] = staticmethod(nn.gelu)
+    attend: Attend = staticmethod(_sdpa)
 
     def __init__(self, n_state: int, n_head: int):
         super().__init__()
-        self.attn = MultiHeadAttention(n_state, n_head)
+        self.attn = MultiHeadAttention(n_state, n_head, self.attend)
         self.attn_ln = nn.LayerNorm(n_state)
         self.mlp1 = nn.Linear(n_state, 4 * n_state)
         self.mlp2 = nn.Linear(4 * n_state, n_state)
@@ -172,11 +190,14 @@ class _Block(nn.Module):
         return x + self.attn(h, (k, v), mask=mask)
 
     def mlp(self, x: mx.array) -> mx.array:
-        return x + self.mlp2(nn.gelu(self.mlp1(self.mlp_ln(x))))
+        return x + self.mlp2(self.gelu(self.mlp1(self.mlp_ln(x))))
 
 
 class EncoderBlock(_Block):
     """An encoder layer."""
+
+    gelu = staticmethod(fast_ops.gelu)
+    attend = staticmethod(fast_ops.attention)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.mlp(self.self_attention(x, None, None))
@@ -187,7 +208,7 @@ class DecoderBlock(_Block):
 
     def __init__(self, n_state: int, n_head: int):
         super().__init__(n_state, n_head)
-        self.cross_attn = MultiHeadAttention(n_state, n_head)
+        self.cross_attn = MultiHeadAttention(n_state, n_head, self.attend)
         self.cross_attn_ln = nn.LayerNorm(n_state)
 
     def __call__(
@@ -214,8 +235,8 @@ class AudioEncoder(nn.Module):
 
     def __call__(self, mel: mx.array) -> mx.array:
         """mel: (B, frames, n_mels), any frame count up to the full window's 3000."""
-        x = nn.gelu(self.conv1(mel))
-        x = nn.gelu(self.conv2(x))
+        x = fast_ops.gelu(self.conv1(mel))
+        x = fast_ops.gelu(self.conv2(x))
         x = x + self.positional_embedding[: x.shape[1]]
         for block in self.blocks:
             x = block(x)
@@ -276,7 +297,7 @@ def _row_positions(offset: int, length: int, pads: mx.array) -> mx.array:
 
 
 def _padded_causal_mask(offset: int, length: int, pads: mx.array) -> mx.array:
-    """Additive (B, 1, L, S) mask: causal, and blind to each row's left padding.
+    """Boolean (B, 1, L, S) mask: causal, and blind to each row's left padding.
 
     Each slot also sees itself, so that padding slots (which see nothing else) stay finite:
     a NaN there would leak through the zero weights of the real tokens' attention.
@@ -285,7 +306,7 @@ def _padded_causal_mask(offset: int, length: int, pads: mx.array) -> mx.array:
     keys = mx.arange(offset + length)[None, None, :]
     seen = (keys <= queries) & (keys >= pads[:, None, None])
     seen = seen | (keys == queries)
-    return mx.where(seen, 0.0, -1e9).astype(mx.float32)[:, None]
+    return seen[:, None]
 
 
 class Model(nn.Module):

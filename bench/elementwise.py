@@ -59,7 +59,6 @@ def activations(rows: int, cols: int, rounds: int) -> dict[str, float | int]:
         "gelu": (nn.gelu, fast_ops.gelu),
         "tanh": (mx.tanh, fast_ops.tanh),
         "sigmoid": (mx.sigmoid, fast_ops.sigmoid),
-        "silu": (nn.silu, fast_ops.silu),
         "softmax": (lambda x: mx.softmax(x, axis=-1), fast_ops.softmax),
     }
     result: dict[str, float | int] = {"act_elements": rows * cols}

@@ -52,19 +52,6 @@ def test_functions_are_within_their_stated_error(
     np.testing.assert_allclose(_got(getattr(fast_ops, name), x), want(xr), atol=atol, rtol=rtol)
 
 
-def test_silu_and_swiglu_within_their_error_for_the_size_of_x() -> None:
-    # x (1 + tanh(x / 2)) / 2: for x << 0 the difference 1 - tanh carries float32's
-    # absolute rounding, so the error scales with |x|.
-    x, xr = _inputs()
-    silu = xr / (1 + np.exp(-xr))
-    bound = 2e-7 * np.maximum(1.0, np.abs(xr))
-    assert np.all(np.abs(_got(fast_ops.silu, x) - silu) <= bound)
-    up = mx.array(np.cos(xr).astype(np.float32))
-    up64 = np.array(up).astype(np.float64)
-    got = np.array(fast_ops.swiglu(x, up)).astype(np.float64)
-    assert np.all(np.abs(got - silu * up64) <= bound * np.maximum(1.0, np.abs(up64)))
-
-
 def test_softmax_rows_and_masked_scores() -> None:
     rng = np.random.default_rng(0)
     rows = rng.normal(0, 4, (64, 300))
@@ -86,10 +73,11 @@ def _layouts() -> Iterator[mx.array]:
     yield base[..., :48]  # a channel slice, as a WaveNet gate takes
     yield base.transpose(0, 2, 1)
     yield base[0, 0]
+    yield mx.random.normal((3, 400, 200), key=mx.random.key(6)) * 6  # taken in blocks
     yield mx.array(np.float32(-0.75))
 
 
-@pytest.mark.parametrize("name", ["exp_nonpositive", "sigmoid", "tanh", "erf", "gelu", "silu"])
+@pytest.mark.parametrize("name", ["exp_nonpositive", "sigmoid", "tanh", "erf", "gelu"])
 def test_any_shape_and_layout_gives_each_element_its_own_result(name: str) -> None:
     fn = getattr(fast_ops, name)
     for x in _layouts():
@@ -104,7 +92,7 @@ def test_the_stages_unfused_give_the_same_results() -> None:
     # MLX runs a compiled function's ops one by one when compiling is off (or there is
     # no C++ compiler): the arithmetic, and so each result, is the same.
     x = mx.random.normal((7, 333), key=mx.random.key(5)) * 5
-    names = ["exp_nonpositive", "sigmoid", "tanh", "erf", "gelu", "silu", "softmax"]
+    names = ["exp_nonpositive", "sigmoid", "tanh", "erf", "gelu", "softmax"]
     fused = [
         np.array(getattr(fast_ops, n)(-mx.abs(x) if n == "exp_nonpositive" else x)) for n in names
     ]

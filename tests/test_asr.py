@@ -21,6 +21,7 @@ from engine.stages.asr import (
     load_transcriber,
     split_long_audio,
 )
+from engine.stages.asr_request import AsrRequest
 from engine.weights import registry
 from tests.helpers import espeak, read_audio
 
@@ -229,6 +230,33 @@ def test_split_long_audio_cuts_at_a_quiet_point() -> None:
     assert all(len(p) <= 28 * RATE for p in parts)
     assert quiet <= len(parts[0]) <= quiet + RATE // 10
     assert len(split_long_audio(audio[: RATE * 5])) == 1
+
+
+@pytest.mark.models
+def test_the_decoder_reads_its_float16_weights_from_16_bit_twins_bit_for_bit(
+    transcriber: Transcriber, espeak_clips: list[np.ndarray]
+) -> None:
+    # Whisper's weights are float16: every decoder matrix has a 16-bit twin, and a
+    # transcription reads them with the same tokens and scores as the fp32 weights.
+    from mlx.utils import tree_flatten
+
+    from engine.native import gemv_forward
+
+    if not gemv_forward.is_active():  # no forwarder (not Linux): plain fp32 products
+        assert gemv_forward.live_twins() == 0
+        return
+    leaves: list[tuple[str, mx.array]] = tree_flatten(transcriber.model.decoder.parameters())
+    assert gemv_forward.live_twins() >= sum(w.ndim == 2 for _, w in leaves)
+    clip = espeak_clips[0]
+    used = gemv_forward.twin_products()
+    twinned = transcriber.transcribe_requests([AsrRequest(clip, logprobs=True)])[0]
+    assert gemv_forward.twin_products() > used
+    gemv_forward.use_twins(False)
+    try:
+        fp32 = transcriber.transcribe_requests([AsrRequest(clip, logprobs=True)])[0]
+    finally:
+        gemv_forward.use_twins(True)
+    assert twinned.tokens == fp32.tokens and twinned.logprobs == fp32.logprobs
 
 
 @pytest.mark.models

@@ -429,8 +429,9 @@ GIVEN_GROUPS = """
     w = mx.array(values.reshape(rows, cols).astype(np.float32))
     groups = q.reshape(rows, -1, 32)
     packed = (groups[..., :16] | (groups[..., 16:] << 4)).reshape(rows, -1)
-    found = gemv_forward.twin(w)  # not the form the twins find by themselves
     made = gemv_forward.twin_groups(w, mx.array(packed), mx.array(scales), mx.array(offsets))
+    # Not the 4-bit form the twins find by themselves (its values are halves: 16 bits).
+    found = gemv_forward.twin(mx.array(values.reshape(rows, cols).astype(np.float32)))
     wrong = mx.array(np.array(w) + np.float32(1e-3))
     refused = gemv_forward.twin_groups(wrong, mx.array(packed), mx.array(scales), mx.array(offsets))
     x = mx.array(rng.standard_normal((2, cols)).astype(np.float32))
@@ -451,8 +452,61 @@ def test_a_matrix_gets_its_twin_from_given_4_bit_groups() -> None:
     if not LINUX:
         assert not result["made"]
         return
-    assert result["found"] is None and result["made"] and not result["refused"]
+    assert result["found"] == 16 and result["made"] and not result["refused"]
     assert result["equal"] and 0 < result["error"] < INTEGER_TOLERANCE
+
+
+# A matrix whose every value is a half (a float16 model held in fp32) gets a 16-bit twin:
+# every product over it, at any row count and in either mode, is the fp32 product bit for
+# bit; one value that is not a half leaves the matrix without.
+HALF_TWINS = """
+    import gc, json
+    import engine
+    engine.setup()
+    import mlx.core as mx
+    import numpy as np
+    from engine.native import gemv_forward
+
+    rng = np.random.default_rng(5)
+    halves = rng.standard_normal((300, 576)).astype(np.float16).astype(np.float32)
+    # zeros, the smallest subnormal half, the largest half
+    halves[0, :4] = np.array([0.0, -0.0, 6.0e-8, 65504.0], np.float16)
+    w = mx.array(halves)
+    almost = halves.copy()
+    almost[7, 9] += np.float32(1e-5)
+    bits = [gemv_forward.twin(w), gemv_forward.twin(mx.array(almost))]
+    before = gemv_forward.twin_products()
+    equal, alone = {}, {}
+    for rows in range(1, 9):
+        x = mx.array(rng.standard_normal((rows, 576)).astype(np.float32))
+        got = {}
+        for exact in (False, True):
+            gemv_forward.exact_twins(exact)
+            got[exact] = np.array(x @ w.T)
+        last_alone = np.array(x[-1:] @ w.T)
+        gemv_forward.use_twins(False)
+        fp32 = np.array(x @ w.T)
+        gemv_forward.use_twins(True)
+        equal[rows] = all(bool(np.array_equal(g, fp32)) for g in got.values())
+        alone[rows] = bool(np.array_equal(got[True][-1:], last_alone))
+    used = gemv_forward.twin_products() - before
+    del w
+    gc.collect()
+    print(json.dumps({"bits": bits, "equal": equal, "alone": alone, "used": used,
+                      "after_free": gemv_forward.live_twins()}))
+"""
+
+
+def test_a_matrix_of_halves_gets_a_16_bit_twin_read_bit_for_bit() -> None:
+    result = run_python(HALF_TWINS)
+    if not LINUX:
+        assert result["bits"] == [None, None] and result["used"] == 0
+        return
+    assert result["bits"] == [16, None]
+    assert all(result["equal"].values()), result["equal"]
+    assert all(result["alone"].values()), result["alone"]
+    assert result["used"] == 8 * 3
+    assert result["after_free"] == 0
 
 
 # The embedded LLM, dequantized from GGUF blocks, gets a twin for every matrix, and its

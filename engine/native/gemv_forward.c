@@ -139,7 +139,9 @@ few_rows_range(const struct product *p, int rows, int n0, int n1) {
  * found by the fp32 matrix's address; few-row products read the twin and either rebuild
  * each weight, bit for bit, in registers (the sums then run in the same order as over the
  * fp32 weights, so a product's result is the same either way, only sooner), or, over
- * 4-bit twins by default, multiply in integers (below). */
+ * 4-bit twins by default, multiply in integers (below). A matrix whose every weight is a
+ * half (a model stored in float16, as Whisper's is) gets a 16-bit twin of those halves:
+ * half the bytes, rebuilt exactly, never multiplied in integers. */
 
 /* Twins of rows up to MAX_ROW_GROUPS groups drop offsets that are all zero. */
 enum { GROUP = 32, MAX_TWINS = 2048, MAX_ROW_GROUPS = 1024 };
@@ -162,11 +164,42 @@ typedef uint8_t bytes16 __attribute__((vector_size(16), aligned(1)));
 typedef int8_t signed16 __attribute__((vector_size(16), aligned(1)));
 typedef int32_t ints __attribute__((vector_size(LANES * sizeof(int32_t))));
 
+/* An IEEE half as a float (where the CPU has no conversion instruction). */
+static float half_to_float(uint16_t h) {
+  int exponent = (h >> 10) & 31, mantissa = h & 1023;
+  float v = exponent == 0    ? ldexpf((float)mantissa, -24)
+            : exponent == 31 ? (mantissa ? NAN : INFINITY)
+                             : ldexpf((float)(mantissa | 1024), exponent - 25);
+  return h >> 15 ? -v : v;
+}
+
+/* LANES halves as floats. */
+static inline __attribute__((always_inline)) lanes halves(const uint8_t *q) {
+  lanes v;
+#if defined(__AVX512F__)
+  __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)q));
+  __builtin_memcpy(&v, &f, sizeof v);
+#elif defined(__F16C__)
+  __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)q));
+  __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(q + 16)));
+  __builtin_memcpy(&v, &lo, sizeof lo);
+  __builtin_memcpy((char *)&v + sizeof lo, &hi, sizeof hi);
+#else
+  for (int i = 0; i < LANES; i++) {
+    uint16_t h;
+    __builtin_memcpy(&h, q + 2 * i, sizeof h);
+    v[i] = half_to_float(h);
+  }
+#endif
+  return v;
+}
+
 /* The weights 16 * half .. 16 * half + 15 of a group as floats, the one way both the
  * check and the products compute them. (Bytes widen to ints before floats: a direct
- * conversion is done lane by lane.) */
+ * conversion is done lane by lane.) A 16-bit group has no scale or offset. */
 static inline __attribute__((always_inline)) lanes rebuild(const uint8_t *q, int bits, int half,
                                                            float scale, float offset) {
+  if (bits == 16) return halves(q + 2 * LANES * half);
   ints values;
 #if defined(__AVX512F__)
   __m128i b = _mm_loadu_si128((const __m128i *)(q + (bits == 8 ? 16 * half : 0)));
@@ -317,6 +350,26 @@ int gemv_forward_twin_groups(const float *w, int n, int k, const uint8_t *q, con
   for (size_t g = 0; made == 1 && g < groups; g++)
     for (int half = 0; half < 2 && made == 1; half++) {
       lanes back = rebuild(t.q + g * GROUP / 2, 4, half, t.scale[g], t.offset[g]);
+      for (int i = 0; i < LANES; i++)
+        if (back[i] != w[g * GROUP + half * LANES + i]) made = 0;
+    }
+  return keep_twin(t, made);
+}
+
+/* The 16-bit twin of w from its values as halves `h` (n x k); made only where every half
+ * is w's value exactly. Returns as gemv_forward_twin. */
+int gemv_forward_twin_halves(const float *w, int n, int k, const uint16_t *h) {
+  if (n <= 0 || k <= 0 || k % GROUP != 0) return 0;
+  size_t groups = (size_t)n * (k / GROUP);
+  struct twin t;
+  int made = new_twin(&t, w, n, k, 16);
+  if (made == 1) {
+    __builtin_memcpy(t.q, h, groups * GROUP * sizeof *h);
+    for (size_t g = 0; g < groups; g++) t.scale[g] = 1.0f, t.offset[g] = 0.0f;
+  }
+  for (size_t g = 0; made == 1 && g < groups; g++)
+    for (int half = 0; half < 2 && made == 1; half++) {
+      lanes back = rebuild(t.q + g * GROUP * 2, 16, half, 1.0f, 0.0f);
       for (int i = 0; i < LANES; i++)
         if (back[i] != w[g * GROUP + half * LANES + i]) made = 0;
     }
@@ -765,7 +818,8 @@ static int few_rows_product(int ta, int tb, int m, int n, int k, float alpha, co
   if (tb == TRANS) {
     p.twin = twin_of(b, n, k, ldb);
     if (p.twin != NULL) atomic_fetch_add_explicit(&twin_products, 1, memory_order_relaxed);
-    if (p.twin != NULL && (p.twin->bits == 4 || WIDE_INT) && !exact_twins) {
+    int in_integers = p.twin != NULL && (p.twin->bits == 4 || (p.twin->bits == 8 && WIDE_INT));
+    if (in_integers && !exact_twins) {
       size_t groups = (size_t)m * (k / GROUP);
       quantized = malloc(groups * 2 * sizeof(float) + (size_t)m * k);
       if (quantized != NULL) {

@@ -16,7 +16,9 @@ third (8-bit) of the bytes, scales included. Over 4-bit twins (and 8-bit ones wi
 AVX-512 VNNI) they run in integers against activations rounded to 8 bits per group of
 32, as llama.cpp's do (results within a stated tolerance, each row's its own);
 `exact_twins(True)` or `DUPLEX_GATEWAY_EXACT_TWINS=1` rebuilds the fp32 weights in
-registers instead, bit for bit the fp32 product.
+registers instead, bit for bit the fp32 product. A matrix whose values are all halves
+(a model stored in float16, such as Whisper) gets a 16-bit twin: half the bytes, rebuilt
+exactly, the fp32 product bit for bit.
 """
 
 from __future__ import annotations
@@ -110,9 +112,12 @@ def enable(on: bool) -> bool:
 
 
 def twin(weight: mx.array) -> int | None:
-    """Give the fp32 matrix `weight` a compact twin; returns its bits per weight (4 or 8),
-    or None when its values are not exactly such groups or the forwarder is off. The
-    twin is found by the matrix's address, so it goes when `weight` does."""
+    """Give the fp32 matrix `weight` a compact twin; returns its bits per weight: 4 or 8
+    (exact groups of such integers times a scale), or 16 (every value a half). None when
+    it has no such form or the forwarder is off. The twin is found by the matrix's
+    address, so it goes when `weight` does."""
+    import numpy as np
+
     address = _matrix_address(weight)
     if _lib is None or address is None:
         return None
@@ -121,7 +126,9 @@ def twin(weight: mx.array) -> int | None:
         made = _lib.gemv_forward_twin(address, rows, cols, bits)
         if made != 0:
             return bits if _kept(weight, address, made) else None
-    return None
+    halves = np.ascontiguousarray(np.asarray(weight).astype(np.float16))
+    made = _lib.gemv_forward_twin_halves(address, rows, cols, ctypes.c_void_p(halves.ctypes.data))
+    return 16 if _kept(weight, address, made) else None
 
 
 def twin_groups(weight: mx.array, q: mx.array, scales: mx.array, offsets: mx.array) -> bool:

@@ -32,6 +32,7 @@ from tokenizers import Tokenizer
 
 from engine.llm.decoding_loops import collapse_loop, repeated_tail
 from engine.models import whisper
+from engine.native import gemv_forward
 from engine.runtime.stage import StageOutput
 from engine.stages.asr_request import NOT_SCORED, AsrRequest, Transcription
 
@@ -466,6 +467,10 @@ class AsrStage:
 def load_transcriber(model_dir: Path, **options) -> Transcriber:
     """Load a converted Whisper directory (see `engine.models.whisper_ct2.convert`)."""
     model, config = whisper.load_model(Path(model_dir))
+    # The decoder's products take one row a token: its float16 weights, held as fp32,
+    # are read at half the bytes from 16-bit twins (the encoder's take hundreds of rows
+    # and go to the BLAS whatever their weights).
+    gemv_forward.compress(model.decoder)
     tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
     return Transcriber(model, tokenizer, config, **options)
 

@@ -73,7 +73,7 @@ def _layouts() -> Iterator[mx.array]:
     yield base[..., :48]  # a channel slice, as a WaveNet gate takes
     yield base.transpose(0, 2, 1)
     yield base[0, 0]
-    yield mx.random.normal((3, 400, 200), key=mx.random.key(6)) * 6  # taken in blocks
+    yield mx.random.normal((3, 800, 240), key=mx.random.key(6)) * 6  # taken in blocks
     yield mx.array(np.float32(-0.75))
 
 

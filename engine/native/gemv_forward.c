@@ -365,6 +365,7 @@ int gemv_forward_twin_halves(const float *w, int n, int k, const uint16_t *h) {
   int made = new_twin(&t, w, n, k, 16);
   if (made == 1) {
     __builtin_memcpy(t.q, h, groups * GROUP * sizeof *h);
+    /* Unread by the rebuild; set so that the twin is whole as every other kind is. */
     for (size_t g = 0; g < groups; g++) t.scale[g] = 1.0f, t.offset[g] = 0.0f;
   }
   for (size_t g = 0; made == 1 && g < groups; g++)

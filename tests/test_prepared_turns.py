@@ -296,7 +296,12 @@ async def test_a_spoken_turn_is_answered_from_its_prepared_response() -> None:
                     elif event["type"] == "error":
                         raise AssertionError(event)
                     elif event["type"] == "response.done":
-                        assert event["response"]["status"] == "completed"
+                        # Finished, not cut: the 135M model's answer may run to the profile's
+                        # max_tokens (96), which ends it "incomplete".
+                        response = event["response"]
+                        assert response["status"] in ("completed", "incomplete"), response
+                        if response["status"] == "incomplete":
+                            assert response["status_details"]["reason"] == "max_output_tokens"
                         break
             await sender
         counts = await asyncio.to_thread(_prepared_counts, gw.port)

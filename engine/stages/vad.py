@@ -120,10 +120,7 @@ class SileroVad:
         if rows != batch:
             x = np.pad(x, ((0, rows - batch), (0, 0)))
             hidden = np.pad(hidden, ((0, 0), (0, rows - batch), (0, 0)))
-        xs, hs = mx.array(x), mx.array(hidden)
-        outs = [self.model(xs[i : i + block], hs[:, i : i + block]) for i in range(0, rows, block)]
-        probs = mx.concatenate([p for p, _ in outs])
-        new_hidden = mx.concatenate([h for _, h in outs], axis=1)
+        probs, new_hidden = self.model(mx.array(x), mx.array(hidden), block)
         mx.eval(probs, new_hidden)
         return np.array(probs[:batch]), np.array(new_hidden[:, :batch])
 

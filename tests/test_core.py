@@ -331,3 +331,42 @@ def test_a_key_streams_once_at_a_time() -> None:
     streams.open("r")
     with pytest.raises(ValueError, match="already streaming"):
         streams.open("r")
+
+
+class HoldingStage(CountingStage):
+    """Holds each request back until `hold_s` after it came, and says when (`wake_in`)."""
+
+    name = "hold"
+
+    def __init__(self, hold_s: float) -> None:
+        super().__init__()
+        self.hold_s = hold_s
+        self.due: float | None = None
+        self.stepped = threading.Event()
+
+    def add(self, request_id: str, inputs: Any) -> None:
+        super().add(request_id, inputs)
+        self.due = time.monotonic() + self.hold_s
+
+    def has_work(self) -> bool:
+        return bool(self.left) and self.due is not None and time.monotonic() >= self.due
+
+    def wake_in(self) -> float | None:
+        return None if not self.left or self.due is None else self.due - time.monotonic()
+
+    def step(self) -> list[StageOutput]:
+        self.stepped.set()
+        return super().step()
+
+
+def test_a_stage_holding_work_back_is_stepped_when_it_said_without_new_input() -> None:
+    stage = HoldingStage(hold_s=0.2)
+    core = EngineCore({"hold": stage})
+    core.start()
+    try:
+        core.add("hold", "a", 1)
+        # Nothing else reaches the engine: only the stage's own `wake_in` ends its sleep.
+        assert stage.stepped.wait(timeout=10)
+        wait_until_blocking(lambda: not core.pending()["hold"], 5, "the engine to drain")
+    finally:
+        core.shutdown()

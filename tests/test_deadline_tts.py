@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import pytest
 
 from engine.runtime.stage import StageOutput
 from engine.stages.tts import (
@@ -164,3 +165,24 @@ def test_every_request_finishes_with_all_its_audio() -> None:
         clock.now += 0.05
     assert sorted(finished) == sorted(texts)
     assert frames == {rid: FRAMES_PER_CHAR * len(t) for rid, t in texts.items()}
+
+
+def test_a_request_far_ahead_waits_while_another_waits_for_its_text() -> None:
+    tts, voice, clock = stage()
+    tts.add("long", TtsRequest())
+    tts.feed("long", "x" * 2000)
+    while (tts.runway("long") or 0.0) <= AHEAD_S:
+        tts.step()
+    assert tts.wake_in() is None  # nobody is short: nothing is held
+    tts.add("short", TtsRequest())  # its first text is still being written
+    renders = len(voice.renders)
+    assert not tts.has_work() and tts.step() == []
+    assert len(voice.renders) == renders
+    runway = tts.runway("long")
+    assert runway is not None and tts.wake_in() == pytest.approx(runway - AHEAD_S)
+    tts.feed("short", "Yes.")  # a first clause; the next is still being written
+    assert ids(tts.step()) == ["short"]
+    assert not tts.has_work()
+    # With no new text from "short", "long" is rendered once it is down to AHEAD_S.
+    clock.now += tts.wake_in() or 0.0
+    assert tts.has_work() and ids(tts.step()) == ["long"]

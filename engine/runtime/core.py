@@ -6,7 +6,10 @@ that order (aborts first, so a barge-in never waits behind new work), then steps
 busy stage once, then hands that step's outputs out. It sleeps on the condition when no
 stage has work, so an idle engine burns no CPU. A stage whose work can wait says so with
 an optional `deferrable() -> bool` (the LLM when every row is ahead of its speech): it is
-stepped only in iterations where no other stage has work, i.e. in slack.
+stepped only in iterations where no other stage has work, i.e. in slack. A stage that
+holds work back until a moment comes (the TTS while another request runs short) says when
+with an optional `wake_in() -> float | None` (seconds from now; None: nothing held): the
+thread's sleep ends then even if nothing new arrives.
 """
 
 from __future__ import annotations
@@ -143,7 +146,7 @@ class EngineCore:
         while True:
             with self._cond:
                 while self._running and not self._aborts and not self._ops and not self._busy():
-                    self._cond.wait()
+                    self._cond.wait(self._next_wake())
                 if not self._running:
                     return
                 aborts, self._aborts = self._aborts, []
@@ -154,6 +157,21 @@ class EngineCore:
 
     def _busy(self) -> bool:
         return any(self._stage_has_work(name) for name in self._stages)
+
+    def _next_wake(self) -> float | None:
+        """Seconds until a stage has work though nothing new arrives (the soonest of
+        their `wake_in`), or None."""
+        soonest: float | None = None
+        for name, stage in self._stages.items():
+            wake_in = getattr(stage, "wake_in", None)
+            try:
+                seconds = wake_in() if wake_in is not None else None
+            except Exception:
+                logger.exception("stage %s: wake_in failed", name)
+                continue
+            if seconds is not None and (soonest is None or seconds < soonest):
+                soonest = max(0.0, seconds)
+        return soonest
 
     def _deferrable(self, name: str) -> bool:
         deferrable = getattr(self._stages[name], "deferrable", None)

@@ -23,7 +23,11 @@ the requests with the soonest deadlines whose next chunk is at most twice as wid
 most urgent one's (a wider one would hold it up; cutting it narrower would cost more
 context per second of audio), and stops adding requests when the padded batch would exceed
 STEP_WINDOW_FRAMES, so that the most urgent chunk never waits behind a big batch. A
-request with more than AHEAD_S of audio in hand is not rendered while another has less.
+request with more than AHEAD_S of audio in hand is not rendered while another has less,
+whether that other has text to speak now or is waiting for it (its text comes a clause at
+a time from the LLM, and its next chunk must not wait behind a step spent on audio not
+needed for seconds); the held request is rendered once its own runway falls to AHEAD_S,
+when the stage wakes the engine (`wake_in`) if nothing else has.
 """
 
 from __future__ import annotations
@@ -368,7 +372,21 @@ class TtsStage:
         self._streams.pop(request_id, None)
 
     def has_work(self) -> bool:
-        return any(s.busy() for s in self._streams.values())
+        ended = any(s.busy() and not s.speakable() for s in self._streams.values())
+        return ended or bool(self._pick()[0])
+
+    def wake_in(self) -> float | None:
+        """Seconds until a request held back by the AHEAD_S rule may be rendered, though
+        nothing new arrives; None when none is held."""
+        now = self._clock()
+        if self._least_runway(now) > AHEAD_S:
+            return None
+        held = [
+            runway - AHEAD_S
+            for s in self._streams.values()
+            if s.speakable() and (runway := s.deadline() - now) > AHEAD_S
+        ]
+        return min(held, default=None)
 
     def step(self) -> list[StageOutput]:
         # Requests with their final text all spoken only need their finished output.
@@ -390,7 +408,7 @@ class TtsStage:
         if not ready:
             return [], 0
         limit = 2 * ready[0][1].chunk_frames()
-        short = ready[0][1].deadline() - now <= AHEAD_S
+        short = self._least_runway(now) <= AHEAD_S
         picked: list[tuple[str, _Stream]] = []
         widest = 0
         for rid, s in ready:
@@ -406,6 +424,14 @@ class TtsStage:
                 break
             picked.append((rid, s))
         return picked, limit
+
+    def _least_runway(self, now: float) -> float:
+        """The least audio in hand (seconds) among the requests with more to speak:
+        text to render now, or more text to come."""
+        return min(
+            (s.deadline() - now for s in self._streams.values() if s.speakable() or not s.final),
+            default=math.inf,
+        )
 
     def _speak(self, speak: list[tuple[str, _Stream]], width: int) -> list[StageOutput]:
         start = time.perf_counter()

@@ -104,12 +104,17 @@ def test_the_request_closest_to_running_dry_goes_first() -> None:
     assert abs(a - b) <= MAX_CHUNK_FRAMES * HOP / RATE
 
 
+def render_far_ahead(tts: TtsStage, rid: str) -> None:
+    """A request with more than AHEAD_S of audio in hand and more text to speak."""
+    tts.add(rid, TtsRequest())
+    tts.feed(rid, "x" * 2000)
+    while (tts.runway(rid) or 0.0) <= AHEAD_S:
+        tts.step()
+
+
 def test_a_request_far_ahead_waits_while_another_runs_short() -> None:
     tts, _, clock = stage()
-    tts.add("long", TtsRequest())
-    tts.feed("long", "x" * 2000)
-    while (tts.runway("long") or 0.0) <= AHEAD_S:
-        tts.step()
+    render_far_ahead(tts, "long")
     tts.add("short", TtsRequest())
     tts.feed("short", "x" * 300)
     for _ in range(4):
@@ -169,10 +174,7 @@ def test_every_request_finishes_with_all_its_audio() -> None:
 
 def test_a_request_far_ahead_waits_while_another_waits_for_its_text() -> None:
     tts, voice, clock = stage()
-    tts.add("long", TtsRequest())
-    tts.feed("long", "x" * 2000)
-    while (tts.runway("long") or 0.0) <= AHEAD_S:
-        tts.step()
+    render_far_ahead(tts, "long")
     assert tts.wake_in() is None  # nobody is short: nothing is held
     tts.add("short", TtsRequest())  # its first text is still being written
     renders = len(voice.renders)

@@ -121,30 +121,30 @@ def bench_onnx(session, audio: np.ndarray, sessions: int) -> Clock:  # noqa: ANN
 def ablation(vad: SileroVad, session, audio: np.ndarray) -> dict[str, float]:  # noqa: ANN001
     """Max |p_mlx - p_onnx| per chunk when the MLX model is fed the way other ports feed it."""
     import mlx.core as mx
-    import mlx.nn as nn
 
     model = vad.model
     weight = model.stft.weight
 
     def spectrum(x: mx.array, padding: str) -> mx.array:
+        """(1, samples) to the model's (blocks, rows, frames, bins): one block of one row."""
         if padding == "reflect-right":
-            return model.stft(x)
+            return model.stft(x[None])
         right = mx.zeros((x.shape[0], 64)) if padding == "zero-right" else x[:, -65:-1][:, ::-1]
         left = x[:, 1:65][:, ::-1] if padding == "reflect-both" else x[:, :0]
         spec = mx.conv1d(mx.concatenate([left, x, right], axis=1)[..., None], weight, stride=128)
         re, im = mx.split(spec, 2, axis=-1)
-        return mx.sqrt(re * re + im * im)
+        return mx.sqrt(re * re + im * im)[None]
 
     def run(context: bool, padding: str) -> np.ndarray:
-        hidden, tail, probs = model.initial_state(1), np.zeros(64, np.float32), []
+        h, c = mx.zeros((1, 1, 128)), mx.zeros((1, 1, 128))
+        tail, probs = np.zeros(64, np.float32), []
         for i in range(0, len(audio), CHUNK):
             chunk = audio[i : i + CHUNK]
             x = np.concatenate([tail, chunk]) if context else chunk
             y = spectrum(mx.array(x[None]), padding)
-            for conv in model.encoder:
-                y = nn.relu(conv(y))
-            p, h, c = model.decoder(y[:, -1, :], hidden[0], hidden[1])
-            hidden = mx.stack([h, c])
+            for encoder in model.encoder:
+                y = encoder(y)
+            p, h, c = model.decoder(y[:, :, -1, :], h, c)
             probs.append(p.item())
             tail = chunk[-64:]
         return np.array(probs)

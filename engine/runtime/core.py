@@ -161,7 +161,7 @@ class EngineCore:
     def _next_wake(self) -> float | None:
         """Seconds until a stage has work though nothing new arrives (the soonest of
         their `wake_in`), or None."""
-        soonest: float | None = None
+        times = []
         for name, stage in self._stages.items():
             wake_in = getattr(stage, "wake_in", None)
             try:
@@ -169,9 +169,9 @@ class EngineCore:
             except Exception:
                 logger.exception("stage %s: wake_in failed", name)
                 continue
-            if seconds is not None and (soonest is None or seconds < soonest):
-                soonest = max(0.0, seconds)
-        return soonest
+            if seconds is not None:
+                times.append(seconds)
+        return max(0.0, min(times)) if times else None
 
     def _deferrable(self, name: str) -> bool:
         deferrable = getattr(self._stages[name], "deferrable", None)

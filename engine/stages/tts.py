@@ -296,6 +296,10 @@ class _Stream:
     def speakable(self) -> bool:
         return bool(self.pending or self.segments)
 
+    def spoken(self) -> bool:
+        """Its final text is all rendered: only its finished output is owed."""
+        return self.final and not self.speakable()
+
     def deadline(self) -> float:
         """When its listener runs out of audio; a request not yet heard is already late."""
         if self.first_at is None:
@@ -372,8 +376,7 @@ class TtsStage:
         self._streams.pop(request_id, None)
 
     def has_work(self) -> bool:
-        ended = any(s.busy() and not s.speakable() for s in self._streams.values())
-        return ended or bool(self._pick()[0])
+        return any(s.spoken() for s in self._streams.values()) or bool(self._pick()[0])
 
     def wake_in(self) -> float | None:
         """Seconds until a request held back by the AHEAD_S rule may be rendered, though
@@ -390,7 +393,7 @@ class TtsStage:
 
     def step(self) -> list[StageOutput]:
         # Requests with their final text all spoken only need their finished output.
-        ended = [(rid, s) for rid, s in self._streams.items() if s.busy() and not s.speakable()]
+        ended = [(rid, s) for rid, s in self._streams.items() if s.spoken()]
         speak, width = self._pick()
         outputs = self._speak(speak, width) if speak else []
         for rid, s in ended:

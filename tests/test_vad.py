@@ -19,7 +19,7 @@ from engine.listening.speech_detector import SpeechDetector, SpeechStarted, Spee
 from engine.listening.vad_feeder import FEED_PIECE_SAMPLES, MAX_QUEUED_SAMPLES, MAX_UNHEARD_SAMPLES
 from engine.models import silero, silero_onnx
 from engine.runtime.core import AsyncEngine, EngineCore
-from engine.stages.vad import SileroVad, VadStage, VadState
+from engine.stages.vad import SileroVad, VadStage, VadState, _ChunkBuffer
 from engine.weights import registry
 from gateway.protocol.session_config import TurnDetection
 from gateway.session.backend import SpeechDecision
@@ -267,6 +267,23 @@ def test_noise_is_not_speech(vad: SileroVad, recordings: dict[str, np.ndarray]) 
 
 
 # ---------------------------------------------------------------- the stage
+
+
+@given(st.lists(st.integers(0, 3 * CHUNK), max_size=12))
+@settings(max_examples=50, deadline=None)
+def test_chunk_buffer_cuts_the_concatenated_pieces(sizes: list[int]) -> None:
+    buffer = _ChunkBuffer(CHUNK)
+    pieces = [np.arange(n, dtype=np.float32) + 10_000 * i for i, n in enumerate(sizes)]
+    for piece in pieces:
+        buffer.append(piece)
+    whole = np.concatenate([np.zeros(0, np.float32), *pieces])
+    assert buffer.size == len(whole) and buffer.ready == len(whole) // CHUNK
+    chunks = [buffer.pop() for _ in range(len(whole) // CHUNK)]
+    assert all(len(c) == CHUNK for c in chunks)
+    assert np.array_equal(
+        np.concatenate([np.zeros(0, np.float32), *chunks]), whole[: len(chunks) * CHUNK]
+    )
+    assert buffer.size == len(whole) % CHUNK and buffer.ready == 0
 
 
 @pytest.mark.models

@@ -11,6 +11,7 @@ re-exported here so callers of the VAD find everything in one place.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,22 +134,34 @@ class SileroVad:
 
 
 class _ChunkBuffer:
-    """Audio of one stream waiting to fill a whole chunk."""
+    """Audio of one stream waiting to fill whole chunks. The pieces are kept as they
+    came, so an append costs the same however far behind the stream has fallen."""
 
     def __init__(self, chunk_size: int) -> None:
         self.chunk_size = chunk_size
-        self.samples = np.zeros(0, np.float32)
+        self.size = 0
+        self._pieces: collections.deque[np.ndarray] = collections.deque()
 
     def append(self, samples: np.ndarray) -> None:
-        self.samples = np.concatenate([self.samples, samples])
+        if samples.size:
+            self._pieces.append(samples)
+            self.size += samples.size
 
     @property
     def ready(self) -> int:
-        return len(self.samples) // self.chunk_size
+        return self.size // self.chunk_size
 
     def pop(self) -> np.ndarray:
-        chunk, self.samples = self.samples[: self.chunk_size], self.samples[self.chunk_size :]
-        return chunk
+        parts, need = [], self.chunk_size
+        while need:
+            piece = self._pieces.popleft()
+            if len(piece) > need:
+                self._pieces.appendleft(piece[need:])
+                piece = piece[:need]
+            parts.append(piece)
+            need -= len(piece)
+        self.size -= self.chunk_size
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 class VadStream:
@@ -212,7 +225,7 @@ class VadStage:
         if buffer is None:
             raise KeyError(f"no open VAD stream {request_id!r}")
         samples = _as_samples(samples, ndim=1)
-        if len(buffer.samples) + len(samples) > self.max_pending_samples:
+        if buffer.size + len(samples) > self.max_pending_samples:
             # The caller feeds long audio in pieces as the probabilities come back.
             raise ValueError(
                 f"VAD stream {request_id!r} would hold more than "

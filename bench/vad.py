@@ -9,6 +9,9 @@ so they do not depend on how many cores the machine has or how busy it is.
 - `rtf_single`: wall time / audio time for one stream fed 32 ms at a time.
 - `streams_per_core_batched`: real-time streams one core sustains with `--sessions`
   streams fed 32 ms at a time and stepped through `VadStage` (one batched pass per step).
+- `streams_per_core_behind`: the same, but every stream stays `--behind` seconds behind:
+  its audio waits unheard in the stage, and each step hears one chunk per stream, as
+  when the engine thread is busy elsewhere and the VAD never catches up.
 - `onnxruntime_*`: the same ONNX file run by onnxruntime (one thread), batched the same way.
 - `--ablation`: the largest single-chunk difference from onnxruntime when the MLX model
   is fed the way earlier ports fed it (no 64-sample context, other STFT padding).
@@ -78,14 +81,35 @@ def bench_mlx_single(vad: SileroVad, audio: np.ndarray) -> Clock:
     return clock
 
 
+def _streams(audio: np.ndarray, sessions: int) -> list[np.ndarray]:
+    """Every session says something else: the audio from another offset."""
+    return [np.roll(audio, -((k * 7919 * CHUNK) % len(audio))) for k in range(sessions)]
+
+
 def bench_mlx_batched(vad: SileroVad, audio: np.ndarray, sessions: int) -> Clock:
     stage = VadStage(vad)
-    offsets = [(k * 7919 * CHUNK) % len(audio) for k in range(sessions)]
-    streams = [np.roll(audio, -off) for off in offsets]  # every session says something else
+    streams = _streams(audio, sessions)
     for k in range(sessions):
         stage.add(f"s{k}", None)
     stage.feed("s0", audio[:CHUNK])
     stage.step()  # warm-up
+    with Clock() as clock:
+        for i in range(0, len(audio), CHUNK):
+            for k, samples in enumerate(streams):
+                stage.feed(f"s{k}", samples[i : i + CHUNK])
+            stage.step()
+    return clock
+
+
+def bench_mlx_behind(vad: SileroVad, audio: np.ndarray, sessions: int, behind_s: float) -> Clock:
+    stage = VadStage(vad, max_chunks_per_step=1)
+    streams = _streams(audio, sessions)
+    for k, samples in enumerate(streams):
+        stage.add(f"s{k}", None)
+        backlog = np.roll(samples, len(samples) // 2)  # other words than what follows
+        for i in range(0, int(behind_s * RATE) // CHUNK * CHUNK, CHUNK):
+            j = i % len(backlog)
+            stage.feed(f"s{k}", backlog[j : j + CHUNK])  # came 32 ms at a time, unheard
     with Clock() as clock:
         for i in range(0, len(audio), CHUNK):
             for k, samples in enumerate(streams):
@@ -180,6 +204,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--sessions", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=10.0, help="audio per stream")
+    parser.add_argument("--behind", type=float, default=10.0, help="backlog per stream, s")
     parser.add_argument("--ablation", action="store_true")
     args = parser.parse_args()
     if args.sessions < 1 or args.seconds < 1:
@@ -193,6 +218,7 @@ def main() -> int:
 
     single = bench_mlx_single(vad, audio)
     batched = bench_mlx_batched(vad, audio, args.sessions)
+    behind = bench_mlx_behind(vad, audio, args.sessions, args.behind)
     session = onnx_session(package_dir)
     ort_single = bench_onnx(session, audio, 1)
     ort_batched = bench_onnx(session, audio, args.sessions)
@@ -201,6 +227,8 @@ def main() -> int:
         "rtf_single_cpu": round(single.cpu / seconds, 5),
         "streams_per_core_batched": round(args.sessions * seconds / batched.cpu, 1),
         "streams_realtime_batched_wall": round(args.sessions * seconds / batched.wall, 1),
+        "streams_per_core_behind": round(args.sessions * seconds / behind.cpu, 1),
+        "behind_seconds": args.behind,
         "batched_step_ms": round(1000 * batched.wall / (len(audio) // CHUNK), 3),
         "onnxruntime_rtf_single": round(ort_single.wall / seconds, 5),
         "onnxruntime_streams_per_core_batched": round(args.sessions * seconds / ort_batched.cpu, 1),

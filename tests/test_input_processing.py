@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 import soxr
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.config import GatewayConfig
 from gateway.protocol.audio import ENGINE_RATE, PCM16, Samples
@@ -19,7 +21,7 @@ from gateway.session import input_processing
 from gateway.session.actions import CancelResponse, Hear, WatchWords
 from gateway.session.backend import ResponseDone, ResponseOutput
 from gateway.session.far_end import KEPT_S, FarEnd
-from gateway.session.input_processing import FRAME, InputProcessing, NoiseReduction
+from gateway.session.input_processing import FRAME, InputProcessing, NoiseReduction, _History
 from gateway.session.realtime import RealtimeSession
 
 RECORDING = Path("/usr/share/sounds/alsa/Front_Center.wav")
@@ -194,6 +196,34 @@ def test_the_stream_keeps_every_sample_in_order() -> None:
     out = [processing.push(np.ones(n, np.float32)) for n in sizes]
     out.append(processing.push(np.zeros(0, np.float32), last=True))
     assert sum(len(o) for o in out) == sum(sizes)
+
+
+@given(
+    st.lists(st.tuples(st.integers(-3 * FRAME, 5 * FRAME), st.booleans()), min_size=1, max_size=40),
+    st.integers(0, 3 * _History._SIZE),
+    st.integers(0, FRAME * 12),
+)
+@settings(max_examples=200, deadline=None)
+def test_the_history_reads_what_was_written_last_within_its_span(
+    steps: list[tuple[int, bool]], offset: int, count: int
+) -> None:
+    """Against a model that keeps every sample by clock index: a frame written at `at`,
+    silence over a gap, and nothing before the span the history still holds."""
+    history, model = _History(), {}
+    at, start, end = offset, offset, offset
+    for n, (step, silent) in enumerate(steps):
+        at = max(at + step, 0)
+        frame = None if silent else np.arange(FRAME, dtype=np.float32) + 1000 * n + 1
+        history.write(at, frame)
+        if at < start:
+            start = at
+        model.update({i: 0.0 for i in range(max(end, at - _History._SIZE), at)})
+        model.update({at + i: 0.0 if frame is None else float(frame[i]) for i in range(FRAME)})
+        end = at + FRAME
+        start = max(start, end - _History._SIZE)
+    for first in (end - count, start - FRAME, at):
+        expected = [model[i] if start <= i < end else 0.0 for i in range(first, first + count)]
+        assert history.read(first, count).tolist() == expected
 
 
 def test_noise_suppression_lowers_stationary_noise() -> None:

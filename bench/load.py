@@ -14,6 +14,10 @@ Per level (N sessions, N/10 of them speaking one utterance at once):
   WebSocket every 50 ms; lag is the round trip minus the idle round trip (the gateway
   answers pings on its event loop, so a busy loop shows up here).
 - `cpu_percent`: the gateway process (every thread) over the window; 100 = one core.
+- `loop_cpu_us_per_frame`: the CPU the gateway's event-loop thread spent over the
+  window, per appended frame (N sessions x 50 frames a second): the loop's own cost.
+- `gateway_lag_over_20ms`: the share of the gateway's own loop-lag samples
+  (`duplex_gateway_event_loop_lag_seconds`, a 100 ms timer) that ran 20 ms or more late.
 - `rss_mb_per_session`: gateway RSS growth from just before the N sessions open to all of
   them streaming (before any turn, so model activations are not counted), divided by N.
 - `error_events`: error events the sessions received; `error_messages`, the five most
@@ -258,6 +262,13 @@ def probing(url: str) -> Iterator[list[float]]:
 # -- measurement -----------------------------------------------------------------------
 
 
+def lag_share_over(before: dict[str, float], after: dict[str, float], bound: str) -> float | None:
+    """The share of the loop-lag samples taken between two scrapes that were over `bound`."""
+    total = after["+Inf"] - before.get("+Inf", 0.0)
+    within = after[bound] - before.get(bound, 0.0)
+    return round((total - within) / total, 4) if total else None
+
+
 def percentile(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)), 1) if values else None
 
@@ -276,6 +287,24 @@ def summarize_turns(turns: list[Turn]) -> dict[str, Any]:
     }
 
 
+def loop_cpu_s(server: psutil.Process) -> float:
+    """CPU seconds of the gateway's event-loop thread (its main thread) so far."""
+    (main,) = (t for t in server.threads() if t.id == server.pid)
+    return main.user_time + main.system_time
+
+
+def loop_lag_counts(url: str) -> dict[str, float]:
+    """The gateway's loop-lag histogram: cumulative sample counts by upper bound."""
+    metrics = url.replace("ws://", "http://").replace("/v1/realtime", "/metrics")
+    body = urllib.request.urlopen(metrics, timeout=30).read().decode()
+    prefix = "duplex_gateway_event_loop_lag_seconds_bucket{"
+    return {
+        line.split('le="')[1].split('"')[0]: float(line.split()[-1])
+        for line in body.splitlines()
+        if line.startswith(prefix)
+    }
+
+
 async def measure_level(
     url: str, pid: int, n: int, utterances: list[list[str]], idle: dict[str, float]
 ) -> dict[str, Any]:
@@ -289,11 +318,15 @@ async def measure_level(
         streaming_rss = server.memory_info().rss / 2**20
         speakers = max(1, n // 10)
         server.cpu_percent(None)
+        loop_before, lag_before = loop_cpu_s(server), await asyncio.to_thread(loop_lag_counts, url)
         started = time.monotonic()
         with probing(url) as rtts:
             turns = await run_turns(clients, speakers, utterances)
             await asyncio.sleep(max(0.0, 5.0 - (time.monotonic() - started)))
             cpu = server.cpu_percent(None)
+            loop_cpu = loop_cpu_s(server) - loop_before
+            frames = n * 1000 / FRAME_MS * (time.monotonic() - started)
+            lag_after = await asyncio.to_thread(loop_lag_counts, url)
             rss = server.memory_info().rss / 2**20
         lags = [max(0.0, r - idle["rtt_ms"]) for r in rtts]
         errors = collections.Counter(message for c in clients for message in c.errors)
@@ -307,6 +340,8 @@ async def measure_level(
         "event_loop_lag_ms_p50": percentile(lags, 50),
         "event_loop_lag_ms_p99": percentile(lags, 99),
         "cpu_percent": round(cpu, 1),
+        "loop_cpu_us_per_frame": round(loop_cpu / frames * 1e6, 1),
+        "gateway_lag_over_20ms": lag_share_over(lag_before, lag_after, "0.02"),
         "rss_mb_streaming": round(streaming_rss, 1),
         "rss_mb_after_turns": round(rss, 1),
         "rss_mb_per_session": round((streaming_rss - before_rss) / n, 2),

@@ -93,12 +93,7 @@ def bench_mlx_batched(vad: SileroVad, audio: np.ndarray, sessions: int) -> Clock
         stage.add(f"s{k}", None)
     stage.feed("s0", audio[:CHUNK])
     stage.step()  # warm-up
-    with Clock() as clock:
-        for i in range(0, len(audio), CHUNK):
-            for k, samples in enumerate(streams):
-                stage.feed(f"s{k}", samples[i : i + CHUNK])
-            stage.step()
-    return clock
+    return _stream_through(stage, streams)
 
 
 def bench_mlx_behind(vad: SileroVad, audio: np.ndarray, sessions: int, behind_s: float) -> Clock:
@@ -110,8 +105,13 @@ def bench_mlx_behind(vad: SileroVad, audio: np.ndarray, sessions: int, behind_s:
         for i in range(0, int(behind_s * RATE) // CHUNK * CHUNK, CHUNK):
             j = i % len(backlog)
             stage.feed(f"s{k}", backlog[j : j + CHUNK])  # came 32 ms at a time, unheard
+    return _stream_through(stage, streams)
+
+
+def _stream_through(stage: VadStage, streams: list[np.ndarray]) -> Clock:
+    """Stream s{k} gets `streams[k]` 32 ms at a time, one stage step after each round."""
     with Clock() as clock:
-        for i in range(0, len(audio), CHUNK):
+        for i in range(0, len(streams[0]), CHUNK):
             for k, samples in enumerate(streams):
                 stage.feed(f"s{k}", samples[i : i + CHUNK])
             stage.step()

@@ -116,11 +116,13 @@ async def test_a_turn_that_finished_while_prepared_is_delivered_whole(h: Harness
 async def test_a_different_submission_discards_the_prepared_turn(
     h: Harness, change: dict[str, Any]
 ) -> None:
-    h.llm.step_s = 0.01
+    quick, h.llm.step_s = h.llm.step_s, 0.01  # slow: still running when the submit comes
     _prepare(h, _voice(3))
     await h.until(lambda: bool(h.llm.live))
     contexts = h.reserve()
     await h.submit(contexts, turn(Stage.TTS, **{"audio": audio(3), **change}))
+    assert h.orch.prepare_stats == {"adopted": 0, "discarded": 1}
+    h.llm.step_s = quick  # the submission's own turn need not be slow
     ids = [c.request_id for c in contexts]
     await h.until(lambda: h.finished(ids[2]))
     await h.idle()
@@ -141,11 +143,12 @@ async def test_a_new_config_generation_is_not_adopted(h: Harness) -> None:
 
 
 async def test_discard_stops_the_work_and_emits_nothing(h: Harness) -> None:
-    h.llm.step_s = 0.01
+    quick, h.llm.step_s = h.llm.step_s, 0.01  # slow: still running when it is discarded
     _prepare(h, _voice(3))
     await h.until(lambda: bool(h.llm.live))
     h.orch.discard_prepared("s1")
     await h.idle()
+    h.llm.step_s = quick
     assert h.engine.pending() == {"asr": 0, "llm": 0, "tts": 0}
     assert h.outputs == []
     assert h.orch.prepared_turns() == 0
@@ -156,10 +159,11 @@ async def test_discard_stops_the_work_and_emits_nothing(h: Harness) -> None:
 
 
 async def test_a_new_preparation_replaces_the_old_one(h: Harness) -> None:
-    h.llm.step_s = 0.01
+    quick, h.llm.step_s = h.llm.step_s, 0.01  # slow: the first is still running when replaced
     _prepare(h, _voice(3))
     _prepare(h, _voice(5))
     assert h.orch.prepared_turns() == 1
+    h.llm.step_s = quick
     contexts = h.reserve()
     await h.submit(contexts, _voice(5))
     await h.until(lambda: h.finished(contexts[2].request_id))

@@ -152,7 +152,8 @@ class _ChunkBuffer:
         return self.size // self.chunk_size
 
     def pop(self) -> np.ndarray:
-        parts, need = [], self.chunk_size
+        parts: list[np.ndarray] = []
+        need = self.chunk_size
         while need:
             piece = self._pieces.popleft()
             if len(piece) > need:

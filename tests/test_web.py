@@ -164,9 +164,15 @@ def test_voice_conversation_with_barge_in(web_url: str, microphone_wav: Path) ->
             assert page.locator(".bubble.assistant.interrupted").count() >= 1
 
             # The second question is heard and answered; nothing of the old answer plays.
+            # An answer cut at max_output_tokens ("incomplete") is answered too: what the
+            # small model says, and so how long, varies from run to run.
             state = _wait_for(
                 page,
-                lambda s: len(s["userTranscripts"]) >= 2 and s["responses"][-1:] == ["completed"],
+                lambda s: (
+                    len(s["userTranscripts"]) >= 2
+                    and len(s["responses"]) >= 2
+                    and s["responses"][-1] in ("completed", "incomplete")
+                ),
                 180,
             )
             page.screenshot(path=str(ARTIFACTS / "web-demo.png"))

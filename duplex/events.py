@@ -123,7 +123,8 @@ class SpeechDecision:
     that started at `ms` has lasted long enough, or said enough, to interrupt). A
     `paused` decision may carry the `words` heard in the speech before the silence: they
     only go up (for the caller to see); the engine keeps them, and the turn that ends at
-    that silence reports them as its transcript rather than transcribing it again.
+    that silence reports them as its transcript rather than transcribing it again. A
+    `confirmed` decision carries the `words` that confirmed it (None: its length did).
 
     The resident request reports one as a stage output of kind `"speech"`, its fields
     in the metadata (`as_metadata`, `from_metadata`)."""

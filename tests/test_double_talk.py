@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gateway.protocol.audio import ENGINE_RATE
-from gateway.session.double_talk import ECHO_SHARE, MAX_DELAY, echo_share
+from gateway.session.double_talk import ECHO_SHARE, MAX_DELAY, answer_said, echo_share
 from tests.test_input_processing import OTHER, recording, room
 
 HALF_S = ENGINE_RATE // 2
@@ -49,3 +49,26 @@ def test_nothing_played_explains_nothing() -> None:
 def test_the_far_end_must_cover_the_delay() -> None:
     with pytest.raises(ValueError, match="MAX_DELAY"):
         echo_share(np.zeros(HALF_S, np.float32), np.zeros(HALF_S, np.float32))
+
+
+ANSWER = (
+    "Once upon a time there was a brave little dog named Max. One day he followed "
+    "the river up the mountain, and he told a story."
+)
+
+
+@pytest.mark.parametrize(
+    ("heard", "said"),
+    [
+        ("One day.", True),  # the echo's residue, as Whisper heard it
+        ("and the mountain", True),
+        ("Follow.", True),  # close to "followed"
+        ("Once on the air.", True),  # half of it garbled
+        ("Hold on.", False),  # a person over the answer
+        ("Wait, stop the story!", False),  # most of the words their own
+        ("and the", False),  # nothing that tells
+        ("", False),
+    ],
+)
+def test_the_answers_own_words_are_told_from_a_persons(heard: str, said: bool) -> None:
+    assert answer_said(heard, ANSWER) is said

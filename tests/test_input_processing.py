@@ -243,6 +243,25 @@ def test_a_truncated_item_stops_playing_where_the_client_stopped() -> None:
     assert not far_end.read(250 * 16, 160).any() and far_end.read(0, 160).all()
 
 
+def test_the_far_end_knows_what_its_audio_said_where_it_played() -> None:
+    clock = Clock()
+    far_end = FarEnd(clock)
+    second = np.ones(ENGINE_RATE, np.float32)
+    far_end.play("item_1", second, ENGINE_RATE, "Once upon a time")
+    far_end.play("item_1", second, ENGINE_RATE, " there was a dog.")
+    far_end.flush()
+    clock.ms = 3000  # the client went quiet; the next answer plays from now
+    far_end.play("item_2", second, ENGINE_RATE, "Hello.")
+    assert far_end.said_between(0, 100) == "Once upon a time"
+    assert far_end.said_between(ENGINE_RATE + 100, 2 * ENGINE_RATE) == " there was a dog."
+    assert far_end.said_between(2 * ENGINE_RATE + 100, 3 * ENGINE_RATE) == ""  # the gap
+    assert far_end.said_between(0, 10 * ENGINE_RATE) == (
+        "Once upon a time  there was a dog. Hello."
+    )
+    far_end.truncate("item_2", 0)  # never played
+    assert far_end.said_between(3 * ENGINE_RATE, 10 * ENGINE_RATE) == ""
+
+
 def test_audio_sent_ahead_plays_after_the_audio_before_it() -> None:
     clock = Clock()
     far_end = FarEnd(clock)
@@ -366,8 +385,9 @@ def test_the_profile_turns_echo_cancellation_off() -> None:
     assert abs(power_db(out) - power_db(echo)) < 1
 
 
-def play(rt: RealtimeSession, far: Samples) -> None:
-    """A spoken answer: its audio goes out to the client now, as the engine produced it."""
+def play(rt: RealtimeSession, far: Samples, text: str = "") -> None:
+    """A spoken answer (saying `text`): its audio goes out to the client now, as the
+    engine produced it."""
     rt.receive_text(
         json.dumps(
             {
@@ -383,7 +403,9 @@ def play(rt: RealtimeSession, far: Samples) -> None:
     rt.receive_text(json.dumps({"type": "response.create"}))
     (start,) = [a for a in rt.actions() if type(a).__name__ == "StartResponse"]
     rt.receive_response_event(
-        ResponseOutput(start.response_id, "audio", audio=far.tobytes(), sample_rate=ENGINE_RATE)
+        ResponseOutput(
+            start.response_id, "audio", text, audio=far.tobytes(), sample_rate=ENGINE_RATE
+        )
     )
     rt.events_to_send()
 
@@ -413,6 +435,41 @@ def test_the_answers_echo_does_not_confirm_an_interruption_and_a_person_does() -
     events = rt.events_to_send()
     assert [e["type"] for e in events] == ["input_audio_buffer.speech_started"]
     assert CancelResponse(answer, "turn_detected") in rt.actions()
+
+
+def test_a_person_saying_the_answers_own_words_is_its_echo() -> None:
+    # Whisper hears the canceller's residue as the words the answer was speaking: those
+    # are its echo, whatever share of the energy the far end explains.
+    far = np.tile(recording(), 3)
+    rt = session(turns={"min_interruption_ms": 1000})
+    play(rt, far, "Front center. Once upon a time there was a dog.")
+    answer = rt.active_id
+    echo = room(far, delay_ms=120, gain_db=-6)
+    person = recording(OTHER)
+    heard(rt, echo[: ENGINE_RATE + len(person)] + np.pad(person, (ENGINE_RATE, 0)))
+    rt.speech_started(1000)
+    rt.speech_confirmed(1000, "Front center.")
+    assert rt.events_to_send() == [] and rt.active_id == answer
+    assert WatchWords(again=True) in rt.actions()
+    rt.speech_confirmed(1000, "Rear left.")  # their own words: a person
+    assert [e["type"] for e in rt.events_to_send()] == ["input_audio_buffer.speech_started"]
+
+
+@pytest.mark.parametrize(
+    ("share", "cancelled_db", "said", "echo"),
+    [
+        # Live, in bench/echo.py's rooms (bench/RESULTS.md, "The answer's own words"):
+        (0.34, 1.6, True, True),  # "Follow.": a hall's echo, little of it explained
+        (0.34, 1.6, False, False),  # the same without the answer's words: a person
+        (0.35, 3.2, False, True),  # "Girl not me": a kiosk's echo, garbled; weak signs agree
+        (0.22, 3.3, False, False),  # "for me, please.": a person
+        (0.80, 21.3, False, True),  # "Bye bye.": echo, misheard; strong signs
+    ],
+)
+def test_the_answers_own_words_are_its_echo_and_other_words_prove_nothing(
+    share: float, cancelled_db: float, said: bool, echo: bool
+) -> None:
+    assert input_processing.is_echo(share, cancelled_db, said) is echo
 
 
 def test_without_echo_cancellation_a_confirmation_stands() -> None:

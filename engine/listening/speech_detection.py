@@ -313,7 +313,8 @@ class SpeechDetection:
             confirmed = detector.confirm()
             if confirmed is not None:
                 start = self._detect.start_ms + confirmed.audio_start_ms
-                self._emit(SpeechDecision("confirmed", start))
+                # The words go up with it: the gateway tells the answer's echo by them.
+                self._emit(SpeechDecision("confirmed", start, heard.text))
 
     def _score(
         self,

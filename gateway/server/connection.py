@@ -215,7 +215,7 @@ class RealtimeConnection:
             case "resumed":
                 self.core.speech_resumed()
             case "confirmed":
-                self.core.speech_confirmed(event.ms)
+                self.core.speech_confirmed(event.ms, event.words)
             case "stopped":
                 self._speech_stopped_at = time.monotonic()
                 self.core.speech_stopped(event.ms)

@@ -15,12 +15,15 @@ of this audio, so it needs each sample where the client plays it. Rules:
    canceller lets go of what it has read (`forget_before`). At most `KEPT_S` seconds are
    kept: a client that sends no input never moves the clock, and its answers would
    otherwise pile up for the whole session.
+4. The words each piece of audio speaks are kept beside it, for the last `_SPOKEN_KEPT`
+   pieces: `said_between` tells what the client was playing over a span of the clock.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,6 +35,13 @@ KEPT_S = 60
 _PER_MS = ENGINE_RATE / 1000
 # Items whose play start is remembered for truncation; clients truncate the newest.
 _ITEMS_KEPT = 8
+_SPOKEN_KEPT = 64  # rule 4: pieces of a few hundred ms to a few s each
+
+
+class _Spoken(NamedTuple):
+    start: int  # clock sample indices
+    end: int
+    text: str
 
 
 class FarEnd:
@@ -48,14 +58,16 @@ class FarEnd:
         self.played_until: int | None = None
         # A spoken response started: audio will play soon (the canceller warms up for it).
         self.expected = False
+        self._spoken: deque[_Spoken] = deque(maxlen=_SPOKEN_KEPT)
 
     @property
     def end(self) -> int:
         """The clock sample index after the audio still kept."""
         return self._base + len(self._audio)
 
-    def play(self, item_id: str, samples: Samples, rate: int) -> None:
-        """`samples` at `rate` went out to the client as part of `item_id` (rule 1)."""
+    def play(self, item_id: str, samples: Samples, rate: int, text: str = "") -> None:
+        """`samples` at `rate`, speaking `text`, went out to the client as part of
+        `item_id` (rule 1)."""
         if self._resampler is None or self._resampler.in_rate != rate or item_id != self._item_id:
             self.flush()
             self._resampler = StreamResampler(rate, ENGINE_RATE)
@@ -65,7 +77,14 @@ class FarEnd:
             self._item_starts[item_id] = max(self.end, self._now())
             while len(self._item_starts) > _ITEMS_KEPT:
                 self._item_starts.popitem(last=False)
+        start = max(self.end, self._now())
         self._append(resampled)
+        if text:
+            self._spoken.append(_Spoken(start, max(self.end, start), text))
+
+    def said_between(self, start: int, end: int) -> str:
+        """The words of the audio playing between clock sample indices `start` and `end`."""
+        return " ".join(s.text for s in self._spoken if s.start < end and s.end > start)
 
     def flush(self) -> None:
         """The audio of the current item is complete: its resampler's tail plays too."""
@@ -81,6 +100,7 @@ class FarEnd:
             return
         cut = start + round(audio_end_ms * _PER_MS)
         if cut < self.end:
+            self._spoken = deque((s for s in self._spoken if s.start < cut), _SPOKEN_KEPT)
             self._audio = self._audio[: max(cut - self._base, 0)]
             self._resampler = None
             self._item_id = None

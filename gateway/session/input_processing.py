@@ -30,7 +30,8 @@ Rules of this module:
    echo. The echo the canceller lets through while it learns the room is explained by
    the far end (`gateway.session.double_talk`); once it has learnt the room, what is left of the
    echo is far below what the microphone picked up (`CANCELLED_DB`), while a person's
-   voice comes through within a few dB.
+   voice comes through within a few dB. And the words that confirmed the speech may be
+   the answer's own (`is_echo`): then it is the echo, whatever the energy says.
 7. AEC3 costs Whisper words even where there is no echo: on a headset, speech over a
    playing answer came out of it within 1 dB of its level, yet transcribed with twice
    the word errors (bench/RESULTS.md, "Clean speech through the canceller"). So until
@@ -79,6 +80,7 @@ __all__ = [
     "WARM_S",
     "InputProcessing",
     "NoiseReduction",
+    "is_echo",
     "start_runtime",
 ]
 
@@ -115,6 +117,20 @@ _NO_SAMPLES: Samples = np.zeros(0, np.float32)
 _WARM_UPS = ThreadPoolExecutor(
     max_workers=1, thread_name_prefix="echo-warm-up", initializer=lower_this_thread
 )
+
+
+def is_echo(share: float, cancelled_db: float, answer_said: bool) -> bool:
+    """Rule 6's verdict on speech over an answer: the share of the microphone's energy
+    the far end explains (`double_talk.echo_share`), how much the canceller took off,
+    and whether its words were the answer's own."""
+    if answer_said:
+        # However little of it the far end explains (a reverberant hall's echo). Words
+        # that are not the answer's prove nothing: Whisper garbles the echo's residue
+        # ("Girl not me") as it garbles a person talking over it.
+        return True
+    # Partly the far end's, and much of it taken off: two weak signs that agree.
+    partly = share >= PARTLY_ECHO_SHARE and cancelled_db >= PARTLY_CANCELLED_DB
+    return share >= ECHO_SHARE or cancelled_db >= CANCELLED_DB or partly
 
 
 def start_runtime() -> None:
@@ -205,10 +221,11 @@ class InputProcessing:
         at = round(at_ms * ENGINE_RATE / 1000)
         return self._echo and self._played_within_tail(at)
 
-    def heard_echo(self, start_ms: float, end_ms: float) -> bool | None:
+    def heard_echo(self, start_ms: float, end_ms: float, answer_said: bool = False) -> bool | None:
         """Whether the microphone from `start_ms` to `end_ms` (its last `CHECKED_MS` at
         most) heard the far end's echo rather than a person (rule 6); None if the
-        canceller is off or heard none of that span while the far end played."""
+        canceller is off or heard none of that span while the far end played.
+        `answer_said`: whether the words heard in it were the answer's own."""
         if not self._echo or self._apm is None:
             return None
         end = min(round(end_ms * ENGINE_RATE / 1000), self._next)
@@ -224,14 +241,13 @@ class InputProcessing:
         cancelled_db = 10 * np.log10((_energy(mic) + 1e-12) / (_energy(cleaned) + 1e-12))
         share = echo_share(mic, far)
         logger.debug(
-            "speech over the answer: %.2f echo, %.1f dB cancelled in %d ms",
+            "speech over the answer: %.2f echo, %.1f dB cancelled in %d ms, the answer's words: %s",
             share,
             cancelled_db,
             (end - start) * 1000 // ENGINE_RATE,
+            answer_said,
         )
-        # Partly the far end's, and much of it taken off: two weak signs that agree.
-        partly = share >= PARTLY_ECHO_SHARE and cancelled_db >= PARTLY_CANCELLED_DB
-        echo = share >= ECHO_SHARE or cancelled_db >= CANCELLED_DB or partly
+        echo = is_echo(share, cancelled_db, answer_said)
         if echo and not self.echo_heard:
             logger.debug("echo heard in a check: the detectors hear the canceller from now on")
         self.echo_heard = self.echo_heard or echo  # rule 7

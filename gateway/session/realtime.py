@@ -164,9 +164,10 @@ class RealtimeSession:
         """VAD heard speech begin; with `interrupt_response` it cancels the active response."""
         self._turns.speech_started(audio_start_ms)
 
-    def speech_confirmed(self, audio_start_ms: float) -> None:
-        """The speech that began at `audio_start_ms` lasted long enough to interrupt."""
-        self._turns.speech_confirmed(audio_start_ms)
+    def speech_confirmed(self, audio_start_ms: float, words: str | None = None) -> None:
+        """The speech that began at `audio_start_ms` lasted long enough to interrupt, or
+        said enough: `words`, what the engine heard of it then (None: its length)."""
+        self._turns.speech_confirmed(audio_start_ms, words)
 
     def speech_paused(self, audio_end_ms: float) -> None:
         """VAD heard a silence begin that may become the stop: the turn the stop would

@@ -187,7 +187,7 @@ class ResponseStream:
                 "response.output_audio_transcript.delta", **self._ids(response), delta=spoken
             )
         self._send_audio(response, fmt, encoded)
-        self._far_end.play(item.id, resampled, fmt.rate)
+        self._far_end.play(item.id, resampled, fmt.rate, spoken)
         item.add_audio(encoded, spoken)
 
     def _tool_call(self, response: Response, out: ResponseOutput) -> None:

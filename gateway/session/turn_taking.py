@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gateway.config import GatewayConfig
-from gateway.protocol.audio import AudioFormat, AudioFormatError, decode_base64
+from gateway.protocol.audio import ENGINE_RATE, AudioFormat, AudioFormatError, decode_base64
 from gateway.protocol.errors import ClientError
 from gateway.protocol.events import AppendIn, EmptyIn, new_id
 from gateway.protocol.session_config import SessionSettings
@@ -48,9 +48,10 @@ from gateway.session.actions import (
     WatchWords,
 )
 from gateway.session.conversation import AudioLimitError, Conversation, Item
+from gateway.session.double_talk import answer_said
 from gateway.session.far_end import FarEnd
 from gateway.session.input_buffer import BufferFullError, InputBuffer
-from gateway.session.input_processing import InputProcessing
+from gateway.session.input_processing import ECHO_TAIL_MS, InputProcessing
 from gateway.session.items import ItemEditor
 from gateway.session.outbox import Outbox
 from gateway.session.response_stream import ResponseStream
@@ -94,6 +95,7 @@ class TurnTaking:
         self._responses = responses
         self._jobs = jobs
         self._respond = respond  # creates the default conversation's response
+        self._far_end = far_end
         self._processing = InputProcessing(
             far_end,
             echo_cancellation=_cancels_echo(settings),
@@ -280,16 +282,23 @@ class TurnTaking:
             return
         self._begin_speech(audio_start_ms)
 
-    def speech_confirmed(self, audio_start_ms: float) -> None:
+    def speech_confirmed(self, audio_start_ms: float, words: str | None = None) -> None:
         if self._candidate_ms is None:
             return
-        if self._processing.heard_echo(audio_start_ms, self.now_ms):
+        said = words is not None and answer_said(words, self._answer_text(audio_start_ms))
+        if self._processing.heard_echo(audio_start_ms, self.now_ms, said):
             # Rule 3: what the canceller let through of the answer's echo; that is no
             # interruption, but a person may still join in.
             self._out.act(WatchWords(again=True))
             return
         self._candidate_ms = None
         self._begin_speech(audio_start_ms)
+
+    def _answer_text(self, since_ms: float) -> str:
+        """What the client played that the microphone may have heard from `since_ms` on:
+        the echo comes up to `ECHO_TAIL_MS` after the audio it repeats."""
+        since = round((since_ms - ECHO_TAIL_MS) * ENGINE_RATE / 1000)
+        return self._far_end.said_between(since, round(self.now_ms * ENGINE_RATE / 1000))
 
     def _begin_speech(self, audio_start_ms: float) -> None:
         detection = self.settings.turn_detection

@@ -34,6 +34,8 @@ WARMUP_MAX_STEPS = 64
 # TTS thread of its own measured slower on the CPU backend: it competes with the LLM
 # for the same cores, so the first chunk takes longer.
 MAIN_LANE_ORDER = ("tts", "llm")
+# Nice levels the main lane runs below the small lanes (VAD, ASR, turn end).
+MAIN_LANE_YIELDS = 5
 
 
 @dataclass
@@ -87,7 +89,10 @@ async def build_engine(config: EngineConfig, *, progress: bool = True) -> Engine
     if "turn" in stages:
         # Turn-end scoring takes tens of ms: on its own thread it delays neither VAD nor TTS.
         lanes["turn"] = {"turn": stages["turn"]}
-    core = EngineLanes(lanes)
+    # The small lanes answer within a turn's latency (speech start, the words that
+    # confirm an interruption, the turn's end); the main lane's TTS and LLM steps run
+    # ahead of playback and can wait for them on a busy CPU.
+    core = EngineLanes(lanes, yielding={"main": MAIN_LANE_YIELDS})
     core.start()
     engine = AsyncEngine(core)
     llm = config.stages.llm

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import sys
 import threading
 import time
 from typing import Any
@@ -370,3 +372,32 @@ def test_a_stage_holding_work_back_is_stepped_when_it_said_without_new_input() -
         wait_until_blocking(lambda: not core.pending()["hold"], 5, "the engine to drain")
     finally:
         core.shutdown()
+
+
+def test_a_yielding_lane_runs_its_thread_and_the_threads_it_starts_below_the_others() -> None:
+    from engine.runtime.lanes import EngineLanes
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def nice_of_a_thread_started_here() -> int:
+        # What MLX's stream thread, started by the lane's first op, inherits.
+        seen: list[int] = []
+        started = threading.Thread(target=lambda: seen.append(nice()))
+        started.start()
+        started.join()
+        return seen[0]
+
+    lanes = EngineLanes(
+        {"main": {"count": CountingStage()}, "small": {"other": CountingStage()}},
+        yielding={"main": 3},
+    )
+    lanes.start()
+    try:
+        small = lanes.call("other", lambda _: nice()).result(timeout=10)
+        main = lanes.call("count", lambda _: nice()).result(timeout=10)
+        started = lanes.call("count", lambda _: nice_of_a_thread_started_here()).result(timeout=10)
+    finally:
+        lanes.shutdown()
+    # Threads have a nice value of their own on Linux only; elsewhere nothing yields.
+    assert main == started == (min(small + 3, 19) if sys.platform == "linux" else small)

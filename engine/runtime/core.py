@@ -63,8 +63,11 @@ class _Call:
 class EngineCore:
     """Runs every stage on one thread; thread-safe `add`/`abort`/`call` from anywhere."""
 
-    def __init__(self, stages: Mapping[str, Stage]) -> None:
+    def __init__(self, stages: Mapping[str, Stage], *, yields: int = 0) -> None:
+        """`yields`: nice levels this thread (and the MLX stream thread it starts) runs
+        below the engine's other threads (Linux), so that they get the CPU first."""
         self._stages = dict(stages)
+        self._yields = yields
         self._cond = threading.Condition()
         self._aborts: list[tuple[str, str]] = []
         self._ops: deque[_Add | _Call] = deque()
@@ -135,6 +138,12 @@ class EngineCore:
     # --- engine thread -------------------------------------------------------------
 
     def _run(self) -> None:
+        if self._yields and sys.platform == "linux":
+            # Before this thread's first MLX op: the stream thread it starts inherits it.
+            tid = threading.get_native_id()
+            os.setpriority(
+                os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + self._yields, 19)
+            )
         try:
             self._loop()
         finally:

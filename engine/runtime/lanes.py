@@ -4,6 +4,8 @@ Voice activity detection must answer within a few tens of milliseconds, but one 
 the TTS or LLM stage can take hundreds. Putting the VAD stage on a thread of its own (a
 "lane") keeps speech-start latency independent of whatever the heavy stages are doing;
 inside each lane the `EngineCore` rules still hold (one thread per stage, aborts first).
+A lane may yield the CPU to the others (`yielding`): on a busy machine the heavy lane's
+steps wait, not the small lanes' answers.
 `AsyncEngine` takes either: both are `engine.runtime.core.EngineThreads`.
 """
 
@@ -24,8 +26,17 @@ T = TypeVar("T")
 class EngineLanes:
     """Routes each call to the lane (its own `EngineCore` thread) that owns the stage."""
 
-    def __init__(self, lanes: Mapping[str, Mapping[str, Stage]]) -> None:
-        self._cores = {lane: EngineCore(stages) for lane, stages in lanes.items()}
+    def __init__(
+        self,
+        lanes: Mapping[str, Mapping[str, Stage]],
+        *,
+        yielding: Mapping[str, int] | None = None,
+    ) -> None:
+        """`yielding`: lanes whose thread runs that many nice levels below the others."""
+        yields = yielding or {}
+        self._cores = {
+            lane: EngineCore(stages, yields=yields.get(lane, 0)) for lane, stages in lanes.items()
+        }
         self._owner: dict[str, EngineCore] = {}
         for core, stages in zip(self._cores.values(), lanes.values(), strict=True):
             for stage in stages:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from engine.build import MAIN_LANE_YIELDS
 from tests.helpers import GatewayProcess, running_gateway
 from tests.realtime_client import client, silence, speech, stream, until, words
 
@@ -162,9 +163,14 @@ async def test_speech_over_an_answer_cancels_it_and_is_transcribed_live(gateway:
 
 def test_the_engine_threads_run_below_the_event_loop(process: GatewayProcess) -> None:
     """gateway/server/priority.py in the CLI: the main thread (the event loop) keeps its
-    priority, the engine's threads (lanes, BLAS, MLX) run `engine_nice` (10) below."""
+    priority, the engine's threads (lanes, BLAS, MLX) run `engine_nice` (10) below, and
+    the main lane (its thread and its MLX thread) `MAIN_LANE_YIELDS` below those."""
     tasks = Path(f"/proc/{process.proc.pid}/task")
     nice = {int(t.name): os.getpriority(os.PRIO_PROCESS, int(t.name)) for t in tasks.iterdir()}
     loop = nice.pop(process.proc.pid)
     assert len(nice) >= 4  # the engine's lanes at least
-    assert all(value == min(loop + 10, 19) for value in nice.values()), (loop, nice)
+    engine = min(loop + 10, 19)
+    main_lane = min(engine + MAIN_LANE_YIELDS, 19)
+    assert all(value in (engine, main_lane) for value in nice.values()), (loop, nice)
+    assert sum(value == main_lane for value in nice.values()) >= 1, (loop, nice)
+    assert sum(value == engine for value in nice.values()) >= 3, (loop, nice)

@@ -73,11 +73,11 @@ class FarEnd:
             self._resampler = StreamResampler(rate, ENGINE_RATE)
             self._item_id = item_id
         resampled = self._resampler.push(samples)
+        start = max(self.end, self._now())  # where this audio plays from
         if item_id not in self._item_starts:
-            self._item_starts[item_id] = max(self.end, self._now())
+            self._item_starts[item_id] = start
             while len(self._item_starts) > _ITEMS_KEPT:
                 self._item_starts.popitem(last=False)
-        start = max(self.end, self._now())
         self._append(resampled)
         if text:
             self._spoken.append(_Spoken(start, max(self.end, start), text))

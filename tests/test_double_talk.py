@@ -72,3 +72,7 @@ ANSWER = (
 )
 def test_the_answers_own_words_are_told_from_a_persons(heard: str, said: bool) -> None:
     assert answer_said(heard, ANSWER) is said
+
+
+def test_question_words_tell_nothing() -> None:
+    assert not answer_said("Stop. What is the", "What a bright day it was, he said.")

@@ -455,6 +455,19 @@ def test_a_person_saying_the_answers_own_words_is_its_echo() -> None:
     assert [e["type"] for e in rt.events_to_send()] == ["input_audio_buffer.speech_started"]
 
 
+def test_the_answers_words_from_a_microphone_without_its_echo_are_a_persons() -> None:
+    # A headset: nothing of the answer reaches the microphone, and the person happens
+    # to say a word the answer has just said.
+    far = np.tile(recording(), 3)
+    rt = session(turns={"min_interruption_ms": 1000})
+    play(rt, far, "Stop right there, said the dragon.")
+    person = recording(OTHER)
+    heard(rt, np.pad(person, (ENGINE_RATE, 0)))
+    rt.speech_started(1000)
+    rt.speech_confirmed(1000, "Stop.")
+    assert [e["type"] for e in rt.events_to_send()] == ["input_audio_buffer.speech_started"]
+
+
 @pytest.mark.parametrize(
     ("share", "cancelled_db", "said", "echo"),
     [
@@ -464,6 +477,7 @@ def test_a_person_saying_the_answers_own_words_is_its_echo() -> None:
         (0.35, 3.2, False, True),  # "Girl not me": a kiosk's echo, garbled; weak signs agree
         (0.22, 3.3, False, False),  # "for me, please.": a person
         (0.80, 21.3, False, True),  # "Bye bye.": echo, misheard; strong signs
+        (0.01, 0.3, True, False),  # no echo in the microphone: the words are a person's
     ],
 )
 def test_the_answers_own_words_are_its_echo_and_other_words_prove_nothing(

@@ -92,7 +92,8 @@ _COMMON = frozenset({
     "with", "by", "from", "up", "it", "its", "is", "was", "be", "are", "i", "you", "he",
     "she", "we", "they", "me", "my", "your", "his", "her", "our", "their", "this", "that",
     "there", "then", "as", "if", "not", "no", "do", "did", "oh", "uh", "um", "ah", "yeah",
-    "yes", "ok", "okay",
+    "yes", "ok", "okay", "what", "who", "where", "when", "why", "how", "which", "have",
+    "has", "had", "will", "would", "can", "could", "just", "all", "about", "been", "were",
 })
 # fmt: on
 

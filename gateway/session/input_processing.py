@@ -110,6 +110,11 @@ CANCELLED_DB = 10.0
 # 0.00 to 0.13 with 0.2 to 3.6 dB).
 PARTLY_ECHO_SHARE = 0.3
 PARTLY_CANCELLED_DB = 3.0
+# The answer's words are its echo only where the microphone holds some of its sound: a
+# person on a headset (no echo at all: 0.01 and 0.3 dB in the WebRTC browser test) may
+# say a word the answer just said ("Stop. What is..." over "what a day"). The echo
+# whose words were heard scored 0.34 and more live.
+ANSWER_HEARD_SHARE = 0.15
 _WARM_LEVEL = 0.05  # the synthetic far end's RMS (-26 dBFS), about a voice's level
 _INT16 = 32767.0
 _NO_SAMPLES: Samples = np.zeros(0, np.float32)
@@ -123,7 +128,7 @@ def is_echo(share: float, cancelled_db: float, answer_said: bool) -> bool:
     """Rule 6's verdict on speech over an answer: the share of the microphone's energy
     the far end explains (`double_talk.echo_share`), how much the canceller took off,
     and whether its words were the answer's own."""
-    if answer_said:
+    if answer_said and share >= ANSWER_HEARD_SHARE:
         # However little of it the far end explains (a reverberant hall's echo). Words
         # that are not the answer's prove nothing: Whisper garbles the echo's residue
         # ("Girl not me") as it garbles a person talking over it.

@@ -1,6 +1,6 @@
 """Function calls below the gateway: the local call format and its reader, the grammar
-mask (on a small byte-level tokenizer built here, and on the real SmolLM2 tokenizer from
-the model cache), the remote stage's forwarding and delta mapping,
+mask (on a small byte-level tokenizer built here, and on the real SmolLM2 and
+Qwen2.5-Coder tokenizers from the model cache), the remote stage's forwarding and delta mapping,
 and the orchestrator's call outputs, which are never spoken."""
 
 from __future__ import annotations
@@ -128,17 +128,25 @@ def small_tokenizer() -> Any:
 
 @pytest.fixture(
     scope="module",
-    params=["small", pytest.param("smollm2", marks=pytest.mark.models)],
+    params=[
+        "small",
+        pytest.param("smollm2", marks=pytest.mark.models),
+        pytest.param("qwen", marks=pytest.mark.models),
+    ],
 )
 def grammar(request: pytest.FixtureRequest) -> Any:
     from transformers import AutoTokenizer
 
     from engine.llm.grammar import CallGrammar
+    from engine.weights import registry
 
     if request.param == "small":
         tokenizer = small_tokenizer()
-    else:  # the embedded LLM's, from the model cache
+    elif request.param == "smollm2":  # the embedded LLM's, from the model cache
         tokenizer = AutoTokenizer.from_pretrained(str(cache_dir() / "smollm2-135m-instruct-fp32"))
+    else:  # the quality profile's: `<tool_call>` and `</tool_call>` are special tokens
+        path = registry.prepare("qwen2.5-coder-0.5b-instruct", progress=False)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     return tokenizer, CallGrammar(tokenizer, [tokenizer.eos_token_id])
 
 

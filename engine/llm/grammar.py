@@ -30,25 +30,39 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from engine.llm.tool_calls import CALL_OPEN, call_prefix
 
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+
 __all__ = ["CallGrammar", "CallMask"]
 
 # The separators `engine.llm.tool_calls` reads, and no free whitespace.
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def _lark(tools: Sequence[dict[str, Any]]) -> str:
-    """One rule per function: its call's fixed text, then its arguments' schema."""
+def _lark(tools: Sequence[dict[str, Any]], tags: tuple[str, str]) -> str:
+    """One rule per function: its call's fixed text, then its arguments' schema. `tags`
+    are the grammar's terms for `<tool_call>` and `</tool_call>` (`_tag_terms`)."""
     rules, names = [], []
     for i, tool in enumerate(tools):
         function = tool["function"]
         schema = dict(function.get("parameters") or {"type": "object"})
         schema["x-guidance"] = _JSON_STYLE
-        prefix = json.dumps(call_prefix(function["name"]))
-        rules.append(f"call_{i}: {prefix} args_{i} {json.dumps(chr(125) + chr(10))} END")
+        prefix = json.dumps(call_prefix(function["name"]).removeprefix(OPEN_TAG))
+        rules.append(f"call_{i}: open {prefix} args_{i} {json.dumps(chr(125) + chr(10))} end")
         rules.append(f"args_{i}: %json {json.dumps(schema)}")
         names.append(f"call_{i}")
-    end = json.dumps("</tool_call>")
-    return "\n".join([f"start: {' | '.join(names)}", f"END: {end}", *rules])
+    start = f"start: {' | '.join(names)}"
+    return "\n".join([start, f"open: {tags[0]}", f"end: {tags[1]}", *rules])
+
+
+def _tag_terms(hf_tokenizer: Any) -> tuple[str, str]:
+    """The call tags as the grammar must spell them: a tokenizer that has them as special
+    tokens (Qwen2.5's) writes each as that one token, never as its text's pieces; others
+    write the text."""
+    added = hf_tokenizer.get_added_vocab() if hasattr(hf_tokenizer, "get_added_vocab") else {}
+    return (
+        f"<[{added[OPEN_TAG]}]>" if OPEN_TAG in added else json.dumps(OPEN_TAG),
+        f"<[{added[CLOSE_TAG]}]>" if CLOSE_TAG in added else json.dumps(CLOSE_TAG),
+    )
 
 
 class CallGrammar:
@@ -57,12 +71,13 @@ class CallGrammar:
     def __init__(self, hf_tokenizer: Any, eos_token_ids: Sequence[int]) -> None:
         self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=list(eos_token_ids))
         self.vocab_size = self._tokenizer.vocab_size
+        self._tags = _tag_terms(hf_tokenizer)
 
     def mask(
         self, tools: Sequence[dict[str, Any]], prompt_tokens: int, *, forced: bool
     ) -> CallMask:
         """A processor for one request whose prompt is `prompt_tokens` long."""
-        grammar = llguidance.LLMatcher.grammar_from_lark(_lark(tools))
+        grammar = llguidance.LLMatcher.grammar_from_lark(_lark(tools, self._tags))
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:
             raise ValueError(f"the tools' schemas cannot be enforced: {error}")

@@ -42,7 +42,7 @@ import mlx.core as mx  # noqa: E402
 
 from engine.models.piper_onnx import find_voice  # noqa: E402
 from engine.stages.clauses import split_clauses  # noqa: E402
-from engine.stages.tts import TtsRequest, TtsStage, Voice, load_voice  # noqa: E402
+from engine.stages.tts import DEFAULT_VOICE, TtsRequest, TtsStage, Voice  # noqa: E402
 from engine.weights import registry  # noqa: E402
 
 ANSWER = (
@@ -151,7 +151,7 @@ def main() -> None:
 
     import onnxruntime as ort
 
-    voice = load_voice()
+    voice = Voice.load(registry.prepare(DEFAULT_VOICE))
     clauses = split_clauses(ANSWER)
     ids = [voice.ids(c) for c in clauses]
     report: dict[str, object] = {"clauses": len(clauses)}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +48,8 @@ class EngineBundle:
     orchestrator: DuplexOrchestrator
     remote_llm: RemoteLlm | None = None
     llm_stage: Stage | None = None
+    voices: tuple[str, ...] = ()  # the TTS stage's voices, its default first
+    openai_voices: dict[str, str] = field(default_factory=dict)
     _closed: bool = False
 
     def llm_tokens(self) -> dict[str, int]:
@@ -97,8 +99,11 @@ async def build_engine(config: EngineConfig, *, progress: bool = True) -> Engine
     engine = AsyncEngine(core)
     llm = config.stages.llm
     remote = RemoteLlm(llm.remote) if llm.backend == "remote" and llm.remote else None
-    orchestrator = DuplexOrchestrator(engine, config, llm=remote)
-    return EngineBundle(config, core, engine, orchestrator, remote, stages.get("llm"))
+    voices, openai_voices = voice_table(config, stages)
+    orchestrator = DuplexOrchestrator(engine, config, llm=remote, voices=voices)
+    return EngineBundle(
+        config, core, engine, orchestrator, remote, stages.get("llm"), voices, openai_voices
+    )
 
 
 def _load_and_warm(config: EngineConfig, progress: bool) -> dict[str, Stage]:
@@ -176,11 +181,23 @@ def _llm_stage(config: EngineConfig, progress: bool) -> Stage:
 
 
 def _tts_stage(config: EngineConfig, progress: bool) -> Stage:
-    from engine.stages.tts import TtsStage, Voice
+    from engine.stages.tts import TtsStage, open_voice
 
     tts = config.stages.tts
-    voice = Voice.load(prepare_model("tts", tts.model, progress=progress))
+    voice = open_voice(prepare_model("tts", tts.model, progress=progress), tts.voice)
     return TtsStage(voice, max_batch=tts.max_batch)
+
+
+def voice_table(
+    config: EngineConfig, stages: dict[str, Stage]
+) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The voices the TTS stage speaks, its default first, and the OpenAI voice name each
+    of its own voices speaks for (empty: every OpenAI name speaks with the default)."""
+    tts = config.stages.tts
+    voice = getattr(stages.get("tts"), "voice", None)
+    if voice is not None and voice.names:
+        return tuple(voice.names), dict(voice.openai_voices)
+    return (tts.voice or tts.model.name,), {}
 
 
 def _vad_stage(config: EngineConfig, progress: bool) -> Stage:

@@ -161,11 +161,13 @@ class AsrConfig(_Strict):
 
 
 class TtsConfig(_Strict):
-    """`voice` is the name clients use for this voice; `speed` > 1 speaks faster;
-    `max_batch` clauses of different requests are spoken in one batched pass."""
+    """`voice` is the name clients use for a one-voice model (Piper), or the default of
+    a model with several (Kokoro: one of its voices); None: the model's name, or its
+    default voice. `speed` > 1 speaks faster; `max_batch` clauses of different requests
+    are spoken in one batched pass."""
 
     model: ModelRef = ModelRef(name="piper-en_US-joe-medium")
-    voice: str = Field("joe", min_length=1)
+    voice: str | None = Field("joe", min_length=1)
     speed: float = Field(1.0, ge=0.25, le=4.0)
     noise_scale: float | None = Field(None, ge=0.0)
     noise_w: float | None = Field(None, ge=0.0)

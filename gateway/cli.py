@@ -148,7 +148,21 @@ def speech_overrides(profile: dict[str, Any], args: argparse.Namespace) -> dict[
         value = getattr(args, stage, None)
         if value is not None:
             stages[stage] = {**(stages.get(stage) or {}), "model": model_ref(stage, value)}
+    if getattr(args, "tts", None) is not None:
+        # The profile's voice was its own model's: the new model's default speaks.
+        stages["tts"] = {**stages["tts"], "voice": None}
     return {**profile, "stages": stages}
+
+
+def voice_settings(
+    config: GatewayConfig, voices: tuple[str, ...], openai_voices: dict[str, str]
+) -> dict[str, Any]:
+    """The gateway's voice table for the voices the engine speaks (its default first):
+    the profile's OpenAI names where they all name one of them, else the engine's own
+    table (a model given by `--tts` that the profile's table was not written for)."""
+    if all(v in voices for v in config.openai_voices.values()):
+        openai_voices = {**openai_voices, **config.openai_voices}
+    return {"voices": voices, "openai_voices": openai_voices}
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -270,11 +284,11 @@ async def _serve(args: argparse.Namespace) -> int:
     config = GatewayConfig.model_validate(
         {**config.model_dump(), **_overrides(args), **_capacity_override(config, args), **named}
     )
-    backend, voice = await _start_engine(profile, config, str(path))
+    backend, voices, openai_voices = await _start_engine(profile, config, str(path))
     config = GatewayConfig.model_validate(
         {
             **config.model_dump(),
-            "voices": (voice,),
+            **voice_settings(config, voices, openai_voices),
             "default_instructions": profile.get("system_prompt", ""),
             "semantic_vad": backend.semantic_vad,
         }
@@ -312,7 +326,7 @@ class _Signals:
 
 async def _start_engine(
     profile: dict[str, Any], config: GatewayConfig, source: str
-) -> tuple[EngineBackend, str]:
+) -> tuple[EngineBackend, tuple[str, ...], dict[str, str]]:
     """Build the engine from the profile (preparing models first) and wrap it."""
     import engine
 
@@ -348,7 +362,7 @@ async def _start_engine(
         caches=bundle.cache_stats,
         turns=config.turns,
     )
-    return backend, engine_config.stages.tts.voice
+    return backend, bundle.voices, bundle.openai_voices
 
 
 def run() -> None:

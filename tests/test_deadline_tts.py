@@ -32,6 +32,7 @@ class FakeVoice:
     """What `TtsStage` uses of a `Voice`; records the spans of every render."""
 
     sample_rate = RATE
+    whole_segments = False
 
     def __init__(self) -> None:
         self.renders: list[list[int]] = []  # span widths per step
@@ -68,6 +69,16 @@ def stage(max_batch: int = 8) -> tuple[TtsStage, FakeVoice, Clock]:
 
 def ids(outputs: list[StageOutput]) -> list[str]:
     return [o.request_id for o in outputs if o.payload is not None and o.payload.samples.size]
+
+
+def test_a_voice_that_renders_whole_pieces_gets_each_piece_in_one_chunk() -> None:
+    tts, voice, _ = stage()
+    voice.whole_segments = True
+    tts.add("a", TtsRequest())
+    tts.feed("a", "x" * 200 + ". " + "y" * 60 + ".", final=True)
+    while tts.has_work():
+        tts.step()
+    assert voice.renders == [[402], [122]]
 
 
 def test_a_new_request_goes_before_requests_already_playing() -> None:

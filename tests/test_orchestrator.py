@@ -163,7 +163,7 @@ async def test_history_system_prompt_and_overrides_reach_the_stages(h: Harness) 
     assert (inputs.retention_ratio, inputs.post_instructions_tokens) == (0.5, 300)
     assert inputs.parallel_tool_calls is False
     assert inputs.cache_key == "conv-1"
-    assert h.tts.requests[tts_rid] == TtsRequest(speed=1.5)
+    assert h.tts.requests[tts_rid] == TtsRequest(speed=1.5, voice="joe")
 
 
 async def test_a_turn_without_new_input_continues_from_the_history(h: Harness) -> None:

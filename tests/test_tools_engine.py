@@ -17,7 +17,13 @@ from duplex.turn import Message, Stage, Tool, ToolCall, ToolChoice, TurnRequest
 from engine.config import RemoteLlmConfig, parse_config
 from engine.llm.remote_llm import RemoteLlm, chat_body
 from engine.llm.stage import LlmInput
-from engine.llm.tool_calls import CallReader, call_text, template_messages
+from engine.llm.tool_calls import (
+    CallReader,
+    call_text,
+    native_messages,
+    renders_tools,
+    template_messages,
+)
 from engine.runtime.request import RequestOutput, ToolCallDelta
 from engine.runtime.stage import StageOutput
 from engine.weights.paths import cache_dir
@@ -67,6 +73,15 @@ def test_a_call_is_read_into_deltas_and_no_text() -> None:
     assert "".join(c.arguments for c in calls) == '{"city": "Paris", "unit": "celsius"}'
 
 
+def test_a_bare_call_object_is_a_call_too() -> None:
+    # Qwen2.5-Coder, shown the tools by its own template, often leaves the tags out.
+    whole = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+    text, calls = read([whole[i : i + 4] for i in range(0, len(whole), 4)])
+    assert text == "" and {c.name for c in calls} == {"get_weather"}
+    assert "".join(c.arguments for c in calls) == '{"city": "Paris", "unit": "celsius"}'
+    assert read(['{"nam', 'ing": 1}']) == ('{"naming": 1}', [])  # other JSON is text
+
+
 def test_a_call_cut_off_by_the_token_limit_keeps_what_was_written() -> None:
     whole = call_text("get_weather", '{"city": "Par')
     text, calls = read([whole[: -len("}\n</tool_call>")]])
@@ -98,6 +113,29 @@ def test_the_template_shows_tools_calls_and_results() -> None:
     assert result["content"].startswith("<tool_response>\ncold\n</tool_response>\n")
     # Without tools offered the system message is left as it is.
     assert template_messages(messages, [])[0] == {"role": "system", "content": "Be brief."}
+    # A template that renders tools itself gets the messages as they are, each call's
+    # arguments as the object it writes out.
+    native = native_messages(messages)
+    assert native[0] == messages[0] and native[3] == messages[3]
+    assert native[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert messages[2]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
+
+
+@pytest.mark.models
+def test_qwens_own_template_presents_the_tools() -> None:
+    from transformers import AutoTokenizer
+
+    from engine.weights import registry
+
+    qwen = AutoTokenizer.from_pretrained(str(registry.prepare("qwen2.5-coder-0.5b-instruct")))
+    smollm2 = AutoTokenizer.from_pretrained(str(cache_dir() / "smollm2-135m-instruct-fp32"))
+    assert renders_tools(qwen) and not renders_tools(smollm2)
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    prompt = qwen.apply_chat_template(
+        native_messages(messages), tools=[WEATHER], add_generation_prompt=True, tokenize=False
+    )
+    assert "# Tools" in prompt and '"name": "get_weather"' in prompt
+    assert "<tool_call>" in prompt and prompt.endswith("<|im_start|>assistant\n")
 
 
 # ---- the grammar mask on a real tokenizer ----------------------------------------------
@@ -193,11 +231,11 @@ def test_auto_leaves_plain_replies_alone_and_holds_calls_to_the_grammar(grammar:
     plain = calls.mask([WEATHER], 0, forced=False)
     assert mx.array_equal(plain(mx.array([], dtype=mx.int32), logits), logits).item()
     assert mx.array_equal(plain(mx.array(tokenizer.encode("Sure")), logits), logits).item()
-    calling = calls.mask([WEATHER], 0, forced=False)
-    opened = tokenizer.encode('<tool_call>\n{"name": "get_')
-    masked = calling(mx.array(opened), logits)
-    finite = {i for i in range(calls.vocab_size) if mx.isfinite(masked[0, i]).item()}
-    assert finite and all(tokenizer.decode([i]) in "weather" for i in finite)
+    for opening in ('<tool_call>\n{"name": "get_', '{"name": "get_'):  # tagged, or bare
+        calling = calls.mask([WEATHER], 0, forced=False)
+        masked = calling(mx.array(tokenizer.encode(opening)), logits)
+        finite = {i for i in range(calls.vocab_size) if mx.isfinite(masked[0, i]).item()}
+        assert finite and all(tokenizer.decode([i]) in "weather" for i in finite), opening
 
 
 # ---- the remote stage ------------------------------------------------------------------

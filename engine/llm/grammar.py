@@ -12,8 +12,8 @@ call, and it takes the call's wrapper and several schemas as one grammar.
 
 `CallMask` is the processor. With a forced call (`required` or a named function) the
 grammar holds from the reply's first token. With `auto` the model writes freely and
-the grammar takes over only once the reply starts with `<tool_call>`: the model alone
-decides whether to call, and what it calls is then valid.
+the grammar takes over only once the reply starts with `<tool_call>` or `{"name": "`:
+the model alone decides whether to call, and what it calls is then valid.
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ import mlx.core as mx
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-from engine.llm.tool_calls import CALL_OPEN, call_prefix
+from engine.llm.tool_calls import BARE_OPEN, CALL_OPEN, call_prefix
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+# How a reply that is a call starts: in the tags, or the bare call object.
+_OPENINGS = (CALL_OPEN, BARE_OPEN)
 
 __all__ = ["CallGrammar", "CallMask"]
 
@@ -39,17 +41,23 @@ _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 
 
 def _lark(tools: Sequence[dict[str, Any]], tags: tuple[str, str]) -> str:
-    """One rule per function: its call's fixed text, then its arguments' schema. `tags`
-    are the grammar's terms for `<tool_call>` and `</tool_call>` (`_tag_terms`)."""
+    """Two rules per function: its call's fixed text, then its arguments' schema, inside
+    the call tags (`tags`: the grammar's terms for them, `_tag_terms`) or as the bare
+    object (`engine.llm.tool_calls`)."""
     rules, names = [], []
     for i, tool in enumerate(tools):
         function = tool["function"]
         schema = dict(function.get("parameters") or {"type": "object"})
         schema["x-guidance"] = _JSON_STYLE
-        prefix = json.dumps(call_prefix(function["name"]).removeprefix(OPEN_TAG))
-        rules.append(f"call_{i}: open {prefix} args_{i} {json.dumps(chr(125) + chr(10))} end")
+        prefix = call_prefix(function["name"])
+        tagged, bare = (
+            json.dumps(prefix.removeprefix(OPEN_TAG)),
+            json.dumps(prefix.removeprefix(CALL_OPEN)),
+        )
+        rules.append(f"call_{i}: open {tagged} args_{i} {json.dumps(chr(125) + chr(10))} end")
+        rules.append(f"bare_{i}: {bare} args_{i} {json.dumps(chr(125))}")
         rules.append(f"args_{i}: %json {json.dumps(schema)}")
-        names.append(f"call_{i}")
+        names += [f"call_{i}", f"bare_{i}"]
     start = f"start: {' | '.join(names)}"
     return "\n".join([start, f"open: {tags[0]}", f"end: {tags[1]}", *rules])
 
@@ -118,10 +126,10 @@ class CallMask:
     def _engage(self, output: list[int]) -> bool:
         """Auto mode: whether the reply has become a call (then the grammar holds)."""
         text = self._tokenizer.decode_str(output)
-        if text.startswith(CALL_OPEN):
+        if any(text.startswith(opening) for opening in _OPENINGS):
             self._matcher = llguidance.LLMatcher(self._tokenizer, self._grammar)
             return True
-        if not CALL_OPEN.startswith(text):
+        if not any(opening.startswith(text) for opening in _OPENINGS):
             self._free = True
         return False
 

@@ -39,7 +39,7 @@ from engine.llm.prompt_cache import PromptCache, common_prefix_length
 from engine.llm.sampling import RowSampler, new_key
 from engine.llm.scheduler import AHEAD_S, PREFILL_AGEING_TOKENS_PER_S, Scheduler
 from engine.llm.sequence import LlmSequence
-from engine.llm.tool_calls import CallReader, template_messages
+from engine.llm.tool_calls import CallReader, native_messages, renders_tools, template_messages
 from engine.native import gemv_forward
 from engine.runtime.request import Request, RequestStatus, SamplingParams
 from engine.runtime.stage import StageOutput
@@ -328,8 +328,14 @@ class LlmStage:
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
         template = self.tokenizer.apply_chat_template
-        shown = template_messages(messages, tools or [])
-        return [int(t) for t in template(shown, add_generation_prompt=True, tokenize=True)]
+        if tools and renders_tools(self.tokenizer):
+            # The model's own tool prompt (Qwen2.5's), the one it learned to call from.
+            shown = native_messages(messages)
+            ids = template(shown, tools=tools, add_generation_prompt=True, tokenize=True)
+        else:
+            shown = template_messages(messages, tools or [])
+            ids = template(shown, add_generation_prompt=True, tokenize=True)
+        return [int(t) for t in ids]
 
     # --- a step --------------------------------------------------------------------
 

@@ -6,7 +6,9 @@ sibling's card documents (the Hermes convention, also Qwen2.5's):
 - the system message lists the functions, one JSON object per line, inside
   `<tools></tools>`, and says how to call one;
 - a call is the reply `<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>`,
-  at the very start of the reply, one call per reply;
+  at the very start of the reply, one call per reply. Qwen2.5-Coder, shown the tools by
+  its own template, often writes the object alone (`{"name": NAME, "arguments": ARGS}`):
+  a reply that starts so is a call too;
 - an earlier call in the history is an assistant message holding that text, and its
   result a user message `<tool_response>\\n...\\n</tool_response>` followed by a short
   request to answer with it.
@@ -26,17 +28,21 @@ from typing import Any
 from engine.runtime.request import ToolCallDelta
 
 __all__ = [
+    "BARE_OPEN",
     "CALL_OPEN",
     "CallReader",
     "call_prefix",
     "call_text",
+    "native_messages",
+    "renders_tools",
     "template_messages",
     "tools_prompt",
 ]
 
 CALL_OPEN = "<tool_call>\n"
+BARE_OPEN = '{"name": "'  # a call object's start, also a call without the tags
 CALL_CLOSE = "\n</tool_call>"
-_NAME_OPEN = '{"name": "'
+_NAME_OPEN = BARE_OPEN
 _ARGS_OPEN = '", "arguments": '
 _SUFFIX = "}" + CALL_CLOSE  # closes the call object, then the block
 # Without this nudge the embedded 135M model mostly ignored the result (tried by hand).
@@ -62,6 +68,35 @@ def tools_prompt(tools: Sequence[dict[str, Any]]) -> str:
         f'{CALL_OPEN}{{"name": <function name>, "arguments": <arguments object>}}{CALL_CLOSE}\n'
         "Otherwise answer in plain words."
     )
+
+
+def renders_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template presents tools itself (`tools=`), with the
+    call format `CallReader` reads (Qwen2.5's does; SmolLM2's has no tools)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "tools" in template and CALL_OPEN.strip() in template
+
+
+def native_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat-completions messages for a template that renders tools itself: each call's
+    arguments as the object such a template writes out as JSON."""
+    out = []
+    for message in messages:
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            calls = [
+                {**c, "function": {**c["function"], "arguments": _object(c["function"])}}
+                for c in message["tool_calls"]
+            ]
+            message = {**message, "content": message.get("content") or "", "tool_calls": calls}
+        out.append(dict(message))
+    return out
+
+
+def _object(function: dict[str, Any]) -> Any:
+    try:
+        return json.loads(function.get("arguments") or "{}")
+    except json.JSONDecodeError:
+        return function.get("arguments")
 
 
 def template_messages(
@@ -96,23 +131,26 @@ class _Call:
 class CallReader:
     """Splits a reply's streamed text into plain text and the deltas of one call.
 
-    Undecided while the reply so far could still become `<tool_call>`; a reply that
-    starts with it is a call, any other is plain text. Text is held back only while
-    undecided, and a call's arguments only for the few characters that may be its end.
+    Undecided while the reply so far could still become `<tool_call>` or a bare call
+    object; a reply that starts with either is a call, any other is plain text. Text is
+    held back only while undecided, and a call's arguments only for the few characters
+    that may be its end.
     """
 
     def __init__(self) -> None:
         self._buffer = ""
         self._mode = "undecided"  # then "text" or "call"
         self._call = _Call()
+        self._open = CALL_OPEN  # or "" for a bare call object
         self.called = False
 
     def push(self, delta: str) -> tuple[str, list[ToolCallDelta]]:
         self._buffer += delta
         if self._mode == "undecided":
-            if self._buffer.startswith(CALL_OPEN):
-                self._mode, self.called = "call", True
-            elif CALL_OPEN.startswith(self._buffer):
+            opened = [o for o in (CALL_OPEN, "") if self._buffer.startswith(o + _NAME_OPEN)]
+            if opened:
+                self._mode, self.called, self._open = "call", True, opened[0]
+            elif any((o + _NAME_OPEN).startswith(self._buffer) for o in (CALL_OPEN, "")):
                 return "", []
             else:
                 self._mode = "text"
@@ -129,15 +167,18 @@ class CallReader:
         return text, []
 
     def _call_deltas(self, *, final: bool) -> list[ToolCallDelta]:
-        body = self._buffer[len(CALL_OPEN) :]
+        body = self._buffer[len(self._open) :]
+        suffix = _SUFFIX if self._open else "}"  # a bare object ends with its own brace
         call = self._call
         if call.name is None:
             if not body.startswith(_NAME_OPEN) or _ARGS_OPEN not in body:
                 return []
             call.name = body[len(_NAME_OPEN) : body.index(_ARGS_OPEN)]
         args = body[len(_NAME_OPEN) + len(call.name) + len(_ARGS_OPEN) :]
-        end = len(args) - len(_SUFFIX)
-        if final and not args.endswith(_SUFFIX):
+        end = len(args) - len(suffix)
+        if final and args.rstrip().endswith(suffix):
+            end = len(args.rstrip()) - len(suffix)
+        elif final:
             end = len(args)  # cut off before its end (the token limit): all of it
         if end > call.shown:
             delta, call.shown = args[call.shown : end], end

@@ -162,6 +162,19 @@ def test_whisper_base_is_fetched_in_two_parts_and_transcribes(
 # -- the profile through the gateway ----------------------------------------------------
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The current weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+CITY_WEATHER = {"type": "input_text", "text": "What is the weather in Oslo right now?"}
+
+
 async def ask(conn: Any, text: str) -> str:
     content = [{"type": "input_text", "text": text}]
     item = {"type": "message", "role": "user", "content": content}
@@ -191,5 +204,18 @@ async def test_quality_profile_remembers_the_user_through_the_gateway() -> None:
             await conn.session.update(session=session)  # type: ignore[arg-type]
             await ask(conn, "Hi, my name is Priya and I live in Lisbon.")
             answer = await ask(conn, "In which city do I live?")
+        # With `auto`, the model alone decides to call (in Qwen2.5's own tool prompt).
+        async with client.realtime.connect(model="gpt-realtime") as conn:
+            session["tools"] = [WEATHER_TOOL]
+            session["tool_choice"] = "auto"
+            await conn.session.update(session=session)  # type: ignore[arg-type]
+            item = {"type": "message", "role": "user", "content": [CITY_WEATHER]}
+            await conn.conversation.item.create(item=item)  # type: ignore[arg-type]
+            await conn.response.create()
+            async for event in conn:
+                if event.type == "response.done":
+                    break
     assert "lisbon" in answer.lower(), answer
+    (call,) = [o for o in event.response.output or [] if o.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments or "")["city"] == "Oslo"
     assert gw.proc.returncode == 0

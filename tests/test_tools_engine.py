@@ -82,6 +82,17 @@ def test_a_bare_call_object_is_a_call_too() -> None:
     assert read(['{"nam', 'ing": 1}']) == ('{"naming": 1}', [])  # other JSON is text
 
 
+def test_a_call_object_in_a_json_code_block_is_read_once_it_ends() -> None:
+    block = '```json\n{\n  "name": "set_timer",\n  "arguments": {\n    "minutes": 10\n  }\n}\n```'
+    reader = CallReader()
+    assert all(reader.push(block[i : i + 5]) == ("", []) for i in range(0, len(block), 5))
+    assert reader.finish() == ("", [ToolCallDelta(0, "set_timer", '{"minutes": 10}')])
+    assert reader.called
+    other = '```json\n{"colour": "blue"}\n```'
+    assert read([other]) == (other, [])  # a code block that holds no call is text
+    assert read(["```python\nprint(1)\n```"]) == ("```python\nprint(1)\n```", [])
+
+
 def test_a_call_cut_off_by_the_token_limit_keeps_what_was_written() -> None:
     whole = call_text("get_weather", '{"city": "Par')
     text, calls = read([whole[: -len("}\n</tool_call>")]])
@@ -231,7 +242,8 @@ def test_auto_leaves_plain_replies_alone_and_holds_calls_to_the_grammar(grammar:
     plain = calls.mask([WEATHER], 0, forced=False)
     assert mx.array_equal(plain(mx.array([], dtype=mx.int32), logits), logits).item()
     assert mx.array_equal(plain(mx.array(tokenizer.encode("Sure")), logits), logits).item()
-    for opening in ('<tool_call>\n{"name": "get_', '{"name": "get_'):  # tagged, or bare
+    # Tagged, bare, or in a code block: only the offered name can follow.
+    for opening in ('<tool_call>\n{"name": "get_', '{"name": "get_', '```json\n{"name": "get_'):
         calling = calls.mask([WEATHER], 0, forced=False)
         masked = calling(mx.array(tokenizer.encode(opening)), logits)
         finite = {i for i in range(calls.vocab_size) if mx.isfinite(masked[0, i]).item()}

@@ -12,7 +12,8 @@ call, and it takes the call's wrapper and several schemas as one grammar.
 
 `CallMask` is the processor. With a forced call (`required` or a named function) the
 grammar holds from the reply's first token. With `auto` the model writes freely and
-the grammar takes over only once the reply starts with `<tool_call>` or `{"name": "`:
+the grammar takes over only once the reply starts as a call (`<tool_call>`, `{"name": "`
+or a JSON code block):
 the model alone decides whether to call, and what it calls is then valid.
 """
 
@@ -28,11 +29,11 @@ import mlx.core as mx
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-from engine.llm.tool_calls import BARE_OPEN, CALL_OPEN, call_prefix
+from engine.llm.tool_calls import BARE_OPEN, CALL_OPEN, FENCE_OPEN, call_prefix
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
-# How a reply that is a call starts: in the tags, or the bare call object.
-_OPENINGS = (CALL_OPEN, BARE_OPEN)
+# How a reply that is a call starts: in the tags, the bare call object, or a code block.
+_OPENINGS = (CALL_OPEN, BARE_OPEN, FENCE_OPEN)
 
 __all__ = ["CallGrammar", "CallMask"]
 
@@ -41,9 +42,10 @@ _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 
 
 def _lark(tools: Sequence[dict[str, Any]], tags: tuple[str, str]) -> str:
-    """Two rules per function: its call's fixed text, then its arguments' schema, inside
+    """Three rules per function: its call's fixed text, then its arguments' schema, inside
     the call tags (`tags`: the grammar's terms for them, `_tag_terms`) or as the bare
-    object (`engine.llm.tool_calls`)."""
+    object; or the whole call object, spaced freely, in a JSON code block
+    (`engine.llm.tool_calls`)."""
     rules, names = [], []
     for i, tool in enumerate(tools):
         function = tool["function"]
@@ -57,9 +59,25 @@ def _lark(tools: Sequence[dict[str, Any]], tags: tuple[str, str]) -> str:
         rules.append(f"call_{i}: open {tagged} args_{i} {json.dumps(chr(125) + chr(10))} end")
         rules.append(f"bare_{i}: {bare} args_{i} {json.dumps(chr(125))}")
         rules.append(f"args_{i}: %json {json.dumps(schema)}")
-        names += [f"call_{i}", f"bare_{i}"]
+        fence = json.dumps(FENCE_OPEN)
+        rules.append(f"fenced_{i}: {fence} object_{i} {json.dumps(chr(10) + '```')}")
+        rules.append(f"object_{i}: %json {json.dumps(_call_object(function))}")
+        names += [f"call_{i}", f"bare_{i}", f"fenced_{i}"]
     start = f"start: {' | '.join(names)}"
     return "\n".join([start, f"open: {tags[0]}", f"end: {tags[1]}", *rules])
+
+
+def _call_object(function: dict[str, Any]) -> dict[str, Any]:
+    """The schema of a whole call object to `function`, spaced freely (a code block's)."""
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"const": function["name"]},
+            "arguments": function.get("parameters") or {"type": "object"},
+        },
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
 
 
 def _tag_terms(hf_tokenizer: Any) -> tuple[str, str]:

@@ -7,8 +7,9 @@ sibling's card documents (the Hermes convention, also Qwen2.5's):
   `<tools></tools>`, and says how to call one;
 - a call is the reply `<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>`,
   at the very start of the reply, one call per reply. Qwen2.5-Coder, shown the tools by
-  its own template, often writes the object alone (`{"name": NAME, "arguments": ARGS}`):
-  a reply that starts so is a call too;
+  its own template, often writes the object alone (`{"name": NAME, "arguments": ARGS}`)
+  or in a JSON code block, spaced freely: a reply that starts so is a call too (a code
+  block's is read once the reply ends);
 - an earlier call in the history is an assistant message holding that text, and its
   result a user message `<tool_response>\\n...\\n</tool_response>` followed by a short
   request to answer with it.
@@ -30,6 +31,7 @@ from engine.runtime.request import ToolCallDelta
 __all__ = [
     "BARE_OPEN",
     "CALL_OPEN",
+    "FENCE_OPEN",
     "CallReader",
     "call_prefix",
     "call_text",
@@ -41,6 +43,7 @@ __all__ = [
 
 CALL_OPEN = "<tool_call>\n"
 BARE_OPEN = '{"name": "'  # a call object's start, also a call without the tags
+FENCE_OPEN = "```json\n"  # a call object in a JSON code block, spaced freely
 CALL_CLOSE = "\n</tool_call>"
 _NAME_OPEN = BARE_OPEN
 _ARGS_OPEN = '", "arguments": '
@@ -121,6 +124,20 @@ def template_messages(
     return out
 
 
+def _fenced_call(text: str) -> ToolCallDelta | None:
+    """The call a fenced JSON block holds (`{"name": ..., "arguments": {...}}`), if any."""
+    body = text.removeprefix(FENCE_OPEN).rstrip().removesuffix("```")
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    return ToolCallDelta(
+        index=0, name=value["name"], arguments=json.dumps(value.get("arguments", {}))
+    )
+
+
 @dataclass
 class _Call:
     name: str | None = None
@@ -139,7 +156,7 @@ class CallReader:
 
     def __init__(self) -> None:
         self._buffer = ""
-        self._mode = "undecided"  # then "text" or "call"
+        self._mode = "undecided"  # then "text", "call" or "fenced"
         self._call = _Call()
         self._open = CALL_OPEN  # or "" for a bare call object
         self.called = False
@@ -147,22 +164,33 @@ class CallReader:
     def push(self, delta: str) -> tuple[str, list[ToolCallDelta]]:
         self._buffer += delta
         if self._mode == "undecided":
-            opened = [o for o in (CALL_OPEN, "") if self._buffer.startswith(o + _NAME_OPEN)]
-            if opened:
-                self._mode, self.called, self._open = "call", True, opened[0]
-            elif any((o + _NAME_OPEN).startswith(self._buffer) for o in (CALL_OPEN, "")):
+            starts = (CALL_OPEN + _NAME_OPEN, _NAME_OPEN, FENCE_OPEN)
+            opened = [s for s in starts if self._buffer.startswith(s)]
+            if opened == [FENCE_OPEN]:
+                self._mode, self.called = "fenced", True
+            elif opened:
+                self._mode, self.called = "call", True
+                self._open = CALL_OPEN if opened[0] != _NAME_OPEN else ""
+            elif any(s.startswith(self._buffer) for s in starts):
                 return "", []
             else:
                 self._mode = "text"
         if self._mode == "text":
             text, self._buffer = self._buffer, ""
             return text, []
+        if self._mode == "fenced":
+            return "", []  # read whole once it ends: its spacing is free
         return "", self._call_deltas(final=False)
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """What was held back, once the reply ended."""
         if self._mode == "call":
             return "", self._call_deltas(final=True)
+        if self._mode == "fenced":
+            call = _fenced_call(self._buffer)
+            if call is not None:
+                return "", [call]
+            self.called = False  # not a call object after all: the reply is text
         text, self._buffer = self._buffer, ""
         return text, []
 

@@ -4,7 +4,8 @@ the ASR models, and each voice's intelligibility, speed and first audio.
     python bench/speech_quality.py [--json] [--asr whisper-tiny.en --asr whisper-base]
                                    [--tts piper-en_US-joe-medium --tts kokoro-82m]
 
-Speech-to-text (`asr`), per model, word error rate on three sets:
+Word error rates compare words with number words written as digits (Whisper writes
+"7" for "seven"). Speech-to-text (`asr`), per model, word error rate on three sets:
 - `alsa`: the alsa-utils recordings (a person reading channel names);
 - `espeak`: eSpeak NG sentences in two accents;
 - `commands`: short commands spoken by eSpeak NG: digits, playing cards, yes and no.
@@ -38,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 import soundfile as sf  # noqa: E402
 import soxr  # noqa: E402
-from _clips import ALSA, wer  # noqa: E402
+from _clips import ALSA, words  # noqa: E402
+from _clips import wer as plain_wer  # noqa: E402
 
 import engine  # noqa: E402
 
@@ -97,6 +99,22 @@ ANSWER = (
     "Sure, here is the forecast. Tomorrow will be sunny, with a light breeze from the west. "
     "In the evening, clouds move in from the coast."
 )
+
+
+# Whisper writes numbers as digits: both sides are compared with number words as digits.
+_NUMBER_WORDS = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+    "fifteen sixteen seventeen eighteen nineteen twenty"
+)
+_NUMBERS = {word: str(n) for n, word in enumerate(_NUMBER_WORDS.split())}
+
+
+def normalized(text: str) -> str:
+    return " ".join(_NUMBERS.get(w, w) for w in words(text))
+
+
+def wer(refs: list[str], hyps: list[str]) -> float:
+    return plain_wer([normalized(r) for r in refs], [normalized(h) for h in hyps])
 
 
 def espeak(text: str, voice: str) -> np.ndarray:

@@ -307,7 +307,8 @@ def percentile(values: list[float], q: float) -> float:
 @contextlib.asynccontextmanager
 async def open_session(url: str, mode: str) -> AsyncIterator[Session]:
     """A new realtime session in `mode`, its microphone streaming silence."""
-    async with connect(f"{url}/realtime?model=duplex-smollm2", max_size=None) as ws:
+    # An OpenAI name: every profile serves it (its own name differs by profile).
+    async with connect(f"{url}/realtime?model=gpt-realtime", max_size=None) as ws:
         mic, events = Microphone(ws), Events(ws)
         tasks = [asyncio.create_task(events.run()), asyncio.create_task(mic.run())]
         detection = MODES[mode]

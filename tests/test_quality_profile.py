@@ -162,17 +162,17 @@ def test_whisper_base_is_fetched_in_two_parts_and_transcribes(
 # -- the profile through the gateway ----------------------------------------------------
 
 
-WEATHER_TOOL = {
+TIMER_TOOL = {
     "type": "function",
-    "name": "get_weather",
-    "description": "The current weather in a city",
+    "name": "set_timer",
+    "description": "Start a countdown timer",
     "parameters": {
         "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
+        "properties": {"minutes": {"type": "integer", "minimum": 1}},
+        "required": ["minutes"],
     },
 }
-CITY_WEATHER = {"type": "input_text", "text": "What is the weather in Oslo right now?"}
+SET_TIMER = {"type": "input_text", "text": "Set a timer for ten minutes."}
 
 
 async def ask(conn: Any, text: str) -> str:
@@ -206,10 +206,10 @@ async def test_quality_profile_remembers_the_user_through_the_gateway() -> None:
             answer = await ask(conn, "In which city do I live?")
         # With `auto`, the model alone decides to call (in Qwen2.5's own tool prompt).
         async with client.realtime.connect(model="gpt-realtime") as conn:
-            session["tools"] = [WEATHER_TOOL]
+            session["tools"] = [TIMER_TOOL]
             session["tool_choice"] = "auto"
             await conn.session.update(session=session)  # type: ignore[arg-type]
-            item = {"type": "message", "role": "user", "content": [CITY_WEATHER]}
+            item = {"type": "message", "role": "user", "content": [SET_TIMER]}
             await conn.conversation.item.create(item=item)  # type: ignore[arg-type]
             await conn.response.create()
             async for event in conn:
@@ -217,5 +217,5 @@ async def test_quality_profile_remembers_the_user_through_the_gateway() -> None:
                     break
     assert "lisbon" in answer.lower(), answer
     (call,) = [o for o in event.response.output or [] if o.type == "function_call"]
-    assert call.name == "get_weather" and json.loads(call.arguments or "")["city"] == "Oslo"
+    assert call.name == "set_timer" and json.loads(call.arguments or "") == {"minutes": 10}
     assert gw.proc.returncode == 0

@@ -203,6 +203,9 @@ def test_a_forced_call_admits_only_valid_tokens_and_then_the_end(grammar: Any) -
     tokenizer, calls = grammar
     prompt = [1, 2, 3]
     mask = calls.mask([WEATHER, TIME], len(prompt), forced=True)
+    # A forced call is written in the tags (its arguments stream), never as a code block.
+    opening = mask(mx.array(prompt), mx.zeros((1, calls.vocab_size)))
+    assert not mx.isfinite(opening[0, tokenizer.encode("```json")[0]]).item()
     good = tokenizer.encode(call_text("get_weather", '{"city": "Rome", "unit": "celsius"}'))
     history = list(prompt)
     for token in good:

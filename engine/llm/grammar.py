@@ -41,7 +41,7 @@ __all__ = ["CallGrammar", "CallMask"]
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def _lark(tools: Sequence[dict[str, Any]], tags: tuple[str, str]) -> str:
+def _lark(tools: Sequence[dict[str, Any]], tags: tuple[str, str], *, forced: bool) -> str:
     """Three rules per function: its call's fixed text, then its arguments' schema, inside
     the call tags (`tags`: the grammar's terms for them, `_tag_terms`) or as the bare
     object; or the whole call object, spaced freely, in a JSON code block
@@ -62,7 +62,9 @@ def _lark(tools: Sequence[dict[str, Any]], tags: tuple[str, str]) -> str:
         fence = json.dumps(FENCE_OPEN)
         rules.append(f"fenced_{i}: {fence} object_{i} {json.dumps(chr(10) + '```')}")
         rules.append(f"object_{i}: %json {json.dumps(_call_object(function))}")
-        names += [f"call_{i}", f"bare_{i}", f"fenced_{i}"]
+        # A forced call is written in the tags, its arguments streamed as they come;
+        # the model's own other forms are read only where it chose to call.
+        names += [f"call_{i}"] if forced else [f"call_{i}", f"bare_{i}", f"fenced_{i}"]
     start = f"start: {' | '.join(names)}"
     return "\n".join([start, f"open: {tags[0]}", f"end: {tags[1]}", *rules])
 
@@ -103,7 +105,7 @@ class CallGrammar:
         self, tools: Sequence[dict[str, Any]], prompt_tokens: int, *, forced: bool
     ) -> CallMask:
         """A processor for one request whose prompt is `prompt_tokens` long."""
-        grammar = llguidance.LLMatcher.grammar_from_lark(_lark(tools, self._tags))
+        grammar = llguidance.LLMatcher.grammar_from_lark(_lark(tools, self._tags, forced=forced))
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:
             raise ValueError(f"the tools' schemas cannot be enforced: {error}")

@@ -193,11 +193,10 @@ def voice_table(
 ) -> tuple[tuple[str, ...], dict[str, str]]:
     """The voices the TTS stage speaks, its default first, and the OpenAI voice name each
     of its own voices speaks for (empty: every OpenAI name speaks with the default)."""
-    tts = config.stages.tts
     voice = getattr(stages.get("tts"), "voice", None)
     if voice is not None and voice.names:
         return tuple(voice.names), dict(voice.openai_voices)
-    return (tts.voice or tts.model.name,), {}
+    return (config.stages.tts.voice_name,), {}
 
 
 def _vad_stage(config: EngineConfig, progress: bool) -> Stage:

@@ -173,6 +173,11 @@ class TtsConfig(_Strict):
     noise_w: float | None = Field(None, ge=0.0)
     max_batch: int = Field(8, ge=1)
 
+    @property
+    def voice_name(self) -> str:
+        """The name a one-voice model (Piper) answers to: `voice`, else the model's."""
+        return self.voice or self.model.name
+
 
 class VadConfig(_Strict):
     model: ModelRef = ModelRef(name="silero-vad")

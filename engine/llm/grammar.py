@@ -13,8 +13,8 @@ call, and it takes the call's wrapper and several schemas as one grammar.
 `CallMask` is the processor. With a forced call (`required` or a named function) the
 grammar holds from the reply's first token. With `auto` the model writes freely and
 the grammar takes over only once the reply starts as a call (`<tool_call>`, `{"name": "`
-or a JSON code block):
-the model alone decides whether to call, and what it calls is then valid.
+or a JSON code block): the model alone decides whether to call, and what it calls is
+then valid. A forced call is written in the tags, so its arguments stream.
 """
 
 from __future__ import annotations
@@ -42,29 +42,29 @@ _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 
 
 def _lark(tools: Sequence[dict[str, Any]], tags: tuple[str, str], *, forced: bool) -> str:
-    """Three rules per function: its call's fixed text, then its arguments' schema, inside
-    the call tags (`tags`: the grammar's terms for them, `_tag_terms`) or as the bare
-    object; or the whole call object, spaced freely, in a JSON code block
-    (`engine.llm.tool_calls`)."""
+    """Per function, its call's fixed text, then its arguments' schema, inside the call
+    tags (`tags`: the grammar's terms for them, `_tag_terms`). Unless the call is forced
+    (written in the tags, so its arguments stream), also the model's other forms
+    (`engine.llm.tool_calls`): the bare object, and the whole object spaced freely in a
+    JSON code block."""
     rules, names = [], []
     for i, tool in enumerate(tools):
         function = tool["function"]
         schema = dict(function.get("parameters") or {"type": "object"})
         schema["x-guidance"] = _JSON_STYLE
         prefix = call_prefix(function["name"])
-        tagged, bare = (
-            json.dumps(prefix.removeprefix(OPEN_TAG)),
-            json.dumps(prefix.removeprefix(CALL_OPEN)),
-        )
+        tagged = json.dumps(prefix.removeprefix(OPEN_TAG))
         rules.append(f"call_{i}: open {tagged} args_{i} {json.dumps(chr(125) + chr(10))} end")
-        rules.append(f"bare_{i}: {bare} args_{i} {json.dumps(chr(125))}")
         rules.append(f"args_{i}: %json {json.dumps(schema)}")
-        fence = json.dumps(FENCE_OPEN)
-        rules.append(f"fenced_{i}: {fence} object_{i} {json.dumps(chr(10) + '```')}")
+        names.append(f"call_{i}")
+        if forced:
+            continue
+        bare = json.dumps(prefix.removeprefix(CALL_OPEN))
+        rules.append(f"bare_{i}: {bare} args_{i} {json.dumps(chr(125))}")
+        fence, fence_end = json.dumps(FENCE_OPEN), json.dumps(chr(10) + "```")
+        rules.append(f"fenced_{i}: {fence} object_{i} {fence_end}")
         rules.append(f"object_{i}: %json {json.dumps(_call_object(function))}")
-        # A forced call is written in the tags, its arguments streamed as they come;
-        # the model's own other forms are read only where it chose to call.
-        names += [f"call_{i}"] if forced else [f"call_{i}", f"bare_{i}", f"fenced_{i}"]
+        names += [f"bare_{i}", f"fenced_{i}"]
     start = f"start: {' | '.join(names)}"
     return "\n".join([start, f"open: {tags[0]}", f"end: {tags[1]}", *rules])
 

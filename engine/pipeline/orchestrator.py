@@ -100,7 +100,7 @@ class DuplexOrchestrator(DuplexStreamingStagePort):
         self.engine = engine
         self.config = config
         # The TTS stage's voices, its default first (`engine.build.voice_table`).
-        self.voices = voices or (config.stages.tts.voice or config.stages.tts.model.name,)
+        self.voices = voices or (config.stages.tts.voice_name,)
         self.llm: LlmBackend = llm if llm is not None else EngineLlm(engine)
         self._reserved: dict[str, DuplexStageRequestContext] = {}
         self._sessions: dict[str, _SessionParams] = {}

@@ -23,7 +23,7 @@ import numpy as np
 from engine.models import kokoro
 from engine.stages.phonemes import get_phonemizer
 from engine.stages.tts_text import MAX_PIECE_PHONEMES, split_phonemes
-from engine.stages.voices import TtsRequest
+from engine.stages.voices import TtsRequest, padded_ids, stack_frames, synthesize_pieces
 
 __all__ = ["DEFAULT_VOICE", "KokoroScales", "KokoroVoice", "OPENAI_VOICES", "kokoro_phonemes"]
 
@@ -119,10 +119,6 @@ class KokoroVoice:
 
     def latents(self, batch: Sequence[list[int]], scales: Sequence[KokoroScales]) -> list[mx.array]:
         """The decoder's inputs [1, frames, C] per id sequence, evaluated."""
-        L = max(len(ids) for ids in batch)
-        padded = np.zeros((len(batch), L), dtype=np.int32)
-        for i, ids in enumerate(batch):
-            padded[i, : len(ids)] = ids
         styles = np.stack(
             [
                 kokoro.style_for(self.styles[s.voice], len(ids) - 2)
@@ -130,7 +126,7 @@ class KokoroVoice:
             ]
         )
         features, frames = self.model.prepare(
-            mx.array(padded),
+            mx.array(padded_ids(batch)),
             mx.array([len(ids) for ids in batch]),
             mx.array(styles),
             mx.array([s.speed for s in scales], dtype=mx.float32),
@@ -143,23 +139,10 @@ class KokoroVoice:
         """Audio of each (decoder inputs, start, stop), whole pieces only, in one pass."""
         if any(start != 0 or stop != z.shape[1] for z, start, stop in spans):
             raise ValueError("Kokoro renders whole pieces")
-        T = max(z.shape[1] for z, _, _ in spans)
-        batch = mx.concatenate(
-            [mx.pad(z, [(0, 0), (0, T - z.shape[1]), (0, 0)]) for z, _, _ in spans]
-        )
-        frames = np.array([z.shape[1] for z, _, _ in spans])
+        batch, frames = stack_frames([z for z, _, _ in spans])
         audio = np.array(self.model.decode(batch, frames))
         hop = self.model.samples_per_frame
         return [audio[i, : n * hop].copy() for i, n in enumerate(frames)]
 
     def synthesize(self, texts: Sequence[str], scales: Sequence[KokoroScales]) -> list[np.ndarray]:
-        """One batched pass over every piece of every text; audio per text."""
-        pieces = [self.id_pieces(t) for t in texts]
-        flat = [ids for ps in pieces for ids in ps]
-        flat_scales = [sc for ps, sc in zip(pieces, scales, strict=True) for _ in ps]
-        latents = self.latents(flat, flat_scales) if flat else []
-        audio = iter(self.render([(z, 0, z.shape[1]) for z in latents]) if latents else [])
-        return [
-            np.concatenate([next(audio) for _ in ps]) if ps else np.zeros(0, np.float32)
-            for ps in pieces
-        ]
+        return synthesize_pieces(self, texts, scales)

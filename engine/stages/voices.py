@@ -32,6 +32,9 @@ __all__ = [
     "VoiceModel",
     "load_voice",
     "open_voice",
+    "padded_ids",
+    "stack_frames",
+    "synthesize_pieces",
 ]
 
 DEFAULT_VOICE = "piper-en_US-joe-medium"
@@ -137,12 +140,8 @@ class Voice:
 
     def latents(self, batch: Sequence[list[int]], scales: Sequence[Scales]) -> list[mx.array]:
         """Prior latents [1, frames, C] per id sequence, evaluated (noise drawn once)."""
-        L = max(len(ids) for ids in batch)
-        padded = np.zeros((len(batch), L), dtype=np.int32)
-        for i, ids in enumerate(batch):
-            padded[i, : len(ids)] = ids
         z_p, frames = self.model.latents(
-            mx.array(padded),
+            mx.array(padded_ids(batch)),
             mx.array([len(ids) for ids in batch]),
             mx.array([s.noise_scale for s in scales]),
             mx.array([s.length_scale for s in scales]),
@@ -158,13 +157,13 @@ class Voice:
         model = self.model
         context, vocoder_context = model.context_frames(), model.dec.context_frames()
         windows = [_window(z_p, start, stop, context) for z_p, start, stop in spans]
-        z = model.flows(*_stack([w for w, _ in windows]))
+        z = model.flows(*stack_frames([w for w, _ in windows]))
         # The vocoder needs fewer frames around each span than the flows did.
         windows = [
             _window(z[i : i + 1, : w.shape[1]], a, a + n, vocoder_context)
             for i, (w, (a, n)) in enumerate(windows)
         ]
-        audio = np.array(model.vocode(*_stack([w for w, _ in windows])))
+        audio = np.array(model.vocode(*stack_frames([w for w, _ in windows])))
         hop = model.args.hop_length
         return [audio[i, a * hop : (a + n) * hop].copy() for i, (_, (a, n)) in enumerate(windows)]
 
@@ -176,12 +175,31 @@ class Voice:
         return self.render([(z, 0, z.shape[1]) for z in z_p])
 
     def synthesize(self, texts: Sequence[str], scales: Sequence[Scales]) -> list[np.ndarray]:
-        """One batched forward over every piece of every text; audio per text."""
-        pieces = [self.id_pieces(t) for t in texts]
-        flat = [ids for ps in pieces for ids in ps]
-        flat_scales = [sc for ps, sc in zip(pieces, scales, strict=True) for _ in ps]
-        audio = iter(self.synthesize_ids(flat, flat_scales))
-        return [np.concatenate([next(audio) for _ in ps]) for ps in pieces]
+        return synthesize_pieces(self, texts, scales)
+
+
+def synthesize_pieces(
+    voice: VoiceModel, texts: Sequence[str], scales: Sequence[Any]
+) -> list[np.ndarray]:
+    """One batched pass over every phoneme piece of every text (each rendered whole);
+    audio per text."""
+    pieces = [voice.id_pieces(t) for t in texts]
+    flat = [ids for ps in pieces for ids in ps]
+    flat_scales = [sc for ps, sc in zip(pieces, scales, strict=True) for _ in ps]
+    latents = voice.latents(flat, flat_scales) if flat else []
+    audio = iter(voice.render([(z, 0, z.shape[1]) for z in latents]) if latents else [])
+    return [
+        np.concatenate([next(audio) for _ in ps]) if ps else np.zeros(0, np.float32)
+        for ps in pieces
+    ]
+
+
+def padded_ids(batch: Sequence[list[int]]) -> np.ndarray:
+    """The id sequences as one zero-padded [B, longest] array."""
+    padded = np.zeros((len(batch), max(len(ids) for ids in batch)), dtype=np.int32)
+    for i, ids in enumerate(batch):
+        padded[i, : len(ids)] = ids
+    return padded
 
 
 def _window(z: mx.array, start: int, stop: int, context: int) -> tuple[mx.array, tuple[int, int]]:
@@ -190,8 +208,8 @@ def _window(z: mx.array, start: int, stop: int, context: int) -> tuple[mx.array,
     return z[:, lo:hi], (start - lo, stop - start)
 
 
-def _stack(windows: list[mx.array]) -> tuple[mx.array, np.ndarray]:
-    # One zero-padded batch and each window's frame count.
+def stack_frames(windows: list[mx.array]) -> tuple[mx.array, np.ndarray]:
+    """One zero-padded batch [B, longest, C] and each window's frame count."""
     T = max(w.shape[1] for w in windows)
     batch = mx.concatenate([mx.pad(w, [(0, 0), (0, T - w.shape[1]), (0, 0)]) for w in windows])
     return batch, np.array([w.shape[1] for w in windows])

@@ -531,8 +531,13 @@ LLM_TWINS = """
     )
 
     def decode(rows):
+        # The prompt is read once and its cache copied to every row: its products (many
+        # rows) are the BLAS's, whose sums may depend on the batch on some CPUs.
         cache = make_prompt_cache(model)
-        logits = model(mx.array([prompt] * rows), cache=cache)
+        logits = mx.repeat(model(mx.array([prompt]), cache=cache), rows, axis=0)
+        for layer in cache:
+            keys, values, offset = layer.state
+            layer.state = (mx.repeat(keys, rows, axis=0), mx.repeat(values, rows, axis=0), offset)
         steps, tokens = [], []
         for _ in range(8):
             token = mx.argmax(logits[:, -1], axis=-1)

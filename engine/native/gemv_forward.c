@@ -49,8 +49,20 @@ typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int
                          const float *, int, float, float *, int);
 typedef void (*sgemv_fn)(int, int, int, int, float, const float *, int, const float *, int,
                          float, float *, int);
+#if defined(__AVX512F__)
 /* LANES floats; loads and stores through it need only float alignment. */
 typedef float lanes __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
+#else
+/* Without AVX-512, LANES floats are two halves of 8. GCC keeps a 64-byte vector that a
+ * loop carries (a product's sums) in memory there, and moves it through the stack on
+ * every step: the products ran at a quarter of the speed of two 8-float halves. The
+ * halves compute what the whole vector did, in the same order (`sum_lanes`). */
+typedef float half_lanes __attribute__((vector_size(LANES / 2 * sizeof(float))));
+typedef float half_lanes_at __attribute__((vector_size(LANES / 2 * sizeof(float)), aligned(4)));
+typedef struct {
+  half_lanes lo, hi;
+} lanes;
+#endif
 
 static sgemm_fn real_sgemm;
 static sgemv_fn real_sgemv;
@@ -91,17 +103,55 @@ static inline float scaled(const struct product *p, float sum, const float *c) {
   return p->beta == 0.0f ? p->alpha * sum : p->alpha * sum + p->beta * *c;
 }
 
+/* The LANES floats at p, and the operations the products make of them. */
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) lanes load_lanes(const float *p) {
+  return *(const lanes *)p;
+}
+static inline __attribute__((always_inline)) lanes zero_lanes(void) { return (lanes){0}; }
+/* acc + w * x, lane by lane */
+static inline __attribute__((always_inline)) lanes add_product(lanes acc, lanes w, lanes x) {
+  return acc + w * x;
+}
+/* acc + a * x, lane by lane */
+static inline __attribute__((always_inline)) lanes add_scaled(lanes acc, float a, lanes x) {
+  return acc + a * x;
+}
+static inline __attribute__((always_inline)) float lane(lanes v, int i) { return v[i]; }
+#else
+static inline __attribute__((always_inline)) lanes load_lanes(const float *p) {
+  return (lanes){*(const half_lanes_at *)p, *(const half_lanes_at *)(p + LANES / 2)};
+}
+static inline __attribute__((always_inline)) lanes zero_lanes(void) { return (lanes){{0}, {0}}; }
+static inline __attribute__((always_inline)) lanes add_product(lanes acc, lanes w, lanes x) {
+  return (lanes){acc.lo + w.lo * x.lo, acc.hi + w.hi * x.hi};
+}
+static inline __attribute__((always_inline)) lanes add_scaled(lanes acc, float a, lanes x) {
+  return (lanes){acc.lo + a * x.lo, acc.hi + a * x.hi};
+}
+static inline __attribute__((always_inline)) float lane(lanes v, int i) {
+  return i < LANES / 2 ? v.lo[i] : v.hi[i - LANES / 2];
+}
+#endif
+
 /* Halve and add, four times: the same order for every output. */
 static inline float sum_lanes(lanes v) {
-#if defined(__clang__) || __GNUC__ >= 12
+#if defined(__AVX512F__) && (defined(__clang__) || __GNUC__ >= 12)
   v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
   v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
   return v[0] + v[1];
+#elif defined(__clang__) || __GNUC__ >= 12
+  half_lanes h = v.lo + v.hi; /* the first halving: lane i and lane i + 8 */
+  h += __builtin_shufflevector(h, h, 4, 5, 6, 7, 0, 1, 2, 3);
+  h += __builtin_shufflevector(h, h, 2, 3, 0, 1, 2, 3, 0, 1);
+  return h[0] + h[1];
 #else /* compilers without __builtin_shufflevector: the same sums, lane by lane */
+  float f[LANES];
+  for (int i = 0; i < LANES; i++) f[i] = lane(v, i);
   for (int half = LANES / 2; half > 0; half /= 2)
-    for (int i = 0; i < half; i++) v[i] += v[i + half];
-  return v[0];
+    for (int i = 0; i < half; i++) f[i] += f[i + half];
+  return f[0];
 #endif
 }
 
@@ -115,12 +165,12 @@ few_rows_range(const struct product *p, int rows, int n0, int n1) {
   for (int n = n0; n < n1; n++) {
     const float *w = p->b + (size_t)n * p->ldb;
     lanes acc[MAX_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = (lanes){0};
+    for (int r = 0; r < rows; r++) acc[r] = zero_lanes();
     for (int i = 0; i < whole; i += LANES) {
       __builtin_prefetch(w + i + PREFETCH_FLOATS, 0, 3);
-      lanes wv = *(const lanes *)(w + i);
+      lanes wv = load_lanes(w + i);
       for (int r = 0; r < rows; r++)
-        acc[r] += wv * *(const lanes *)(p->a + (size_t)r * p->lda + i);
+        acc[r] = add_product(acc[r], wv, load_lanes(p->a + (size_t)r * p->lda + i));
     }
     for (int r = 0; r < rows; r++) {
       float s = sum_lanes(acc[r]);
@@ -185,11 +235,13 @@ static inline __attribute__((always_inline)) lanes halves(const uint8_t *q) {
   __builtin_memcpy(&v, &lo, sizeof lo);
   __builtin_memcpy((char *)&v + sizeof lo, &hi, sizeof hi);
 #else
+  float f[LANES];
   for (int i = 0; i < LANES; i++) {
     uint16_t h;
     __builtin_memcpy(&h, q + 2 * i, sizeof h);
-    v[i] = half_to_float(h);
+    f[i] = half_to_float(h);
   }
+  v = load_lanes(f);
 #endif
   return v;
 }
@@ -224,7 +276,16 @@ static inline __attribute__((always_inline)) lanes rebuild(const uint8_t *q, int
     values = __builtin_convertvector(*(const signed16 *)(q + 16 * half), ints);
   }
 #endif
+#if defined(__AVX512F__)
   return __builtin_convertvector(values, lanes) * scale + offset;
+#else
+  typedef int32_t half_ints __attribute__((vector_size(LANES / 2 * sizeof(int32_t))));
+  half_ints lo, hi;
+  __builtin_memcpy(&lo, &values, sizeof lo);
+  __builtin_memcpy(&hi, (char *)&values + sizeof lo, sizeof hi);
+  return (lanes){__builtin_convertvector(lo, half_lanes) * scale + offset,
+                 __builtin_convertvector(hi, half_lanes) * scale + offset};
+#endif
 }
 
 /* One group's q, scale and offset for `w`; 0 when w is not exactly of that form. */
@@ -256,7 +317,7 @@ static int compress_group(const float *w, int bits, uint8_t *q, float *scale, fl
   for (int half = 0; half < 2; half++) {
     lanes back = rebuild(q, bits, half, s, o);
     for (int i = 0; i < LANES; i++)
-      if (back[i] != w[half * LANES + i]) return 0;
+      if (lane(back, i) != w[half * LANES + i]) return 0;
   }
   *scale = s;
   *offset = o;
@@ -351,7 +412,7 @@ int gemv_forward_twin_groups(const float *w, int n, int k, const uint8_t *q, con
     for (int half = 0; half < 2 && made == 1; half++) {
       lanes back = rebuild(t.q + g * GROUP / 2, 4, half, t.scale[g], t.offset[g]);
       for (int i = 0; i < LANES; i++)
-        if (back[i] != w[g * GROUP + half * LANES + i]) made = 0;
+        if (lane(back, i) != w[g * GROUP + half * LANES + i]) made = 0;
     }
   return keep_twin(t, made);
 }
@@ -372,7 +433,7 @@ int gemv_forward_twin_halves(const float *w, int n, int k, const uint16_t *h) {
     for (int half = 0; half < 2 && made == 1; half++) {
       lanes back = rebuild(t.q + g * GROUP * 2, 16, half, 1.0f, 0.0f);
       for (int i = 0; i < LANES; i++)
-        if (back[i] != w[g * GROUP + half * LANES + i]) made = 0;
+        if (lane(back, i) != w[g * GROUP + half * LANES + i]) made = 0;
     }
   return keep_twin(t, made);
 }
@@ -424,7 +485,7 @@ twin_rows_range(const struct product *p, int rows, int n0, int n1) {
     const uint8_t *q = t->q + (size_t)n * row_bytes;
     const float *scale = t->scale + (size_t)n * groups, *offset = row_offsets(t, n);
     lanes acc[MAX_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = (lanes){0};
+    for (int r = 0; r < rows; r++) acc[r] = zero_lanes();
     for (int g = 0; g < groups; g++) {
       const uint8_t *gq = q + (size_t)g * GROUP * t->bits / 8;
       __builtin_prefetch(gq + 512, 0, 3);
@@ -432,7 +493,7 @@ twin_rows_range(const struct product *p, int rows, int n0, int n1) {
         lanes wv = rebuild(gq, t->bits, half, scale[g], offset[g]);
         const int i = g * GROUP + half * LANES;
         for (int r = 0; r < rows; r++)
-          acc[r] += wv * *(const lanes *)(p->a + (size_t)r * p->lda + i);
+          acc[r] = add_product(acc[r], wv, load_lanes(p->a + (size_t)r * p->lda + i));
       }
     }
     for (int r = 0; r < rows; r++) {
@@ -670,15 +731,15 @@ static inline __attribute__((always_inline)) void few_rows_plain_rows(const stru
   const int n = p->n, whole = n - n % LANES;
   for (int j = 0; j < whole; j += LANES) {
     lanes acc[MAX_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = (lanes){0};
+    for (int r = 0; r < rows; r++) acc[r] = zero_lanes();
     for (int i = 0; i < p->k; i++) {
-      lanes bv = *(const lanes *)(p->b + (size_t)i * p->ldb + j);
-      for (int r = 0; r < rows; r++) acc[r] += p->a[(size_t)r * p->lda + i] * bv;
+      lanes bv = load_lanes(p->b + (size_t)i * p->ldb + j);
+      for (int r = 0; r < rows; r++) acc[r] = add_scaled(acc[r], p->a[(size_t)r * p->lda + i], bv);
     }
     for (int r = 0; r < rows; r++)
       for (int q = 0; q < LANES; q++) {
         float *out = p->c + (size_t)r * p->ldc + j + q;
-        *out = scaled(p, acc[r][q], out);
+        *out = scaled(p, lane(acc[r], q), out);
       }
   }
   for (int j = whole; j < n; j++)

@@ -125,6 +125,7 @@ class Detect:
     words: bool = True
     words_after_ms: int = 64
     interruption_words_after_ms: int | None = None
+    interruption_words_every_ms: int | None = None  # None: as interruption_words_after_ms
     min_interruption_ms: int = 0
 
     def plan(self) -> DuplexAppendPlan:
@@ -199,6 +200,7 @@ _DETECT_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     "pause_after_ms": ((int,), True),
     "rescore_ms": ((int,), True),
     "interruption_words_after_ms": ((int,), True),
+    "interruption_words_every_ms": ((int,), True),
 }
 
 

@@ -143,11 +143,14 @@ class TurnSettings(BaseModel):
     # with words of its own) ends the turn only after this fraction of the eagerness's
     # longest wait (auto: 0.3 x 4 s = 1.2 s of silence); 1: wait all of it.
     semantic_unsure_wait: float = Field(default=0.3, ge=0.0, le=1.0)
-    # Speech over a running response is transcribed once it began this long ago
-    # (and every as long again until `min_interruption_ms`, each time once the last
-    # transcript is in): words other than backchannels ("yeah", "mm hmm", "okay")
-    # confirm the interruption early. None: off.
+    # Speech over a running response is transcribed once it began this long ago (and
+    # again until `min_interruption_ms`, each time once the last transcript is in): words
+    # other than backchannels ("yeah", "mm hmm", "okay") confirm the interruption early.
+    # None: off.
     interruption_words_after_ms: int | None = Field(default=None, ge=32, le=5000)
+    # After a check whose words said nothing ("So", "Uh"), the next one is due this much
+    # more speech later, once that check is in (None: `interruption_words_after_ms`).
+    interruption_words_every_ms: int | None = Field(default=None, ge=32, le=5000)
     min_interruption_ms: int = Field(default=0, ge=0, le=5000)
 
     @model_validator(mode="after")

@@ -408,10 +408,14 @@ async def test_an_unsure_ending_waits_part_of_the_cap_then_ends() -> None:
 
 
 async def speech_over_an_answer(
-    engine: ScriptedEngine, min_interruption_ms: int = 1000
+    engine: ScriptedEngine, min_interruption_ms: int = 1000, every_ms: int | None = None
 ) -> tuple[DetectionHarness, SpeechDecision]:
     """A source whose speech started (one chunk heard) while an answer was running."""
-    turns = TurnSettings(min_interruption_ms=min_interruption_ms, interruption_words_after_ms=256)
+    turns = TurnSettings(
+        min_interruption_ms=min_interruption_ms,
+        interruption_words_after_ms=256,
+        interruption_words_every_ms=every_ms,
+    )
     source = DetectionHarness(engine, "s", turns)
     source.configure(TurnDetection(), start_ms=0)
     source.feed(np.zeros(32000, np.float32))
@@ -441,6 +445,26 @@ async def test_words_are_checked_once_the_speech_lasted_long_enough_voiced_or_no
     (confirmed,) = await decisions(source, 1)
     assert confirmed.kind == "confirmed"
     assert engine.requests == [("asr", 256 * 16)]
+    await source.close()
+
+
+@pytest.mark.parametrize(("every_ms", "chunks"), [(None, 8), (64, 2)])
+async def test_words_that_say_nothing_are_checked_again_every_interval(
+    every_ms: int | None, chunks: int
+) -> None:
+    # "Hold on" heard at 256 ms as "So": the next check hears more, `every_ms` later.
+    engine = ScriptedEngine(score=0.1, transcript="So")
+    source, _ = await speech_over_an_answer(engine, every_ms=every_ms)
+    engine.push(*[0.9] * 7)
+    await wait_until(lambda: bool(engine.requests) and not source.scoring, 5, "the check")
+    engine.transcript = "So, hold on"
+    engine.push(*[0.9] * (chunks - 1))
+    await wait_until(lambda: engine.vad.empty() and not source.scoring, 5, "the feed")
+    assert len(engine.requests) == 1  # not due yet
+    engine.push(0.9)
+    (confirmed,) = await decisions(source, 1)
+    assert confirmed.kind == "confirmed"
+    assert engine.requests == [("asr", 256 * 16), ("asr", (256 + chunks * 32) * 16)]
     await source.close()
 
 

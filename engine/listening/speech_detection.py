@@ -263,14 +263,15 @@ class SpeechDetection:
     ) -> int | None:
         """Transcribe the speech under way once it has been heard `due_ms`; returns when
         the next check is due (a new speech starts the count again)."""
-        every = self._detect.interruption_words_after_ms
+        first = self._detect.interruption_words_after_ms
+        every = self._detect.interruption_words_every_ms or first
         limit = self._detect.min_interruption_ms
-        if every is None or due_ms is None:
+        if first is None or every is None or due_ms is None:
             return due_ms
         if not detector.speaking:
             if self._words_check is not None:
                 self._words_check.cancel()  # about a speech that is over
-            return every
+            return first
         if not self._watch_words or detector.confirmed:
             return due_ms  # no answer to interrupt, or it is interrupted already
         # Due by the time since the speech began, not by its voiced chunks: unvoiced

@@ -199,6 +199,7 @@ def detect_append(
         words=turns.semantic_words,
         words_after_ms=turns.semantic_words_after_ms,
         interruption_words_after_ms=turns.interruption_words_after_ms,
+        interruption_words_every_ms=turns.interruption_words_every_ms,
         min_interruption_ms=turns.min_interruption_ms,
     )
 

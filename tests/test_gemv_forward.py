@@ -200,9 +200,13 @@ def test_the_forwarder_answers_first_and_can_be_turned_off(tmp_path: Path) -> No
                 owner = fields[5]
         print(json.dumps({"active": gemv_forward.is_active(), "owner": owner}))
     """
+    # This process's build, in the cache the probes read: they load it, not a new one.
+    built = gemv_forward._built()
+    assert built is not None
+    (tmp_path / "native").mkdir()
+    shutil.copy2(built, tmp_path / "native" / built.name)
     on = run_python(probe, DUPLEX_GATEWAY_CACHE=str(tmp_path))
-    assert on["active"] and "gemv_forward-" in on["owner"]
-    assert list((tmp_path / "native").glob("gemv_forward-*.so"))  # built once, cached
+    assert on["active"] and on["owner"] == str(tmp_path / "native" / built.name)
     off = run_python(probe, DUPLEX_GATEWAY_CACHE=str(tmp_path), DUPLEX_GATEWAY_GEMV_FORWARD="0")
     assert not off["active"] and "gemv_forward-" not in off["owner"]
 
@@ -219,10 +223,14 @@ def test_builds_of_other_sources_stay_and_only_long_unused_ones_go(
     os.utime(unused, (month, month))
     unrelated = native / "other.so"
     unrelated.write_bytes(b"not ours")
-    # Two checkouts of different versions share the cache: each keeps its build.
-    mine = gemv_forward._built()
+    # Two checkouts of different versions share the cache: each keeps its build. Two
+    # small sources stand for them (the build is keyed by content, not by what it holds).
+    version = tmp_path / "version.c"
+    version.write_text("int gemv_forward_version(void) { return 1; }\n")
     other = tmp_path / "other_version.c"
-    other.write_bytes(gemv_forward.SOURCE.read_bytes() + b"\n/* another version */\n")
+    other.write_text("int gemv_forward_version(void) { return 2; }\n")
+    monkeypatch.setattr(gemv_forward, "SOURCE", version)
+    mine = gemv_forward._built()
     with monkeypatch.context() as patch:
         patch.setattr(gemv_forward, "SOURCE", other)
         theirs = gemv_forward._built()

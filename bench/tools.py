@@ -4,6 +4,9 @@ realtime protocol, in text:
 - `call_precision`, `call_recall`: with `tool_choice: "auto"` on 24 prompts of our own,
   12 of which ask for something one of the three tools does; a prompt counts as called
   when its response holds a `function_call`. The model alone decides (no keyword rules).
+- `held_out_precision`, `held_out_recall`: the same on 24 more prompts, written after a
+  profile's `call_threshold` was first set, so that a threshold fitted to the first 24
+  shows here.
 - `schema_valid_rate`: every call made (the auto run, then a `required` run over all
   24 prompts) checked against its function's parameter schema with `jsonschema`.
 - `first_call_ms_p50`/`_p90`: from sending `response.create` (with `required`) to
@@ -102,6 +105,35 @@ SHOULD_NOT_CALL = [
     "Translate good morning into Spanish.",
 ]
 
+HELD_OUT_CALL = [
+    "How's the weather looking in Rome this afternoon?",
+    "Do I need an umbrella in Seattle today?",
+    "What's the temperature in Moscow in celsius?",
+    "Could you start a timer for three minutes?",
+    "Time my tea for four minutes.",
+    "Set a countdown for an hour and a half.",
+    "What's the time in Tokyo right now?",
+    "Is it morning or night in Los Angeles now?",
+    "Tell me the current time in Dubai.",
+    "Put a two minute timer on.",
+    "Weather in Oslo, please.",
+    "Is it sunny in Lisbon?",
+]
+HELD_OUT_NOT = [
+    "What is the boiling point of water?",
+    "How many legs does a spider have?",
+    "What's your name?",
+    "What is seven times eight?",
+    "Can you recommend a good book?",
+    "What does a kitchen timer do?",
+    "Who was the first person on the moon?",
+    "Spell the word weather.",
+    "Good night!",
+    "What is the largest ocean?",
+    "Tell me a fun fact about clocks.",
+    "How do I say thank you in French?",
+]
+
 
 async def ask(url: str, prompt: str, choice: str) -> tuple[list[dict[str, Any]], float | None]:
     """One prompt in a fresh session: its response's function calls, and the ms from
@@ -140,16 +172,24 @@ def valid(call: dict[str, Any]) -> bool:
     return True
 
 
+def precision_recall(
+    called: dict[str, bool], should: list[str], not_: list[str]
+) -> tuple[float, float]:
+    true_pos = sum(called[p] for p in should)
+    false_pos = sum(called[p] for p in not_)
+    return round(true_pos / max(true_pos + false_pos, 1), 3), round(true_pos / len(should), 3)
+
+
 async def measure(url: str) -> dict[str, Any]:
     prompts = SHOULD_CALL + SHOULD_NOT_CALL
     calls: list[dict[str, Any]] = []
     called: dict[str, bool] = {}
-    for prompt in prompts:
+    for prompt in prompts + HELD_OUT_CALL + HELD_OUT_NOT:
         made, _ = await ask(url, prompt, "auto")
         called[prompt] = bool(made)
         calls += made
-    true_pos = sum(called[p] for p in SHOULD_CALL)
-    false_pos = sum(called[p] for p in SHOULD_NOT_CALL)
+    precision, recall = precision_recall(called, SHOULD_CALL, SHOULD_NOT_CALL)
+    held_precision, held_recall = precision_recall(called, HELD_OUT_CALL, HELD_OUT_NOT)
     first_ms = []
     for prompt in prompts:
         made, ms = await ask(url, prompt, "required")
@@ -159,15 +199,17 @@ async def measure(url: str) -> dict[str, Any]:
     return {
         "prompts": len(prompts),
         "should_call": len(SHOULD_CALL),
-        "auto_called": sum(called.values()),
-        "call_precision": round(true_pos / max(true_pos + false_pos, 1), 3),
-        "call_recall": round(true_pos / len(SHOULD_CALL), 3),
+        "auto_called": sum(called[p] for p in prompts),
+        "call_precision": precision,
+        "call_recall": recall,
+        "held_out_precision": held_precision,
+        "held_out_recall": held_recall,
         "calls_checked": len(calls),
         "required_responses_with_a_call": len(first_ms),
         "schema_valid_rate": round(sum(valid(c) for c in calls) / max(len(calls), 1), 3),
         "first_call_ms_p50": round(statistics.median(first_ms), 1),
         "first_call_ms_p90": round(statistics.quantiles(first_ms, n=10)[-1], 1),
-        "auto_called_prompts": [p for p in prompts if called[p]],
+        "auto_called_prompts": [p for p in called if called[p]],
     }
 
 

@@ -177,6 +177,7 @@ def _llm_stage(config: EngineConfig, progress: bool) -> Stage:
         prefill_slice_tokens=limits.prefill_slice_tokens,
         prompt_cache_bytes=limits.prompt_cache_bytes,
         context_limits=ContextLimits(**llm.context.model_dump()),
+        call_threshold=llm.call_threshold,
     )
 
 

@@ -120,13 +120,18 @@ class ContextConfig(_Strict):
 
 class LlmConfig(_Strict):
     """`model` is the local model (backend "local"); `remote` the server (backend "remote").
-    `context` bounds the local model's prompts; a remote server applies its own."""
+    `context` bounds the local model's prompts; a remote server applies its own.
+
+    `call_threshold` (local model, `tool_choice: "auto"`): the reply is a call when the
+    model gives the tokens that start one at least this share of its probability at the
+    reply's first token (`engine.llm.grammar`); 0: only when its own draw starts one."""
 
     backend: Literal["local", "remote"] = "local"
     model: ModelRef | None = None
     sampling: SamplingConfig = SamplingConfig()
     remote: RemoteLlmConfig | None = None
     context: ContextConfig | None = None
+    call_threshold: float = Field(0.0, ge=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _backend_settings(self) -> LlmConfig:
@@ -137,6 +142,8 @@ class LlmConfig(_Strict):
                 raise ValueError("'model' is not used with backend 'remote'; set remote.model")
             if self.context is not None:
                 raise ValueError("'context' limits the local model; a remote server sets its own")
+            if self.call_threshold:
+                raise ValueError("'call_threshold' is the local model's; a remote server decides")
             return self
         if self.remote is not None:
             raise ValueError("'remote:' is only used with backend 'remote'")

@@ -97,6 +97,12 @@ def test_remote_backend_needs_remote_settings() -> None:
             }
         )
 
+    remote = {"backend": "remote", "remote": {"base_url": "http://x/v1", "model": "m"}}
+    with pytest.raises(ConfigError, match="'call_threshold' is the local model's"):
+        parse_config({"stages": {"llm": {**remote, "call_threshold": 0.05}}})
+    with pytest.raises(ConfigError, match=r"stages\.llm\.call_threshold"):
+        parse_config({"stages": {"llm": {"call_threshold": 1.5}}})
+
 
 def test_remote_url_must_be_http() -> None:
     with pytest.raises(ConfigError, match=r"stages\.llm\.remote\.base_url"):

@@ -6,6 +6,7 @@ and the orchestrator's call outputs, which are never spoken."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,6 +19,7 @@ from engine.config import RemoteLlmConfig, parse_config
 from engine.llm.remote_llm import RemoteLlm, chat_body
 from engine.llm.stage import LlmInput
 from engine.llm.tool_calls import (
+    BARE_OPEN,
     CallReader,
     call_text,
     native_messages,
@@ -251,6 +253,27 @@ def test_auto_leaves_plain_replies_alone_and_holds_calls_to_the_grammar(grammar:
         masked = calling(mx.array(tokenizer.encode(opening)), logits)
         finite = {i for i in range(calls.vocab_size) if mx.isfinite(masked[0, i]).item()}
         assert finite and all(tokenizer.decode([i]) in "weather" for i in finite), opening
+
+
+@pytest.mark.parametrize(
+    ("share", "threshold", "calls"), [(0.3, 0.25, True), (0.2, 0.25, False), (0.45, 0.0, False)]
+)
+def test_auto_calls_when_the_first_token_leans_to_a_call_by_the_threshold(
+    grammar: Any, share: float, threshold: float, calls: bool
+) -> None:
+    tokenizer, grammars = grammar
+    text, opening = tokenizer.encode("Sure")[0], tokenizer.encode(BARE_OPEN)[0]
+    # Two tokens hold all the probability: a plain word, and one that starts a call.
+    logits = mx.full((1, grammars.vocab_size), -40.0)
+    logits[0, text] = 0.0
+    logits[0, opening] = math.log(share / (1 - share))
+    mask = grammars.mask([WEATHER], 0, forced=False, call_threshold=threshold)
+    first = mask(mx.array([], dtype=mx.int32), logits)
+    if calls:  # the grammar holds from the first token: the plain word is out
+        assert not mx.isfinite(first[0, text]).item()
+        assert first[0, opening].item() == logits[0, opening].item()
+    else:  # the model's own draw decides: nothing is masked
+        assert mx.array_equal(first, logits).item()
 
 
 # ---- the remote stage ------------------------------------------------------------------

@@ -15,6 +15,12 @@ grammar holds from the reply's first token. With `auto` the model writes freely 
 the grammar takes over only once the reply starts as a call (`<tool_call>`, `{"name": "`
 or a JSON code block): the model alone decides whether to call, and what it calls is
 then valid. A forced call is written in the tags, so its arguments stream.
+
+A model may under-call: Qwen2.5-Coder-1.5B, asked for the weather, gives starting a call
+a fifth of its probability and then describes the call in words. With a
+`call_threshold`, the reply is a call when, at its first token, the model gives the
+tokens that can start one (the grammar's first tokens) at least that share of its
+probability; the model still picks the form, the function and the arguments.
 """
 
 from __future__ import annotations
@@ -102,14 +108,21 @@ class CallGrammar:
         self._tags = _tag_terms(hf_tokenizer)
 
     def mask(
-        self, tools: Sequence[dict[str, Any]], prompt_tokens: int, *, forced: bool
+        self,
+        tools: Sequence[dict[str, Any]],
+        prompt_tokens: int,
+        *,
+        forced: bool,
+        call_threshold: float = 0.0,
     ) -> CallMask:
         """A processor for one request whose prompt is `prompt_tokens` long."""
         grammar = llguidance.LLMatcher.grammar_from_lark(_lark(tools, self._tags, forced=forced))
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:
             raise ValueError(f"the tools' schemas cannot be enforced: {error}")
-        return CallMask(self._tokenizer, grammar, prompt_tokens, forced=forced)
+        return CallMask(
+            self._tokenizer, grammar, prompt_tokens, forced=forced, call_threshold=call_threshold
+        )
 
 
 class CallMask:
@@ -120,11 +133,18 @@ class CallMask:
     """
 
     def __init__(
-        self, tokenizer: llguidance.LLTokenizer, grammar: str, prompt_tokens: int, *, forced: bool
+        self,
+        tokenizer: llguidance.LLTokenizer,
+        grammar: str,
+        prompt_tokens: int,
+        *,
+        forced: bool,
+        call_threshold: float = 0.0,
     ) -> None:
         self._tokenizer = tokenizer
         self._grammar = grammar
         self._prompt_tokens = prompt_tokens
+        self._call_threshold = call_threshold
         self._matcher = llguidance.LLMatcher(tokenizer, grammar) if forced else None
         self._consumed = 0  # output tokens fed to the matcher
         self._free = False  # auto: the reply is plain text, nothing to enforce
@@ -134,17 +154,29 @@ class CallMask:
         if self._free:
             return logits
         output = cast("list[int]", tokens[self._prompt_tokens :].tolist())
-        if self._matcher is None and not self._engage(output):
+        if self._matcher is None and not self._engage(output, logits):
             return logits
         assert self._matcher is not None
         self._follow(output)
-        fill_next_token_bitmask(self._matcher, self._bitmask, 0)
-        allowed = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
-        allowed = allowed[: logits.shape[-1]].astype(bool)
-        return mx.where(mx.array(allowed)[None, :], logits, -mx.inf)
+        return mx.where(self._allowed(self._matcher, logits), logits, -mx.inf)
 
-    def _engage(self, output: list[int]) -> bool:
-        """Auto mode: whether the reply has become a call (then the grammar holds)."""
+    def _allowed(self, matcher: llguidance.LLMatcher, logits: mx.array) -> mx.array:
+        """The tokens `matcher` admits next, as a row mask over `logits`."""
+        fill_next_token_bitmask(matcher, self._bitmask, 0)
+        allowed = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
+        return mx.array(allowed[: logits.shape[-1]].astype(bool))[None, :]
+
+    def _engage(self, output: list[int], logits: mx.array) -> bool:
+        """Auto mode: whether the reply has become a call (then the grammar holds): it
+        starts as one, or its first token's probability on starting one reaches
+        `call_threshold`."""
+        if not output and self._call_threshold > 0:
+            matcher = llguidance.LLMatcher(self._tokenizer, self._grammar)
+            probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+            share = cast(float, mx.sum(mx.where(self._allowed(matcher, logits), probs, 0.0)).item())
+            if share >= self._call_threshold:
+                self._matcher = matcher
+                return True
         text = self._tokenizer.decode_str(output)
         if any(text.startswith(opening) for opening in _OPENINGS):
             self._matcher = llguidance.LLMatcher(self._tokenizer, self._grammar)

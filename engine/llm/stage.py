@@ -114,6 +114,7 @@ class LlmStage:
         max_kv_tokens: int | None = None,
         prompt_cache_bytes: int = 256 * 1024 * 1024,
         context_limits: ContextLimits | None = None,
+        call_threshold: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if min(max_running_sequences, prefill_chunk_tokens, prefill_slice_tokens) < 1:
@@ -129,6 +130,7 @@ class LlmStage:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.prefill_slice_tokens = min(prefill_slice_tokens, prefill_chunk_tokens)
         self.max_kv_tokens = max_kv_tokens
+        self.call_threshold = call_threshold
         self._clock = clock
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self._context = None if context_limits is None else self._fitter(context_limits)
@@ -191,7 +193,9 @@ class LlmStage:
         self._scheduler.check_fits(prompt, params)
         tools = inputs.offered_tools
         if tools:
-            mask = self._grammar().mask(tools, len(prompt), forced=inputs.forces_call)
+            mask = self._grammar().mask(
+                tools, len(prompt), forced=inputs.forces_call, call_threshold=self.call_threshold
+            )
             processors = [*(params.logits_processors or []), mask]
             params = dataclasses.replace(params, logits_processors=processors)
         req = Request(request_id, prompt, params, priority=inputs.priority)

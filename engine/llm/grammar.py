@@ -17,7 +17,7 @@ or a JSON code block): the model alone decides whether to call, and what it call
 then valid. A forced call is written in the tags, so its arguments stream.
 
 A model may under-call: Qwen2.5-Coder-1.5B, asked for the weather, gives starting a call
-a fifth of its probability and then describes the call in words. With a
+0.08 to 0.23 of its probability and then describes the call in words. With a
 `call_threshold`, the reply is a call when, at its first token, the model gives the
 tokens that can start one (the grammar's first tokens) at least that share of its
 probability; the model still picks the form, the function and the arguments.

@@ -1,14 +1,21 @@
 """How well each profile hears and speaks, in one run: speech-to-text word error rates of
 the ASR models, and each voice's intelligibility, speed and first audio.
 
-    python bench/speech_quality.py [--json] [--asr whisper-tiny.en --asr whisper-base]
+    python bench/speech_quality.py [--json] [--asr whisper-tiny.en --asr whisper-base:5]
                                    [--tts piper-en_US-joe-medium --tts kokoro-82m]
 
-Word error rates compare words with number words written as digits (Whisper writes
-"7" for "seven"). Speech-to-text (`asr`), per model, word error rate on three sets:
+Word error rates compare words with number words written as digits, one digit a word
+(Whisper writes "7" for "seven", and "429" or "4-2-9" for "four two nine").
+Speech-to-text (`asr`), per model as its profile decodes it (the default profile's
+Whisper tiny.en greedy, the quality profile's Whisper base with its `beam_size`), word
+error rate on four sets:
 - `alsa`: the alsa-utils recordings (a person reading channel names);
 - `espeak`: eSpeak NG sentences in two accents;
-- `commands`: short commands spoken by eSpeak NG: digits, playing cards, yes and no.
+- `commands`: short commands spoken by eSpeak NG: digits, playing cards, yes and no;
+- `commands_voices`: the same commands spoken by the embedded voices (Piper joe, Kokoro
+  af_heart and bm_george).
+Each set also as the gateway commits it (`*_committed`): server VAD's 300 ms of audio
+before the speech and its 500 ms of silence after.
 
 Voices (`tts`), per model:
 - `round_trip_wer`: the voice speaks `SENTENCES`, Whisper base transcribes them;
@@ -52,6 +59,7 @@ from engine.stages.tts import TtsRequest, TtsStage, VoiceModel, load_voice  # no
 from engine.weights import registry  # noqa: E402
 
 RATE = 16000
+ROOT = Path(__file__).resolve().parent.parent
 ALSA_TEXT = {
     "Front_Center": "Front center.",
     "Front_Left": "Front left.",
@@ -110,7 +118,8 @@ _NUMBERS = {word: str(n) for n, word in enumerate(_NUMBER_WORDS.split())}
 
 
 def normalized(text: str) -> str:
-    return " ".join(_NUMBERS.get(w, w) for w in words(text))
+    digits = (_NUMBERS.get(w, w) for w in words(text))
+    return " ".join(" ".join(w) if w.isdigit() else w for w in digits)
 
 
 def wer(refs: list[str], hyps: list[str]) -> float:
@@ -130,13 +139,42 @@ def to_16k(audio: np.ndarray, rate: int) -> np.ndarray:
     return soxr.resample(audio, rate, RATE).astype(np.float32)
 
 
+COMMAND_VOICES = [
+    ("piper-en_US-joe-medium", None),
+    ("kokoro-82m", "af_heart"),
+    ("kokoro-82m", "bm_george"),
+]
+# What server VAD commits around the speech: its prefix padding and its silence.
+COMMITTED_PADS_S = (0.3, 0.5)
+
+
 def asr_sets() -> dict[str, list[tuple[np.ndarray, str]]]:
     alsa = []
     for name, text in ALSA_TEXT.items():
         audio, rate = sf.read(ALSA / f"{name}.wav", dtype="float32")
         alsa.append((to_16k(audio, rate), text))
     spoken = lambda texts: [(espeak(t, a), t) for t in texts for a in ACCENTS]  # noqa: E731
-    return {"alsa": alsa, "espeak": spoken(ESPEAK_SENTENCES), "commands": spoken(COMMANDS)}
+    sets = {
+        "alsa": alsa,
+        "espeak": spoken(ESPEAK_SENTENCES),
+        "commands": spoken(COMMANDS),
+        "commands_voices": voiced(COMMANDS),
+    }
+    before, after = (np.zeros(int(s * RATE), np.float32) for s in COMMITTED_PADS_S)
+    for kind in list(sets):
+        sets[f"{kind}_committed"] = [
+            (np.concatenate([before, audio, after]), text) for audio, text in sets[kind]
+        ]
+    return sets
+
+
+def voiced(texts: list[str]) -> list[tuple[np.ndarray, str]]:
+    clips = []
+    for name, speaker in COMMAND_VOICES:
+        voice = load_voice(name)
+        scales = voice.scales(TtsRequest(voice=speaker))
+        clips += [(to_16k(voice.synthesize([t], [scales])[0], voice.sample_rate), t) for t in texts]
+    return clips
 
 
 def asr_wer(transcriber: Transcriber, clips: list[tuple[np.ndarray, str]]) -> tuple[float, list]:
@@ -231,22 +269,33 @@ def voice_report(name: str, listener: Transcriber, repeats: int) -> dict[str, ob
     }
 
 
+def quality_beams() -> int:
+    from engine.config import load_config
+
+    return load_config(ROOT / "configs" / "quality.yaml").stages.asr.beam_size
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--asr", action="append", help="ASR models (default: tiny.en, base)")
+    parser.add_argument(
+        "--asr", action="append", help="ASR models, NAME[:BEAMS] (default: tiny.en, base:5)"
+    )
     parser.add_argument("--tts", action="append", help="voices (default: Piper joe, Kokoro)")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
 
     report: dict[str, dict] = {"asr": {}, "tts": {}}
     sets = asr_sets()
-    for name in args.asr or ["whisper-tiny.en", "whisper-base"]:
-        transcriber = load_transcriber(registry.prepare(name))
-        entry: dict[str, object] = {}
+    for named in args.asr or ["whisper-tiny.en", f"whisper-base:{quality_beams()}"]:
+        name, _, beams = named.partition(":")
+        transcriber = load_transcriber(registry.prepare(name), beam_size=int(beams or 1))
+        entry: dict[str, object] = {"beam_size": transcriber.beam_size}
         for kind, clips in sets.items():
+            start = time.perf_counter()
             entry[kind], entry[f"{kind}_missed"] = asr_wer(transcriber, clips)
-        report["asr"][name] = entry
+            entry[f"{kind}_ms_per_clip"] = round((time.perf_counter() - start) / len(clips) * 1e3)
+        report["asr"][named] = entry
     listener = load_transcriber(registry.prepare("whisper-base"))
     for name in args.tts or ["piper-en_US-joe-medium", "kokoro-82m"]:
         report["tts"][name] = voice_report(name, listener, args.repeats)

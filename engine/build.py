@@ -158,7 +158,9 @@ def _asr_stage(config: EngineConfig, progress: bool) -> Stage:
     asr = config.stages.asr
     path = prepare_model("asr", asr.model, progress=progress)
     return AsrStage(
-        load_transcriber(path), max_batch=asr.max_batch, max_partial_batch=asr.max_partial_batch
+        load_transcriber(path, beam_size=asr.beam_size),
+        max_batch=asr.max_batch,
+        max_partial_batch=asr.max_partial_batch,
     )
 
 

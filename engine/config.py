@@ -157,9 +157,12 @@ class LlmConfig(_Strict):
 class AsrConfig(_Strict):
     """`max_batch` utterances share one Whisper pass; longer turns than `max_audio_s`
     are refused. While a session listens, its speech is re-transcribed whenever
-    `live_interval_ms` more of it has arrived (and none of its partials is running)."""
+    `live_interval_ms` more of it has arrived (and none of its partials is running).
+    `beam_size` > 1 decodes each final transcript by beam search, about twice the
+    decoder's time at 5 (live partials stay greedy); 1 is greedy decoding."""
 
     model: ModelRef = ModelRef(name="whisper-tiny.en")
+    beam_size: int = Field(1, ge=1, le=16)
     max_batch: int = Field(4, ge=1)
     max_audio_s: float = Field(120.0, gt=0.0)
     live_interval_ms: int = Field(400, ge=40)

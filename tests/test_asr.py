@@ -336,6 +336,32 @@ def test_batch_matches_single(transcriber: Transcriber, espeak_clips: list[np.nd
 
 
 @pytest.mark.models
+def test_beam_search_hears_no_worse_and_leaves_partials_greedy(
+    model_dir: Path, transcriber: Transcriber, espeak_clips: list[np.ndarray]
+) -> None:
+    beams = load_transcriber(model_dir, beam_size=5)
+    greedy = [normalise(t.text) for t in transcriber.transcribe_batch(espeak_clips)]
+    searched = [normalise(t.text) for t in beams.transcribe_batch(espeak_clips)]
+
+    def errors(heard: list[list[str]]) -> int:
+        refs = [normalise(s) for s in SENTENCES]
+        return sum(word_errors(r, h) for r, h in zip(refs, heard, strict=True))
+
+    assert errors(searched) <= errors(greedy), list(zip(greedy, searched, strict=True))
+    clip = read_16k(ALSA / "Front_Center.wav")
+    final, partial = beams.transcribe_requests(
+        [AsrRequest(clip, logprobs=True), AsrRequest(clip, logprobs=True, partial=True)]
+    )
+    assert normalise(final.text) == ["front", "center"]
+    assert len(final.logprobs) == len(final.tokens) and all(lp <= 0 for lp in final.logprobs)
+    [plain] = transcriber.transcribe_requests([AsrRequest(clip, logprobs=True, partial=True)])
+    # The same greedy decode; the encoder ran the two requests in one batch here, alone
+    # there, so the scores agree to float rounding.
+    assert partial.tokens == plain.tokens
+    assert partial.logprobs == pytest.approx(plain.logprobs, abs=1e-3)
+
+
+@pytest.mark.models
 def test_empty_and_too_short_audio_give_empty_text(transcriber: Transcriber) -> None:
     for audio in [np.zeros(0, np.float32), np.full(int(MIN_SECONDS * RATE) - 1, 0.2, np.float32)]:
         result = transcriber.transcribe_detailed(audio)

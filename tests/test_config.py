@@ -17,6 +17,7 @@ def test_default_profile_loads_with_embedded_models() -> None:
     assert config.stages.llm.model is not None
     assert config.stages.llm.model.name == "smollm2-135m-instruct"
     assert config.stages.asr.model.name == "whisper-tiny.en"
+    assert config.stages.asr.beam_size == 1  # greedy
     assert config.stages.tts.model.name == "piper-en_US-joe-medium"
     assert config.stages.vad.model.name == "silero-vad"
     assert config.stages.tts.voice == "joe"
@@ -199,3 +200,8 @@ def test_warm_up_reports_a_stage_that_never_finishes() -> None:
     with pytest.raises(RuntimeError, match="did not finish its warm-up"):
         _drain(stage)  # type: ignore[arg-type]
     assert stage.aborted == ["warmup"]
+
+
+def test_a_beam_size_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="beam_size"):
+        parse_config({"stages": {"asr": {"beam_size": 0}}})

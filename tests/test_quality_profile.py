@@ -56,9 +56,23 @@ def test_quality_profile_runs_qwen_whisper_base_and_kokoro() -> None:
     assert config.stages.llm.model is not None
     assert config.stages.llm.model.name == "qwen2.5-coder-1.5b-instruct"
     assert config.stages.asr.model.name == "whisper-base"
+    assert config.stages.asr.beam_size == 5
     assert config.stages.tts.model.name == "kokoro-82m"
     assert config.stages.tts.voice == "af_heart"
     assert profile["gateway"]["model_name"] == "duplex-qwen2.5-coder"
+
+
+@pytest.mark.models
+def test_the_quality_profiles_speech_to_text_decodes_final_transcripts_by_beam_search() -> None:
+    from engine.build import _asr_stage  # the ASR stage alone, as the engine builds it
+
+    config = parse_config(yaml.safe_load(QUALITY.read_text()), source=str(QUALITY))
+    stage = _asr_stage(config, False)
+    assert stage.transcriber.beam_size == 5  # type: ignore[attr-defined]
+    result = stage.transcriber.transcribe_detailed(
+        read_audio(Path("/usr/share/sounds/alsa/Front_Center.wav"), 16000)
+    )
+    assert result.text.lower().strip(" .") == "front center"
 
 
 def test_asr_and_tts_flags_replace_only_the_model(tmp_path: Path) -> None:

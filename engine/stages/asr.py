@@ -34,7 +34,15 @@ from engine.llm.decoding_loops import collapse_loop, repeated_tail
 from engine.models import whisper
 from engine.native import gemv_forward
 from engine.runtime.stage import StageOutput
-from engine.stages.asr_request import NOT_SCORED, AsrRequest, Transcription
+from engine.stages.asr_beam import log_softmax, run_beam_search
+from engine.stages.asr_request import (
+    NOT_SCORED,
+    AsrRequest,
+    Transcription,
+    check_audio,
+    merge_parts,
+    split_long_audio,
+)
 
 if TYPE_CHECKING:
     from engine.listening.live_transcript import LiveTranscript
@@ -51,7 +59,6 @@ __all__ = [
 
 SAMPLE_RATE = whisper.SAMPLE_RATE
 MIN_SECONDS = 0.1  # shorter audio holds no word: answer "" without running the model
-CHUNK_MAX_SECONDS = 28.0  # parts of long audio leave room for the pad inside 30 s
 WINDOW_BUCKET_FRAMES = 50  # round windows up so requests in a batch share encoder calls
 TOKENS_PER_SECOND_CAP = 8.0  # fast speech is ~5 tokens/s with punctuation
 MIN_TOKENS_PER_SECOND = 0.5  # fewer on a long utterance means decoding stopped early
@@ -83,23 +90,9 @@ class _Decoded:
     broken: str | None  # why decoding stopped short, or None
 
 
-def split_long_audio(audio: np.ndarray, max_s: float = CHUNK_MAX_SECONDS) -> list[np.ndarray]:
-    """Split audio into parts of at most `max_s`, cutting at the quietest 20 ms frame of
-    each part's last quarter so words are not cut in two."""
-    max_len, hop = int(max_s * SAMPLE_RATE), SAMPLE_RATE // 50
-    parts, start = [], 0
-    while len(audio) - start > max_len:
-        lo, hi = start + max_len * 3 // 4, start + max_len
-        frames = audio[lo:hi][: (hi - lo) // hop * hop].reshape(-1, hop)
-        cut = lo + int(np.argmin((frames**2).mean(axis=1))) * hop + hop // 2
-        parts.append(audio[start:cut])
-        start = cut
-    parts.append(audio[start:])
-    return parts
-
-
 class Transcriber:
-    """Greedy Whisper transcription of 16 kHz mono float32 audio."""
+    """Whisper transcription of 16 kHz mono float32 audio: greedy, or for final
+    transcripts with `beam_size` > 1 a beam search (`engine.stages.asr_beam`)."""
 
     def __init__(
         self,
@@ -111,9 +104,13 @@ class Transcriber:
         fallback_pad_s: float = 5.0,
         silence_tail: bool = True,
         min_window_s: float = MIN_WINDOW_S,
+        beam_size: int = 1,
     ):
         if pad_s < 0 or fallback_pad_s < pad_s:
             raise ValueError("need 0 <= pad_s <= fallback_pad_s")
+        if beam_size < 1:
+            raise ValueError("beam_size must be at least 1")
+        self.beam_size = beam_size
         self.model = model
         self.tokenizer = tokenizer
         self.eot = config["eot_id"]
@@ -154,7 +151,7 @@ class Transcriber:
         results, i = [], 0
         for jobs in jobs_per_request:
             duration = sum(job.duration_s for job in jobs)
-            results.append(_merge(done[i : i + len(jobs)], duration))
+            results.append(merge_parts(done[i : i + len(jobs)], duration))
             i += len(jobs)
         return results
 
@@ -170,7 +167,7 @@ class Transcriber:
             raise ValueError(f"ASR prefix is longer than {self.max_tokens} tokens")
         if not isinstance(request.prompt, str):
             raise ValueError("ASR prompt must be a string")
-        return replace(request, audio=_check_audio(request.audio))
+        return replace(request, audio=check_audio(request.audio))
 
     # --- attempts ---
 
@@ -231,7 +228,7 @@ class Transcriber:
         cross_kv = self._cross_kv(jobs, frames)
         # The full window is the last resort: there, loops are cut rather than retried.
         finals = [n == whisper.N_FRAMES or j.partial for j, n in zip(jobs, frames, strict=True)]
-        outs = self._decode(cross_kv, jobs, stop_on_loop=[not f for f in finals])
+        outs = self._search(cross_kv, jobs, stop_on_loop=[not f for f in finals])
         for job, n, final, out in zip(jobs, frames, finals, outs, strict=True):
             job.attempts += 1
             job.frames = n
@@ -286,6 +283,44 @@ class Transcriber:
         ]
 
     # --- decoder ---
+
+    def _search(
+        self, cross_kv: list[tuple[mx.array, mx.array]], jobs: list[_Job], stop_on_loop: list[bool]
+    ) -> list[_Decoded]:
+        """Greedy for partial transcripts (live guesses, re-made as speech grows) and for
+        every one with `beam_size` 1, in one batch; a beam search for each final one."""
+        beams = [i for i, j in enumerate(jobs) if self.beam_size > 1 and not j.partial]
+        greedy = [i for i in range(len(jobs)) if i not in beams]
+        outs: list[_Decoded | None] = [None] * len(jobs)
+        if greedy:
+            sel = mx.array(greedy, dtype=mx.int32)
+            kv = [(k[sel], v[sel]) for k, v in cross_kv]
+            done = self._decode(kv, [jobs[i] for i in greedy], [stop_on_loop[i] for i in greedy])
+            for i, out in zip(greedy, done, strict=True):
+                outs[i] = out
+        for i in beams:
+            outs[i] = self._beam(
+                [(k[i : i + 1], v[i : i + 1]) for k, v in cross_kv], jobs[i], stop_on_loop[i]
+            )
+        return [out for out in outs if out is not None]
+
+    def _beam(
+        self, cross_kv: list[tuple[mx.array, mx.array]], job: _Job, stop_on_loop: bool
+    ) -> _Decoded:
+        best = run_beam_search(
+            self.model.decoder,
+            self._embedding,
+            cross_kv,
+            job.context + job.prefix,
+            suppress=(self.suppress if job.prefix else self.suppress_first, self.suppress),
+            beam_size=self.beam_size,
+            eot=self.eot,
+            cap=self._token_cap(job.duration_s, len(job.prefix)),
+            forced=len(job.prefix),
+            stop_on_loop=stop_on_loop,
+        )
+        scores = [NOT_SCORED] * len(job.prefix) + best.logprobs if job.logprobs else []
+        return _Decoded(best.tokens, scores, best.broken)
 
     def _decode(
         self, cross_kv: list[tuple[mx.array, mx.array]], jobs: list[_Job], stop_on_loop: list[bool]
@@ -347,38 +382,13 @@ class Transcriber:
 
 def _chosen_logprobs(logits: np.ndarray, chosen: list[int]) -> list[float]:
     """log-softmax of each row at its chosen token."""
-    top = logits.max(axis=-1, keepdims=True)
-    norm = np.log(np.exp(logits - top).sum(axis=-1)) + top[:, 0]
-    picked = logits[np.arange(len(chosen)), chosen]
-    return (picked - norm).astype(float).tolist()
+    picked = log_softmax(logits)[np.arange(len(chosen)), chosen]
+    return picked.astype(float).tolist()
 
 
 def _bucket(seconds: float) -> int:
     frames = int(np.ceil(seconds * whisper.FRAMES_PER_SECOND / WINDOW_BUCKET_FRAMES))
     return min(whisper.N_FRAMES, frames * WINDOW_BUCKET_FRAMES)
-
-
-def _check_audio(audio: np.ndarray) -> np.ndarray:
-    audio = np.asarray(audio)
-    if audio.ndim != 1:
-        raise ValueError(f"audio must be mono (1-D), got shape {audio.shape}")
-    if not np.issubdtype(audio.dtype, np.floating):
-        raise ValueError(f"audio must be float samples in [-1, 1], got {audio.dtype}")
-    audio = audio.astype(np.float32, copy=False)
-    if not np.isfinite(audio).all():
-        raise ValueError("audio contains NaN or infinite samples")
-    return audio
-
-
-def _merge(parts: list[Transcription], duration_s: float) -> Transcription:
-    if len(parts) == 1:
-        return parts[0]
-    text = " ".join(p.text for p in parts if p.text)
-    tokens = [t for p in parts for t in p.tokens]
-    scores = [s for p in parts for s in p.logprobs]
-    frames = max(p.window_frames for p in parts)
-    attempts = max(p.attempts for p in parts)
-    return Transcription(text, tokens, frames, attempts, duration_s, scores)
 
 
 class AsrStage:

@@ -2,6 +2,7 @@
 the ASR models, and each voice's intelligibility, speed and first audio.
 
     python bench/speech_quality.py [--json] [--asr whisper-tiny.en --asr whisper-base:5]
+                                   [--asr-only]
                                    [--tts piper-en_US-joe-medium --tts kokoro-82m]
 
 Word error rates compare words with number words written as digits, one digit a word
@@ -283,6 +284,7 @@ def main() -> None:
     )
     parser.add_argument("--tts", action="append", help="voices (default: Piper joe, Kokoro)")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--asr-only", action="store_true", help="leave the voices out")
     args = parser.parse_args()
 
     report: dict[str, dict] = {"asr": {}, "tts": {}}
@@ -297,7 +299,7 @@ def main() -> None:
             entry[f"{kind}_ms_per_clip"] = round((time.perf_counter() - start) / len(clips) * 1e3)
         report["asr"][named] = entry
     listener = load_transcriber(registry.prepare("whisper-base"))
-    for name in args.tts or ["piper-en_US-joe-medium", "kokoro-82m"]:
+    for name in [] if args.asr_only else args.tts or ["piper-en_US-joe-medium", "kokoro-82m"]:
         report["tts"][name] = voice_report(name, listener, args.repeats)
         batch = report["tts"][name]["batch8_rtf"]
         report["tts"][name]["streams_in_real_time"] = round(1 / batch, 1) if batch else None

@@ -27,6 +27,7 @@ modules never import from one another.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -47,15 +48,14 @@ engine.setup()
 _exit_status = 0
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # The suite runs on two pytest-xdist workers (`-n 2` in pyproject.toml). The model
-    # tests stay together on one of them, in order, so that no two real-model tests
-    # share the cores: several run a real-time client against the gateway. The rest
-    # spreads over both workers, and the quick subset takes about half the time.
-    for item in items:
-        if item.get_closest_marker("models"):
-            item.add_marker(pytest.mark.xdist_group("models"))
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    # `-n auto` (pyproject.toml) asks here. The quick subset (`-m "not models"`) runs on
+    # two workers, in about half the time. A run with the model tests stays in this
+    # process, one test at a time: several run a real-time client against a gateway
+    # and must not share the cores with another model test.
+    if "not models" in (config.getoption("markexpr") or ""):
+        return min(2, os.cpu_count() or 1)
+    return 0
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

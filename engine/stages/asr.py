@@ -292,6 +292,8 @@ class Transcriber:
         beams = [i for i, j in enumerate(jobs) if self.beam_size > 1 and not j.partial]
         greedy = [i for i in range(len(jobs)) if i not in beams]
         outs: list[_Decoded | None] = [None] * len(jobs)
+        if len(greedy) == len(jobs):
+            return self._decode(cross_kv, jobs, stop_on_loop)
         if greedy:
             sel = mx.array(greedy, dtype=mx.int32)
             kv = [(k[sel], v[sel]) for k, v in cross_kv]

@@ -313,12 +313,12 @@ class Transcriber:
             self.model.decoder,
             self._embedding,
             cross_kv,
-            job.context + job.prefix,
+            job.context,
+            job.prefix,
             suppress=(self.suppress if job.prefix else self.suppress_first, self.suppress),
             beam_size=self.beam_size,
             eot=self.eot,
             cap=self._token_cap(job.duration_s, len(job.prefix)),
-            forced=len(job.prefix),
             stop_on_loop=stop_on_loop,
         )
         scores = [NOT_SCORED] * len(job.prefix) + best.logprobs if job.logprobs else []

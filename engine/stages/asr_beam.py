@@ -94,17 +94,20 @@ def run_beam_search(
     decoder: whisper.TextDecoder,
     embedding: mx.array,
     cross_kv: list[tuple[mx.array, mx.array]],
-    start: list[int],
+    context: list[int],
+    prefix: list[int],
     *,
     suppress: tuple[np.ndarray, np.ndarray],
-    forced: int,
-    **search: int | bool,
+    beam_size: int,
+    eot: int,
+    cap: int,
+    stop_on_loop: bool,
 ) -> Hypothesis:
-    """`beam_search` on one clip's `cross_kv` (batch 1) after the decoder's `start`
-    tokens, the last `forced` of them a forced prefix that the transcript begins with.
-    `suppress`: what is added to the first token's logits, then to every later one's."""
+    """`beam_search` on one clip's `cross_kv` (batch 1): the decoder reads `context`,
+    then the forced `prefix` the transcript begins with. `suppress`: what is added to
+    the first token's logits, then to every later one's."""
     cache = decoder.make_cache()
-    last = decoder.hidden(mx.array([start]), cross_kv, cache)[:, -1]
+    last = decoder.hidden(mx.array([context + prefix]), cross_kv, cache)[:, -1]
     first = log_softmax(np.array(last @ embedding.T) + suppress[0])[0]
 
     def advance(rows: list[int], tokens: list[int]) -> np.ndarray:
@@ -115,8 +118,15 @@ def run_beam_search(
         last = decoder.hidden(mx.array([[t] for t in tokens]), cross_kv, cache)[:, -1]
         return log_softmax(np.array(last @ embedding.T) + suppress[1])
 
-    prefix = start[len(start) - forced :] if forced else []
-    return beam_search(first, advance, start=prefix, **search)  # type: ignore[arg-type]
+    return beam_search(
+        first,
+        advance,
+        beam_size=beam_size,
+        eot=eot,
+        cap=cap,
+        start=prefix,
+        stop_on_loop=stop_on_loop,
+    )
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -131,9 +141,10 @@ def _candidates(
     """(row, token, log-probability) of each live transcript's `beam_size + 1` likeliest
     next tokens, the likeliest continuations first."""
     width = min(beam_size + 1, logprobs.shape[1])
+    totals = [hyp.total for hyp in live]
     out = []
     for row in range(len(live)):
         top = np.argpartition(-logprobs[row], width - 1)[:width]
         out += [(row, int(t), float(logprobs[row, t])) for t in top]
-    out.sort(key=lambda c: -(live[c[0]].total + c[2]))
+    out.sort(key=lambda c: -(totals[c[0]] + c[2]))
     return out

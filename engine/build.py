@@ -22,6 +22,7 @@ from engine.pipeline.orchestrator import DuplexOrchestrator
 from engine.runtime.core import AsyncEngine
 from engine.runtime.lanes import EngineLanes
 from engine.runtime.stage import Stage, StageOutput
+from engine.runtime.urgency import Urgency
 
 __all__ = ["EngineBundle", "build_engine", "cache_system_prompt", "load_stages", "prepare_model"]
 
@@ -36,6 +37,9 @@ WARMUP_MAX_STEPS = 64
 MAIN_LANE_ORDER = ("tts", "llm")
 # Nice levels the main lane runs below the small lanes (VAD, ASR, turn end).
 MAIN_LANE_YIELDS = 5
+# The longest an urgent request (an interruption's words) holds the main lane: about
+# three times such a transcription on an idle 2-core CPU.
+URGENT_HOLD_S = 0.4
 
 
 @dataclass
@@ -94,7 +98,9 @@ async def build_engine(config: EngineConfig, *, progress: bool = True) -> Engine
     # The small lanes answer within a turn's latency (speech start, the words that
     # confirm an interruption, the turn's end); the main lane's TTS and LLM steps run
     # ahead of playback and can wait for them on a busy CPU.
-    core = EngineLanes(lanes, yielding={"main": MAIN_LANE_YIELDS})
+    # The words that may confirm an interruption also hold the main lane while they run.
+    urgency = Urgency(max_hold_s=URGENT_HOLD_S)
+    core = EngineLanes(lanes, yielding={"main": MAIN_LANE_YIELDS}, urgency=urgency)
     core.start()
     engine = AsyncEngine(core)
     llm = config.stages.llm

@@ -297,7 +297,8 @@ class SpeechDetection:
         self, request_id: str, clip: np.ndarray, detector: SpeechDetector, speech: int
     ) -> None:
         asked = time.monotonic()
-        words = self._result("asr", request_id, AsrRequest(clip))
+        # Urgent: the answer this may cancel waits while the words are transcribed.
+        words = self._result("asr", request_id, AsrRequest(clip, urgent=True))
         try:
             heard: Transcription | None = await words
         finally:

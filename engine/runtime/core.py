@@ -30,6 +30,7 @@ import mlx.core as mx
 
 from engine.runtime.stage import RequestRefused, Stage, StageOutput
 from engine.runtime.streams import DEFAULT_MAX_QUEUED_OUTPUTS, OutputStreams
+from engine.runtime.urgency import Urgency, is_urgent
 
 __all__ = [
     "AsyncEngine",
@@ -63,11 +64,22 @@ class _Call:
 class EngineCore:
     """Runs every stage on one thread; thread-safe `add`/`abort`/`call` from anywhere."""
 
-    def __init__(self, stages: Mapping[str, Stage], *, yields: int = 0) -> None:
+    def __init__(
+        self,
+        stages: Mapping[str, Stage],
+        *,
+        yields: int = 0,
+        reports_urgent: Urgency | None = None,
+        waits_for_urgent: Urgency | None = None,
+    ) -> None:
         """`yields`: nice levels this thread (and the MLX stream thread it starts) runs
-        below the engine's other threads (Linux), so that they get the CPU first."""
+        below the engine's other threads (Linux), so that they get the CPU first.
+        `reports_urgent`: where this thread's urgent requests are told while they run;
+        `waits_for_urgent`: what holds this thread's steps."""
         self._stages = dict(stages)
         self._yields = yields
+        self._reports = reports_urgent
+        self._waits_for = waits_for_urgent
         self._cond = threading.Condition()
         self._aborts: list[tuple[str, str]] = []
         self._ops: deque[_Add | _Call] = deque()
@@ -75,6 +87,8 @@ class EngineCore:
         self._callback: OutputCallback | None = None
         self._thread: threading.Thread | None = None
         self._running = False
+        if waits_for_urgent is not None:
+            waits_for_urgent.on_release(self._wake)
 
     def start(self) -> None:
         if self._thread is not None:
@@ -131,6 +145,10 @@ class EngineCore:
         with self._cond:
             return {name: len(ids) for name, ids in self._live.items()}
 
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
     def _check_stage(self, stage: str) -> None:
         if stage not in self._stages:
             raise KeyError(f"unknown stage {stage!r}; known: {sorted(self._stages)}")
@@ -154,15 +172,22 @@ class EngineCore:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while self._running and not self._aborts and not self._ops and not self._busy():
-                    self._cond.wait(self._next_wake())
+                while self._running and not self._aborts and not self._ops:
+                    held = self._held_s()
+                    if not held and self._busy():
+                        break
+                    self._cond.wait(_soonest(held or None, self._next_wake()))
                 if not self._running:
                     return
                 aborts, self._aborts = self._aborts, []
                 ops, self._ops = self._ops, deque()
             self._process_aborts(aborts)
             self._process_ops(ops)
-            self._step_stages()
+            if not self._held_s():
+                self._step_stages()
+
+    def _held_s(self) -> float:
+        return self._waits_for.hold_s() if self._waits_for is not None else 0.0
 
     def _busy(self) -> bool:
         return any(self._stage_has_work(name) for name in self._stages)
@@ -204,6 +229,8 @@ class EngineCore:
                 self._live[stage].discard(request_id)
             if not was_live:
                 continue
+            if self._reports is not None:
+                self._reports.end(stage, request_id)
             try:
                 self._stages[stage].abort(request_id)
             except Exception:
@@ -229,6 +256,8 @@ class EngineCore:
             return
         with self._cond:
             self._live[op.stage].add(op.request_id)
+        if self._reports is not None and is_urgent(op.inputs):
+            self._reports.begin(op.stage, op.request_id)
 
     def _process_call(self, op: _Call) -> None:
         if not op.future.set_running_or_notify_cancel():
@@ -273,6 +302,10 @@ class EngineCore:
             for out in outputs:
                 if out.finished:
                     live.discard(out.request_id)
+        if self._reports is not None:
+            for out in outputs:
+                if out.finished:
+                    self._reports.end(stage, out.request_id)
         if self._callback is not None:
             try:
                 self._callback(stage, outputs)
@@ -285,6 +318,11 @@ class EngineCore:
         for op in ops:
             if isinstance(op, _Call) and op.future.set_running_or_notify_cancel():
                 op.future.set_exception(RuntimeError("engine shut down"))
+
+
+def _soonest(*seconds: float | None) -> float | None:
+    """The shortest of some waits (None: wait for nothing)."""
+    return min((s for s in seconds if s is not None), default=None)
 
 
 class EngineThreads(Protocol):

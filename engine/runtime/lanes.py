@@ -5,7 +5,8 @@ the TTS or LLM stage can take hundreds. Putting the VAD stage on a thread of its
 "lane") keeps speech-start latency independent of whatever the heavy stages are doing;
 inside each lane the `EngineCore` rules still hold (one thread per stage, aborts first).
 A lane may yield the CPU to the others (`yielding`): on a busy machine the heavy lane's
-steps wait, not the small lanes' answers.
+steps wait, not the small lanes' answers; and with `urgency` it also pauses between its
+steps while an urgent request of another lane runs (`engine.runtime.urgency`).
 `AsyncEngine` takes either: both are `engine.runtime.core.EngineThreads`.
 """
 
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 
 from engine.runtime.core import EngineCore, OutputCallback
 from engine.runtime.stage import Stage
+from engine.runtime.urgency import Urgency
 
 __all__ = ["EngineLanes"]
 
@@ -31,11 +33,19 @@ class EngineLanes:
         lanes: Mapping[str, Mapping[str, Stage]],
         *,
         yielding: Mapping[str, int] | None = None,
+        urgency: Urgency | None = None,
     ) -> None:
-        """`yielding`: lanes whose thread runs that many nice levels below the others."""
+        """`yielding`: lanes whose thread runs that many nice levels below the others;
+        with `urgency`, they also wait for the others' urgent requests."""
         yields = yielding or {}
         self._cores = {
-            lane: EngineCore(stages, yields=yields.get(lane, 0)) for lane, stages in lanes.items()
+            lane: EngineCore(
+                stages,
+                yields=yields.get(lane, 0),
+                reports_urgent=None if lane in yields else urgency,
+                waits_for_urgent=urgency if lane in yields else None,
+            )
+            for lane, stages in lanes.items()
         }
         self._owner: dict[str, EngineCore] = {}
         for core, stages in zip(self._cores.values(), lanes.values(), strict=True):

@@ -38,6 +38,7 @@ class AsrRequest:
     prompt: str = ""  # previous text, given to Whisper after <|startofprev|>
     logprobs: bool = False  # report each token's log-probability
     partial: bool = False  # live work: after every final request, in one try
+    urgent: bool = False  # the main lane waits while it runs (engine.runtime.urgency)
 
 
 @dataclass

@@ -1,0 +1,164 @@
+"""Urgent requests hold the yielding lane between its steps, within their bounds."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from engine.runtime.lanes import EngineLanes
+from engine.runtime.stage import StageOutput
+from engine.runtime.urgency import Urgency
+from tests.test_core import CountingStage
+
+
+@dataclass
+class Check:
+    urgent: bool = True
+
+
+class HeldCheck:
+    """Answers each request in one step, once the test lets it (`go`)."""
+
+    def __init__(self, steps: bool = True) -> None:
+        self.steps = steps
+        self.live: list[str] = []
+        self.stepping = threading.Event()
+        self.go = threading.Event()
+
+    def add(self, request_id: str, inputs: Any) -> None:
+        self.live.append(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.live.remove(request_id)
+
+    def has_work(self) -> bool:
+        return self.steps and bool(self.live)
+
+    def step(self) -> list[StageOutput]:
+        self.stepping.set()
+        assert self.go.wait(30)
+        done, self.live = self.live, []
+        return [StageOutput(rid, "words", finished=True) for rid in done]
+
+
+def _lanes(
+    urgency: Urgency, check: HeldCheck | None = None
+) -> tuple[EngineLanes, CountingStage, HeldCheck, threading.Event]:
+    answer, check = CountingStage(), check or HeldCheck()
+    lanes = EngineLanes(
+        {"main": {"count": answer}, "small": {"asr": check}},
+        yielding={"main": 1},
+        urgency=urgency,
+    )
+    finished = threading.Event()
+    lanes.set_output_callback(
+        lambda stage, outs: finished.set() if stage == "count" and outs[-1].finished else None
+    )
+    return lanes, answer, check, finished
+
+
+def _after_two_turns_of_main(lanes: EngineLanes) -> None:
+    """Returns once the main lane has been round its loop since now: a call's answer
+    comes before that turn's steps, so the second call's comes after the first's."""
+    for _ in range(2):
+        lanes.call("count", lambda _: None).result(timeout=10)
+
+
+def test_an_urgent_request_holds_the_yielding_lane_until_it_ends() -> None:
+    lanes, answer, check, finished = _lanes(Urgency(max_hold_s=60))
+    lanes.start()
+    try:
+        lanes.add("asr", "words0", Check())
+        assert check.stepping.wait(10)
+        lanes.add("count", "answer", 1)
+        _after_two_turns_of_main(lanes)
+        assert answer.left == {"answer": 1}  # added, never stepped
+        check.go.set()
+        assert finished.wait(10)
+        assert answer.left == {}
+    finally:
+        check.go.set()
+        lanes.shutdown()
+
+
+def test_a_request_that_is_not_urgent_holds_nothing() -> None:
+    lanes, answer, check, finished = _lanes(Urgency(max_hold_s=60))
+    lanes.start()
+    try:
+        lanes.add("asr", "partial0", Check(urgent=False))
+        assert check.stepping.wait(10)
+        lanes.add("count", "answer", 1)
+        assert finished.wait(10)
+    finally:
+        check.go.set()
+        lanes.shutdown()
+
+
+def test_a_hold_ends_after_its_longest_wait_though_the_urgent_request_runs_on() -> None:
+    lanes, answer, check, finished = _lanes(Urgency(max_hold_s=0.05))
+    lanes.start()
+    try:
+        lanes.add("asr", "words0", Check())
+        assert check.stepping.wait(10)
+        lanes.add("count", "answer", 1)
+        assert finished.wait(10)
+        assert check.live == ["words0"]
+    finally:
+        check.go.set()
+        lanes.shutdown()
+
+
+def test_aborting_the_urgent_request_lets_the_yielding_lane_go_on() -> None:
+    lanes, answer, check, finished = _lanes(Urgency(max_hold_s=60), HeldCheck(steps=False))
+    lanes.start()
+    try:
+        lanes.add("asr", "words0", Check())
+        lanes.call("asr", lambda _: None).result(timeout=10)  # the check is in
+        lanes.add("count", "answer", 1)
+        _after_two_turns_of_main(lanes)
+        assert answer.left == {"answer": 1}
+        lanes.abort("asr", "words0")
+        assert finished.wait(10)
+    finally:
+        lanes.shutdown()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_after_a_hold_the_lanes_run_as_long_as_they_waited_before_the_next() -> None:
+    clock = Clock()
+    urgency = Urgency(max_hold_s=0.4, clock=clock)
+    urgency.begin("asr", "a")
+    assert urgency.hold_s() == pytest.approx(0.4)
+    clock.now += 0.15
+    urgency.end("asr", "a")
+    assert urgency.hold_s() == 0
+    clock.now += 0.1
+    urgency.begin("asr", "b")  # 0.1 s after a hold of 0.15 s: it holds nothing
+    assert urgency.hold_s() == 0
+    urgency.end("asr", "b")
+    clock.now += 0.06
+    urgency.begin("asr", "c")
+    assert urgency.hold_s() == pytest.approx(0.4)
+
+
+def test_an_abort_or_a_failure_ends_the_hold_and_wakes_the_waiting_lanes() -> None:
+    woken: list[int] = []
+    urgency = Urgency(max_hold_s=60)
+    urgency.on_release(lambda: woken.append(1))
+    urgency.begin("asr", "a")
+    urgency.begin("asr", "b")
+    urgency.end("asr", "a")
+    assert urgency.hold_s() > 0 and woken == [1]
+    urgency.end("asr", "b")
+    urgency.end("asr", "b")  # ended once only
+    assert urgency.hold_s() == 0 and woken == [1, 1]

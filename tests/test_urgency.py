@@ -1,17 +1,51 @@
-"""Urgent requests hold the yielding lane between its steps, within their bounds."""
+"""Urgent requests hold the yielding lane between its steps, within their bounds; in the
+real engine, an interruption's words hold the answer's LLM."""
 
 from __future__ import annotations
 
+import asyncio
+import io
+import subprocess
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import soundfile as sf
+import soxr
 
 from engine.runtime.lanes import EngineLanes
 from engine.runtime.stage import StageOutput
 from engine.runtime.urgency import Urgency
-from tests.test_core import CountingStage
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class CountingStage:
+    """An answer: `n` outputs per request, one a step."""
+
+    def __init__(self) -> None:
+        self.left: dict[str, int] = {}
+
+    def add(self, request_id: str, inputs: int) -> None:
+        self.left[request_id] = inputs
+
+    def abort(self, request_id: str) -> None:
+        self.left.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        return bool(self.left)
+
+    def step(self) -> list[StageOutput]:
+        outs = []
+        for rid in list(self.left):
+            self.left[rid] -= 1
+            outs.append(StageOutput(rid, self.left[rid], finished=self.left[rid] == 0))
+            if not self.left[rid]:
+                del self.left[rid]
+        return outs
 
 
 @dataclass
@@ -162,3 +196,56 @@ def test_an_abort_or_a_failure_ends_the_hold_and_wakes_the_waiting_lanes() -> No
     urgency.end("asr", "b")
     urgency.end("asr", "b")  # ended once only
     assert urgency.hold_s() == 0 and woken == [1, 1]
+
+
+def _spoken(text: str) -> np.ndarray:
+    wav = subprocess.run(["espeak-ng", "--stdout", text], capture_output=True, check=True).stdout
+    audio, rate = sf.read(io.BytesIO(wav), dtype="float32")
+    return soxr.resample(audio, rate, 16000).astype(np.float32)
+
+
+# Long enough that the LLM decodes many tokens while it is transcribed, unless held.
+SPEECH = "Hold on, can we talk about the weather in Paris tomorrow morning instead?"
+
+
+@pytest.mark.models
+async def test_the_words_of_an_interruption_hold_the_answers_llm_in_the_real_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from engine import build
+    from engine.config import load_config
+    from engine.llm.stage import LlmInput
+    from engine.runtime.request import SamplingParams
+    from engine.stages.asr_request import AsrRequest
+
+    monkeypatch.setattr(build, "URGENT_HOLD_S", 60.0)  # held for the whole check, however slow
+    bundle = await build.build_engine(
+        load_config(ROOT / "configs" / "default.yaml"), progress=False
+    )
+    engine = bundle.engine
+    try:
+        story = [{"role": "user", "content": "Write a long story about a lighthouse."}]
+        answer = LlmInput(messages=story, sampling_params=SamplingParams(max_tokens=300))
+        tokens = engine.stream("llm", "answer", answer)
+        await tokens.__anext__()  # the answer is decoding
+        during: list[Any] = []
+        checking = True
+
+        async def count() -> None:
+            async for out in tokens:
+                if checking:
+                    during.append(out)
+
+        counter = asyncio.create_task(count())
+        clip = np.concatenate([np.zeros(4800, np.float32), _spoken(SPEECH)])
+        words = [o async for o in engine.stream("asr", "words0", AsrRequest(clip, urgent=True))]
+        checking = False
+        assert "hold" in words[-1].payload.text.lower()
+        # Only steps begun before the ASR lane took the check in: the one under way, and
+        # one or two while the check was on its way there. Unheld, the answer decoded 8
+        # tokens meanwhile (2 held), on a 2-core x86_64.
+        assert len(during) <= 3
+        counter.cancel()
+        engine.abort("llm", "answer")
+    finally:
+        await bundle.aclose()

@@ -159,7 +159,8 @@ class AsrConfig(_Strict):
     are refused. While a session listens, its speech is re-transcribed whenever
     `live_interval_ms` more of it has arrived (and none of its partials is running).
     `beam_size` > 1 decodes each final transcript by beam search, 1.4 to 2.2 times
-    the time per clip at 5 (live partials stay greedy); 1 is greedy decoding."""
+    the time per clip at 5 (live partials and interruption word checks stay greedy); 1 is
+    greedy decoding."""
 
     model: ModelRef = ModelRef(name="whisper-tiny.en")
     beam_size: int = Field(1, ge=1, le=16)

@@ -337,7 +337,10 @@ def test_batch_matches_single(transcriber: Transcriber, espeak_clips: list[np.nd
 
 @pytest.mark.models
 def test_beam_search_hears_no_worse_and_leaves_partials_greedy(
-    model_dir: Path, transcriber: Transcriber, espeak_clips: list[np.ndarray]
+    model_dir: Path,
+    transcriber: Transcriber,
+    espeak_clips: list[np.ndarray],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     beams = load_transcriber(model_dir, beam_size=5)
     greedy = [normalise(t.text) for t in transcriber.transcribe_batch(espeak_clips)]
@@ -359,6 +362,13 @@ def test_beam_search_hears_no_worse_and_leaves_partials_greedy(
     # there, so the scores agree to float rounding.
     assert partial.tokens == plain.tokens
     assert partial.logprobs == pytest.approx(plain.logprobs, abs=1e-3)
+
+    def no_beams(*args: object) -> None:
+        raise AssertionError("a greedy request went to the beam search")
+
+    monkeypatch.setattr(beams, "_beam", no_beams)
+    [check] = beams.transcribe_requests([AsrRequest(clip, greedy=True)])
+    assert normalise(check.text) == ["front", "center"]
 
 
 @pytest.mark.models

@@ -238,6 +238,7 @@ class ScriptedEngine:
         self.ending = ending  # the log-probabilities of the transcript's last tokens
         self.vad: asyncio.Queue[StageOutput] = asyncio.Queue()
         self.requests: list[tuple[str, int]] = []
+        self.transcriptions: list[AsrRequest] = []
         self.fed = 0
         self.asr_asked = asyncio.Event()
         self.vad_idle = asyncio.Event()
@@ -253,6 +254,7 @@ class ScriptedEngine:
                 yield await self.vad.get()
         if isinstance(inputs, AsrRequest):  # the words before a silence, and how sure
             self.requests.append((stage, len(inputs.audio)))
+            self.transcriptions.append(inputs)
             self.asr_asked.set()
             if self.words_ready is not None:
                 await self.words_ready.wait()
@@ -313,6 +315,9 @@ async def test_a_complete_turn_ends_at_the_start_of_its_silence() -> None:
     assert events[2].ms == 640
     assert events[1].words == "What is the capital of France?"  # the answer starts from them
     assert {stage for stage, _ in engine.requests} == {"turn", "asr"}
+    # The turn's own words: no hurry over the answer, decoded as the profile decodes.
+    [words] = engine.transcriptions
+    assert (words.urgent, words.greedy) == (False, False)
     await source.close()
 
 
@@ -433,6 +438,9 @@ async def test_words_confirm_an_interruption_before_the_minimum() -> None:
     assert (started.kind, confirmed.kind) == ("started", "confirmed")
     assert confirmed.ms == started.ms
     assert ("asr", 256 * 16) in engine.requests
+    # Ahead of the answer it may cancel, and greedy: they only tell words from a backchannel.
+    [check] = engine.transcriptions
+    assert (check.urgent, check.greedy) == (True, True)
     await source.close()
 
 

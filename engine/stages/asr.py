@@ -14,8 +14,8 @@ window of utterance + 1 s misheard the last word where the full window did not.
 
 An `AsrRequest` can force the start of the transcript (`prefix`, run through the decoder
 in the same pass as the start tokens), give Whisper the previous text (`prompt`), ask for
-each token's log-probability, and mark itself `partial`: live, speculative work that the
-stage runs only when no final transcript waits, in one try (no wider-window fall-backs).
+each token's log-probability, and mark itself `partial` (live, speculative work run only
+when no final transcript waits, in one try) or `greedy` (never a beam search).
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ class _Job:
     prefix: list[int] = field(default_factory=list)
     logprobs: bool = False
     partial: bool = False
+    greedy: bool = False  # whatever `beam_size` (partials, quick checks)
     attempts: int = 0
     tokens: list[int] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
@@ -91,8 +92,8 @@ class _Decoded:
 
 
 class Transcriber:
-    """Whisper transcription of 16 kHz mono float32 audio: greedy, or for final
-    transcripts with `beam_size` > 1 a beam search (`engine.stages.asr_beam`)."""
+    """Whisper transcription of 16 kHz mono float32 audio: greedy, or with `beam_size` > 1
+    a beam search for final transcripts not marked greedy (`engine.stages.asr_beam`)."""
 
     def __init__(
         self,
@@ -106,10 +107,8 @@ class Transcriber:
         min_window_s: float = MIN_WINDOW_S,
         beam_size: int = 1,
     ):
-        if pad_s < 0 or fallback_pad_s < pad_s:
-            raise ValueError("need 0 <= pad_s <= fallback_pad_s")
-        if beam_size < 1:
-            raise ValueError("beam_size must be at least 1")
+        if pad_s < 0 or fallback_pad_s < pad_s or beam_size < 1:
+            raise ValueError("need 0 <= pad_s <= fallback_pad_s and beam_size >= 1")
         self.beam_size = beam_size
         self.model = model
         self.tokenizer = tokenizer
@@ -183,6 +182,7 @@ class Transcriber:
                 prefix=list(request.prefix) if i == 0 else [],
                 logprobs=request.logprobs,
                 partial=request.partial,
+                greedy=request.partial or request.greedy,
             )
             for i, part in enumerate(parts)
         ]
@@ -287,9 +287,8 @@ class Transcriber:
     def _search(
         self, cross_kv: list[tuple[mx.array, mx.array]], jobs: list[_Job], stop_on_loop: list[bool]
     ) -> list[_Decoded]:
-        """Greedy for partial transcripts (live guesses, re-made as speech grows) and for
-        every one with `beam_size` 1, in one batch; a beam search for each final one."""
-        beams = [i for i, j in enumerate(jobs) if self.beam_size > 1 and not j.partial]
+        """Greedy in one batch (`_Job.greedy`, or all at `beam_size` 1); the rest by beams."""
+        beams = [i for i, j in enumerate(jobs) if self.beam_size > 1 and not j.greedy]
         greedy = [i for i in range(len(jobs)) if i not in beams]
         outs: list[_Decoded | None] = [None] * len(jobs)
         if len(greedy) == len(jobs):

@@ -39,6 +39,7 @@ class AsrRequest:
     logprobs: bool = False  # report each token's log-probability
     partial: bool = False  # live work: after every final request, in one try
     urgent: bool = False  # the main lane waits while it runs (engine.runtime.urgency)
+    greedy: bool = False  # no beam search: a quick check, not the best reading
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """How long an interruption's words take to transcribe, on an idle engine and beside an
-answer the LLM is decoding, asked as the engine asks them (urgent: the main lane waits)
-and as plain requests, in the same run; and how many tokens the answer decoded meanwhile.
+answer the LLM is decoding, asked as the engine asks them (urgent: the main lane waits;
+greedy whatever the profile's beam size) and as plain requests (a final transcript), in
+the same run; and how many tokens the answer decoded meanwhile.
 
     .venv/bin/python bench/interruption_words.py [--config PROFILE.yaml] [--trials 8] [--json]
 
@@ -53,7 +54,8 @@ def words_clip() -> np.ndarray:
 
 async def transcribe(engine_: AsyncEngine, rid: str, clip: np.ndarray, urgent: bool) -> float:
     start = time.perf_counter()
-    async for _ in engine_.stream("asr", rid, AsrRequest(clip, urgent=urgent)):
+    request = AsrRequest(clip, urgent=urgent, greedy=urgent)
+    async for _ in engine_.stream("asr", rid, request):
         pass
     return (time.perf_counter() - start) * 1000
 

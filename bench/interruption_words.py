@@ -55,9 +55,11 @@ def words_clip() -> np.ndarray:
 async def transcribe(engine_: AsyncEngine, rid: str, clip: np.ndarray, urgent: bool) -> float:
     start = time.perf_counter()
     request = AsrRequest(clip, urgent=urgent, greedy=urgent)
-    async for _ in engine_.stream("asr", rid, request):
-        pass
-    return (time.perf_counter() - start) * 1000
+    outputs = [out async for out in engine_.stream("asr", rid, request)]
+    elapsed = (time.perf_counter() - start) * 1000
+    if outputs[-1].error:
+        raise RuntimeError(f"the transcription failed: {outputs[-1].error}")
+    return elapsed
 
 
 async def answer(engine_: AsyncEngine, rid: str, tokens: list[float]) -> None:
@@ -67,7 +69,9 @@ async def answer(engine_: AsyncEngine, rid: str, tokens: list[float]) -> None:
         tokens.append(time.perf_counter())
 
 
-async def busy_trial(engine_: AsyncEngine, n: int, clip: np.ndarray, urgent: bool) -> tuple:
+async def busy_trial(
+    engine_: AsyncEngine, n: int, clip: np.ndarray, urgent: bool
+) -> tuple[float, int]:
     tokens: list[float] = []
     answers = [asyncio.create_task(answer(engine_, f"a{n}.{k}", tokens)) for k in range(2)]
     await asyncio.sleep(0.4)

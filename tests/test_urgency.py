@@ -4,9 +4,11 @@ real engine, an interruption's words hold the answer's LLM."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import subprocess
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,48 +103,42 @@ def _after_two_turns_of_main(lanes: EngineLanes) -> None:
         lanes.call("count", lambda _: None).result(timeout=10)
 
 
-def test_an_urgent_request_holds_the_yielding_lane_until_it_ends() -> None:
-    lanes, answer, check, finished = _lanes(Urgency(max_hold_s=60))
+@contextlib.contextmanager
+def _answer_beside_a_check(
+    urgency: Urgency, urgent: bool = True
+) -> Iterator[tuple[EngineLanes, CountingStage, HeldCheck, threading.Event]]:
+    """The lanes running a check (urgent or not) that lasts until `check.go`, and an
+    answer of one step added to the main lane once the check is under way."""
+    lanes, answer, check, finished = _lanes(urgency)
     lanes.start()
     try:
-        lanes.add("asr", "words0", Check())
+        lanes.add("asr", "words0", Check(urgent=urgent))
         assert check.stepping.wait(10)
         lanes.add("count", "answer", 1)
+        yield lanes, answer, check, finished
+    finally:
+        check.go.set()
+        lanes.shutdown()
+
+
+def test_an_urgent_request_holds_the_yielding_lane_until_it_ends() -> None:
+    with _answer_beside_a_check(Urgency(max_hold_s=60)) as (lanes, answer, check, finished):
         _after_two_turns_of_main(lanes)
         assert answer.left == {"answer": 1}  # added, never stepped
         check.go.set()
         assert finished.wait(10)
         assert answer.left == {}
-    finally:
-        check.go.set()
-        lanes.shutdown()
 
 
 def test_a_request_that_is_not_urgent_holds_nothing() -> None:
-    lanes, answer, check, finished = _lanes(Urgency(max_hold_s=60))
-    lanes.start()
-    try:
-        lanes.add("asr", "partial0", Check(urgent=False))
-        assert check.stepping.wait(10)
-        lanes.add("count", "answer", 1)
+    with _answer_beside_a_check(Urgency(max_hold_s=60), urgent=False) as (*_, finished):
         assert finished.wait(10)
-    finally:
-        check.go.set()
-        lanes.shutdown()
 
 
 def test_a_hold_ends_after_its_longest_wait_though_the_urgent_request_runs_on() -> None:
-    lanes, answer, check, finished = _lanes(Urgency(max_hold_s=0.05))
-    lanes.start()
-    try:
-        lanes.add("asr", "words0", Check())
-        assert check.stepping.wait(10)
-        lanes.add("count", "answer", 1)
+    with _answer_beside_a_check(Urgency(max_hold_s=0.05)) as (_, _, check, finished):
         assert finished.wait(10)
         assert check.live == ["words0"]
-    finally:
-        check.go.set()
-        lanes.shutdown()
 
 
 def test_aborting_the_urgent_request_lets_the_yielding_lane_go_on() -> None:

@@ -297,15 +297,12 @@ class EngineCore:
     def _emit(self, stage: str, outputs: list[StageOutput]) -> None:
         if not outputs:
             return
+        finished = [out.request_id for out in outputs if out.finished]
         with self._cond:
-            live = self._live[stage]
-            for out in outputs:
-                if out.finished:
-                    live.discard(out.request_id)
+            self._live[stage].difference_update(finished)
         if self._reports is not None:
-            for out in outputs:
-                if out.finished:
-                    self._reports.end(stage, out.request_id)
+            for request_id in finished:
+                self._reports.end(stage, request_id)
         if self._callback is not None:
             try:
                 self._callback(stage, outputs)

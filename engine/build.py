@@ -100,6 +100,12 @@ async def build_engine(config: EngineConfig, *, progress: bool = True) -> Engine
     # ahead of playback and can wait for them on a busy CPU.
     # The words that may confirm an interruption also hold the main lane while they run.
     urgency = Urgency(max_hold_s=URGENT_HOLD_S)
+    for stage in heavy.values():
+        # A step of these that takes seconds (a large model's prefill on a CPU) gives
+        # way within itself as well, between its pieces.
+        give_way = getattr(stage, "give_way_with", None)
+        if give_way is not None:
+            give_way(urgency.pause)
     core = EngineLanes(lanes, yielding={"main": MAIN_LANE_YIELDS}, urgency=urgency)
     core.start()
     engine = AsyncEngine(core)

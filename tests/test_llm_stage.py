@@ -692,3 +692,21 @@ def test_a_slice_shrinks_as_the_prompts_kv_grows(model: llama.Model) -> None:
     stage = make_stage(model, prefill_chunk_tokens=512, prefill_slice_tokens=64)
     sizes = [stage._scheduler._slice_at(depth) for depth in (0, 256, 512, 1024, 1536, 4096)]
     assert sizes == [64, 42, 32, 21, 16, 16]
+
+
+def test_a_prefill_forward_gives_way_between_its_layers_and_decode_steps_run_whole() -> None:
+    from engine.models import llama as ours
+
+    mx.random.seed(0)
+    args = tiny_model().args
+    model = ours.Model(args)  # the project's own class: the one that pauses
+    mx.eval(model.parameters())
+    alone = generate(make_stage(model), prompt(40), greedy(6))
+    stage = make_stage(model, prefill_slice_tokens=16)
+    paused_at: list[int] = []
+    stage.give_way_with(lambda: paused_at.append(stage.token_counts["decode"]))
+    assert generate(stage, prompt(40), greedy(6)) == alone
+    # Two slices of the prompt and its last chunk, each forward pausing after each
+    # layer; none of the decode steps.
+    assert len(paused_at) == 3 * args.num_hidden_layers
+    assert set(paused_at) == {0}

@@ -8,6 +8,7 @@ import contextlib
 import io
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,6 +195,28 @@ def test_an_abort_or_a_failure_ends_the_hold_and_wakes_the_waiting_lanes() -> No
     assert urgency.hold_s() == 0 and woken == [1, 1]
 
 
+def test_pause_returns_at_once_without_a_hold_and_waits_out_a_holds_bound() -> None:
+    urgency = Urgency(max_hold_s=0.2)
+    started = time.monotonic()
+    urgency.pause()
+    urgency.begin("asr", "a")
+    urgency.pause()
+    assert time.monotonic() - started >= 0.2  # the hold's bound: its end, not a guess
+    assert urgency.hold_s() == 0
+
+
+def test_pause_returns_when_the_urgent_request_ends() -> None:
+    urgency = Urgency(max_hold_s=60)
+    urgency.begin("asr", "a")
+    ending = threading.Thread(target=urgency.end, args=("asr", "a"))
+    started = time.monotonic()
+    ending.start()
+    urgency.pause()  # waits a minute unless the end wakes it
+    ending.join()
+    assert time.monotonic() - started < 30
+    assert urgency.hold_s() == 0
+
+
 def _spoken(text: str) -> np.ndarray:
     wav = subprocess.run(["espeak-ng", "--stdout", text], capture_output=True, check=True).stdout
     audio, rate = sf.read(io.BytesIO(wav), dtype="float32")
@@ -242,6 +265,53 @@ async def test_the_words_of_an_interruption_hold_the_answers_llm_in_the_real_eng
         # tokens meanwhile (2 held), on a 2-core x86_64.
         assert len(during) <= 3
         counter.cancel()
+        engine.abort("llm", "answer")
+    finally:
+        await bundle.aclose()
+
+
+@pytest.mark.models
+async def test_a_long_prefill_gives_way_to_an_interruptions_words_in_the_real_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from engine import build
+    from engine.config import load_config
+    from engine.llm.stage import LlmInput
+    from engine.runtime.request import SamplingParams
+    from engine.stages.asr_request import AsrRequest
+
+    monkeypatch.setattr(build, "URGENT_HOLD_S", 60.0)
+    prefilling = threading.Event()
+    waited: list[float] = []
+    pause = Urgency.pause
+
+    def recorded(self: Urgency) -> None:
+        prefilling.set()
+        held = self.hold_s()
+        pause(self)
+        if held:
+            waited.append(held)
+
+    monkeypatch.setattr(Urgency, "pause", recorded)
+    bundle = await build.build_engine(
+        load_config(ROOT / "configs" / "default.yaml"), progress=False
+    )
+    engine = bundle.engine
+    try:
+        prefilling.clear()  # the warm-up's prefill is over
+        text = " ".join(["The keeper climbed the stairs and lit the great lamp."] * 80)
+        long_turn = [{"role": "user", "content": f"Summarize this: {text}"}]
+        answer = LlmInput(messages=long_turn, sampling_params=SamplingParams(max_tokens=4))
+        tokens = engine.stream("llm", "answer", answer)
+        first = asyncio.ensure_future(tokens.__anext__())
+        assert await asyncio.to_thread(prefilling.wait, 60)  # its first forward is under way
+        clip = np.concatenate([np.zeros(4800, np.float32), _spoken(SPEECH)])
+        words = [o async for o in engine.stream("asr", "words0", AsrRequest(clip, urgent=True))]
+        assert "hold" in words[-1].payload.text.lower()
+        # The prompt's forwards (about a thousand tokens, in slices of 64 or fewer) were
+        # still under way when the check came: one of them gave way between its layers.
+        assert waited
+        await first  # and the answer goes on once the check is done
         engine.abort("llm", "answer")
     finally:
         await bundle.aclose()

@@ -16,10 +16,15 @@ Rules of this file:
 3. A dropped row's pending token is never read, so nothing drawn past a finish or an
    abort is ever emitted; a preempted row gets its random key back (`rewind`), so its
    resumed draw repeats the dropped one.
+4. A prefill forward of this project's own model class (`engine.models.llama`) calls
+   `pause` between its layers: on a CPU such a forward of a large model takes seconds,
+   and an urgent request of another lane must not wait for it
+   (`engine.runtime.urgency`). Decode steps are short and run whole.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import mlx.core as mx
@@ -27,6 +32,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from engine.llm.sampling import sample_batch
 from engine.llm.sequence import LlmSequence
+from engine.models.llama import LlamaModel
 
 __all__ = ["ModelRunner", "SampledToken"]
 
@@ -40,6 +46,7 @@ class ModelRunner:
 
     def __init__(self, model: Any) -> None:
         self.model = model
+        self.pause: Callable[[], None] | None = None  # rule 4
         self._check_plain_kv()
         self.batch: list[BatchKVCache] | None = None
         self.pending: mx.array | None = None  # (running,) next decode inputs
@@ -123,15 +130,21 @@ class ModelRunner:
         if body is None or args is None:
             logits = self.model(tokens, cache=cache)
             return mx.take_along_axis(logits, positions, axis=1)[:, 0, :]
-        hidden = mx.take_along_axis(body(tokens, cache=cache), positions, axis=1)
+        hidden = mx.take_along_axis(self._prefill_body(body, tokens, cache), positions, axis=1)
         if getattr(args, "tie_word_embeddings", False):
             return body.embed_tokens.as_linear(hidden)[:, 0, :]
         return self.model.lm_head(hidden)[:, 0, :]
 
     def _forward_layers(self, layers: list[Any], chunk: list[int]) -> None:
         body = getattr(self.model, "model", self.model)  # skip the LM head: no logits needed
-        hidden = body(mx.array([chunk]), cache=layers)
+        hidden = self._prefill_body(body, mx.array([chunk]), layers)
         mx.eval(hidden, [c.state for c in layers])
+
+    def _prefill_body(self, body: Any, tokens: mx.array, cache: list[Any]) -> mx.array:
+        """The model body's hidden states over prompt `tokens` (rule 4)."""
+        if self.pause is not None and isinstance(body, LlamaModel):
+            return body(tokens, cache=cache, pause=self.pause)
+        return cast(mx.array, body(tokens, cache=cache))
 
     # --- the running batch ---------------------------------------------------------
 

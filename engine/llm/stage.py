@@ -239,6 +239,12 @@ class LlmStage:
             return outputs
         return outputs + self._decode()
 
+    def give_way_with(self, pause: Callable[[], None]) -> None:
+        """Call `pause` between the layers of every prefill forward
+        (`engine.llm.model_runner` rule 4), where an urgent request of another lane may
+        hold this one (`engine.runtime.urgency.Urgency.pause`)."""
+        self._runner.pause = pause
+
     def set_runway(self, request_id: str, seconds: float) -> None:
         """`request_id`'s listener has `seconds` of speech queued (audio not yet played
         and text not yet spoken; `engine.llm.scheduler` rule 3). Unknown ids (finished a

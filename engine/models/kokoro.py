@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -143,6 +144,15 @@ def _frame_mask(lengths: np.ndarray, T: int) -> tuple[mx.array, mx.array]:
 
 
 # --- layers ----------------------------------------------------------------------------
+
+
+def _give_way(x: mx.array, pause: Callable[[], None] | None) -> None:
+    """A render takes seconds on a CPU: between its pieces, with `x` evaluated, `pause`
+    may hold this thread while an urgent request of another lane runs
+    (`engine.runtime.urgency`)."""
+    if pause is not None:
+        mx.eval(x)
+        pause()
 
 
 class Conv1d(_VitsConv1d):
@@ -609,7 +619,13 @@ class Generator(nn.Module):
             raise ValueError("the generator is written for two upsampling stages")
 
     def __call__(
-        self, x: mx.array, s: mx.array, f0: mx.array, frames: np.ndarray, key: mx.array | None
+        self,
+        x: mx.array,
+        s: mx.array,
+        f0: mx.array,
+        frames: np.ndarray,
+        key: mx.array | None,
+        pause: Callable[[], None] | None = None,
     ) -> mx.array:
         """x [B, 2T, C] at the F0 rate -> audio [B, 2T * samples_per_f0_frame]."""
         F = f0.shape[1]
@@ -633,8 +649,10 @@ class Generator(nn.Module):
             blocks = self.resblocks[i * self.n_kernels : (i + 1) * self.n_kernels]
             xs = blocks[0](x, s, mask, count)
             for block in blocks[1:]:
+                _give_way(xs, pause)
                 xs = xs + block(x, s, mask, count)
             x = xs / self.n_kernels
+            _give_way(x, pause)
         x = self.conv_post(_leaky(x, 0.01) * mask)
         bins = self.stft.n_fft // 2 + 1
         mag = mx.exp(x[..., :bins])
@@ -673,6 +691,7 @@ class Decoder(nn.Module):
         s: mx.array,
         frames: np.ndarray,
         key: mx.array | None,
+        pause: Callable[[], None] | None = None,
     ) -> mx.array:
         T = asr.shape[1]
         m1 = _frame_mask(frames, T)
@@ -682,9 +701,11 @@ class Decoder(nn.Module):
         x = self.encode(mx.concatenate([asr, F0, N], axis=-1), s, [m1])
         asr_res = self.asr_res(asr)
         for block in self.decode:
+            _give_way(x, pause)
             x = mx.concatenate([x, asr_res, F0, N], axis=-1)
             x = block(x, s, [m1, m2] if block.upsample else [m1])
-        return self.generator(x, s, f0, frames, key)
+        _give_way(x, pause)
+        return self.generator(x, s, f0, frames, key, pause)
 
 
 # --- the whole model -------------------------------------------------------------------
@@ -763,6 +784,7 @@ class Model(nn.Module):
         frames: np.ndarray,
         seed: int | None = None,
         noise: bool = True,
+        pause: Callable[[], None] | None = None,
     ) -> mx.array:
         """Audio [B, T * samples_per_frame] at 24 kHz of stacked `prepare` outputs; item
         b's samples past frames[b] * samples_per_frame are zeros.
@@ -770,7 +792,8 @@ class Model(nn.Module):
         The excitation's additive noise (Kokoro's SineGen) is drawn per item from `seed`
         and the item's own length: with the same seed an item's audio is the same alone
         or in any batch. seed None draws a fresh one; noise=False leaves the noise out,
-        as the ONNX export does (deterministic).
+        as the ONNX export does (deterministic). `pause`, if given, is called between
+        the decoder's blocks and the generator's, each evaluated first (`_give_way`).
         """
         frames = np.asarray(frames, dtype=np.int64)
         B, T, _ = features.shape
@@ -784,7 +807,7 @@ class Model(nn.Module):
         key = None
         if noise:
             key = mx.random.key(int(np.random.randint(2**31)) if seed is None else seed)
-        audio = self.decoder(asr, f0, energy, s, frames, key)
+        audio = self.decoder(asr, f0, energy, s, frames, key, pause)
         return audio * _frame_mask(frames * self.samples_per_frame, audio.shape[1])[0][..., 0]
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -199,7 +200,14 @@ class LlamaModel(nn.Module):
         self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
         self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache: list[Any] | None = None,
+        pause: Callable[[], None] | None = None,
+    ) -> mx.array:
+        """`pause`, if given, is called after each layer, once that layer is evaluated:
+        a long prefill forward gives way there (`engine.runtime.urgency`)."""
         h = self.embed_tokens(inputs)
         cache = cache or [None] * len(self.layers)
         mask = create_attention_mask(h, cache[0])
@@ -210,6 +218,9 @@ class LlamaModel(nn.Module):
             h = h.reshape(batch, -1)
         for layer, layer_cache in zip(self.layers, cache, strict=True):
             h = layer(h, angles, mask, layer_cache)
+            if pause is not None:
+                mx.eval(h)
+                pause()
         return self.norm(h).reshape(batch, length, -1)
 
 

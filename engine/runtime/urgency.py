@@ -12,6 +12,11 @@ hold costs no audio, and two bounds keep any stream from starving:
 - after a hold, the held lanes run at least as long as they waited before the next one
   can begin (speech that keeps coming, such as the answer's own echo, holds them at
   most half the time).
+
+A step already under way when a hold begins goes on, and shares the cores with the
+urgent request. Most steps are short, but a prefill forward of a large model on a CPU
+is not (the quality profile's 1.5B prefilled a 64-token slice in about 1.5 s), so such
+a forward gives way between its layers too (`pause`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class Urgency:
         self._max_hold_s = max_hold_s
         self._clock = clock
         self._lock = threading.Lock()
+        self._released = threading.Condition(self._lock)
         self._holding: dict[tuple[str, str], float] = {}  # urgent request -> hold's end
         self._began: float | None = None  # when the hold under way began
         self._next_hold = 0.0  # no hold begins before this (monotonic seconds)
@@ -61,11 +67,23 @@ class Urgency:
             if not self._holding and self._began is not None:
                 self._next_hold = now + (now - self._began)
                 self._began = None
+            self._released.notify_all()
         for wake in self._wakes:
             wake()
 
     def hold_s(self) -> float:
         """Seconds the yielding lanes should still wait before their next step (0: none)."""
-        now = self._clock()
         with self._lock:
-            return max([0.0, *(until - now for until in self._holding.values())])
+            return self._remaining_s()
+
+    def pause(self) -> None:
+        """Wait, on the calling thread, while a hold is under way: what a long step of a
+        yielding lane calls between its pieces, each evaluated, so that no work of its
+        own is left queued for the cores meanwhile."""
+        with self._released:
+            while (held := self._remaining_s()) > 0:
+                self._released.wait(held)
+
+    def _remaining_s(self) -> float:
+        now = self._clock()
+        return max([0.0, *(until - now for until in self._holding.values())])

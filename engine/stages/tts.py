@@ -203,6 +203,11 @@ class TtsStage:
         self._context = voice.context_frames()
         self._streams: dict[str, _Stream] = {}
 
+    def give_way_with(self, pause: Callable[[], None]) -> None:
+        """Where the voice's renders take seconds (Kokoro on a CPU), call `pause`
+        between their pieces (`engine.runtime.urgency`)."""
+        self.voice.give_way_with(pause)
+
     def add(self, request_id: str, inputs: TtsRequest) -> None:
         if not isinstance(inputs, TtsRequest):
             raise ValueError(f"TTS inputs must be a TtsRequest, not {type(inputs).__name__}")

@@ -12,7 +12,7 @@ that the window's middle equals the whole clause's audio.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -85,6 +85,7 @@ class VoiceModel(Protocol):
     openai_voices: dict[str, str]
 
     def scales(self, request: TtsRequest) -> Any: ...
+    def give_way_with(self, pause: Callable[[], None]) -> None: ...
     def context_frames(self) -> int: ...
     def id_pieces(self, text: str) -> list[list[int]]: ...
     def latents(self, batch: Sequence[list[int]], scales: Sequence[Any]) -> list[mx.array]: ...
@@ -128,6 +129,10 @@ class Voice:
 
     def ids(self, text: str) -> list[int]:
         return phoneme_ids(self.phonemizer.phonemize(text), self.id_map)
+
+    def give_way_with(self, pause: Callable[[], None]) -> None:
+        """Not taken: a Piper render is short (a chunk of at most 3 s of speech, at a
+        real-time factor about 0.1 here) and runs whole."""
 
     def context_frames(self) -> int:
         """Latent frames of context a rendered span needs on each side."""

@@ -1,13 +1,17 @@
-"""How long an interruption's words take to transcribe, on an idle engine and beside an
-answer the LLM is decoding, asked as the engine asks them (urgent: the main lane waits;
-greedy whatever the profile's beam size) and as plain requests (a final transcript), in
-the same run; and how many tokens the answer decoded meanwhile.
+"""How long an interruption's words take to transcribe: on an idle engine, beside answers
+the LLM is working on, and beside the voice rendering a sentence; asked as the engine
+asks them (urgent: the main lane waits, within its steps too; greedy whatever the
+profile's beam size) and as plain requests (a final transcript), in the same run; and
+how many tokens the answers decoded meanwhile.
 
     .venv/bin/python bench/interruption_words.py [--config PROFILE.yaml] [--trials 8] [--json]
 
 The words are eSpeak NG's "Hold on, can we talk" behind 300 ms of silence (server VAD's
 prefix padding), about what the first check of an interruption hears. Each busy trial
-starts two story answers, lets them decode for 400 ms, then asks for the words.
+starts two story answers, lets them run for 400 ms (with a large model they are still
+prefilling their prompts then), then asks for the words. Each speaking trial gives the
+voice a long sentence, waits for its short first piece and 300 ms more (the rest is
+rendering then, in one pass of seconds with Kokoro on a CPU), then asks for the words.
 """
 
 from __future__ import annotations
@@ -40,9 +44,11 @@ from engine.llm.stage import LlmInput  # noqa: E402
 from engine.runtime.core import AsyncEngine  # noqa: E402
 from engine.runtime.request import SamplingParams  # noqa: E402
 from engine.stages.asr_request import AsrRequest  # noqa: E402
+from engine.stages.tts import TtsRequest  # noqa: E402
 
 RATE = 16000
 WORDS = "Hold on, can we talk"
+SPOKEN = "The weather should stay mild and sunny for most of the afternoon today, so take a walk."
 
 
 def words_clip() -> np.ndarray:
@@ -84,6 +90,18 @@ async def busy_trial(
     return ms, decoded
 
 
+async def speaking_trial(engine_: AsyncEngine, n: int, clip: np.ndarray, urgent: bool) -> float:
+    rid = f"s{n}"
+    speech = engine_.stream("tts", rid, TtsRequest())
+    await engine_.run("tts", lambda stage: stage.feed(rid, SPOKEN, True))
+    await speech.__anext__()  # the first piece; the rest of the sentence renders now
+    await asyncio.sleep(0.3)
+    ms = await transcribe(engine_, f"ws{n}", clip, urgent)
+    async for _ in speech:
+        pass
+    return ms
+
+
 async def run(config: str, trials: int) -> dict[str, Any]:
     bundle = await build_engine(load_config(config), progress=False)
     engine_, clip = bundle.engine, words_clip()
@@ -94,10 +112,13 @@ async def run(config: str, trials: int) -> dict[str, Any]:
             name = "urgent" if urgent else "plain"
             idle = [await transcribe(engine_, f"i{name}{n}", clip, urgent) for n in range(trials)]
             busy = [await busy_trial(engine_, n, clip, urgent) for n in range(trials)]
+            speaking = [await speaking_trial(engine_, n, clip, urgent) for n in range(trials)]
             result[f"{name}_idle_ms_p50"] = round(statistics.median(idle), 1)
             result[f"{name}_busy_ms_p50"] = round(statistics.median(ms for ms, _ in busy), 1)
             result[f"{name}_busy_ms_max"] = round(max(ms for ms, _ in busy), 1)
             result[f"{name}_tokens_decoded_meanwhile"] = sum(d for _, d in busy)
+            result[f"{name}_speaking_ms_p50"] = round(statistics.median(speaking), 1)
+            result[f"{name}_speaking_ms_max"] = round(max(speaking), 1)
         return result
     finally:
         await bundle.aclose()

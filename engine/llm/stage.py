@@ -239,10 +239,10 @@ class LlmStage:
             return outputs
         return outputs + self._decode()
 
-    def give_way_with(self, pause: Callable[[], None]) -> None:
+    def give_way_with(self, pause: Callable[[], None] | None) -> None:
         """Call `pause` between the layers of every prefill forward
         (`engine.llm.model_runner` rule 4), where an urgent request of another lane may
-        hold this one (`engine.runtime.urgency.Urgency.pause`)."""
+        hold this one (`engine.runtime.urgency.Urgency.pause`); None: forwards run whole."""
         self._runner.pause = pause
 
     def set_runway(self, request_id: str, seconds: float) -> None:

@@ -14,9 +14,10 @@ hold costs no audio, and two bounds keep any stream from starving:
   most half the time).
 
 A step already under way when a hold begins goes on, and shares the cores with the
-urgent request. Most steps are short, but a prefill forward of a large model on a CPU
-is not (the quality profile's 1.5B prefilled a 64-token slice in about 1.5 s), so such
-a forward gives way between its layers too (`pause`).
+urgent request. Most steps are short, but on a CPU a prefill forward of a large model
+(the quality profile's 1.5B: a 64-token slice in about 1.5 s) and a Kokoro render (a
+clause in 1 to 3 s) are not, so those pause within themselves too, between their layers
+or blocks (`pause`).
 """
 
 from __future__ import annotations

@@ -97,8 +97,8 @@ async def speaking_trial(engine_: AsyncEngine, n: int, clip: np.ndarray, urgent:
     await speech.__anext__()  # the first piece; the rest of the sentence renders now
     await asyncio.sleep(0.3)
     ms = await transcribe(engine_, f"ws{n}", clip, urgent)
-    async for _ in speech:
-        pass
+    async for _ in speech:  # the rest of the sentence: the next trial finds the voice idle
+        continue
     return ms
 
 

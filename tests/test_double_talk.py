@@ -53,7 +53,7 @@ def test_the_far_end_must_cover_the_delay() -> None:
 
 ANSWER = (
     "Once upon a time there was a brave little dog named Max. One day he followed "
-    "the river up the mountain, and he told a story."
+    "the river up the mountain, and he told a story to an old man at the top."
 )
 
 
@@ -64,7 +64,8 @@ ANSWER = (
         ("and the mountain", True),
         ("Follow.", True),  # close to "followed"
         ("Once on the air.", True),  # half of it garbled
-        ("Hold on.", False),  # a person over the answer
+        ("Hold on.", False),  # a person over the answer, though it said "old" and "told"
+        ("Stop.", False),  # though it said "top"
         ("Wait, stop the story!", False),  # most of the words their own
         ("and the", False),  # nothing that tells
         ("", False),

@@ -97,9 +97,10 @@ _COMMON = frozenset({
 })
 # fmt: on
 
-# A heard word is the answer's when it is this close to one of the answer's words
-# (difflib's ratio): Whisper writes "follow" for "followed", "year" for "years"; a
-# person's "hold" is not the answer's "told" (0.75).
+# A heard word is the answer's when it begins as one of the answer's words does and is
+# this close to it (difflib's ratio): Whisper writes "follow" for "followed", "year"
+# for "years". A person's "hold" is not the answer's "told" (0.75), nor its "old"
+# (0.86, but Whisper's slips keep a word's first letter), nor "stop" its "top".
 _SAME_WORD = 0.8
 
 
@@ -109,11 +110,13 @@ def answer_said(heard: str, answer: str) -> bool:
     garbles some of the echo's words ("Once on the air." for "Once upon a time")."""
     telling = [w for w in _words(heard) if w not in _COMMON]
     spoken = set(_words(answer))
-    said = [
-        w in spoken or bool(difflib.get_close_matches(w, spoken, n=1, cutoff=_SAME_WORD))
-        for w in telling
-    ]
+    said = [w in spoken or _close_to_one_of(w, spoken) for w in telling]
     return bool(said) and 2 * sum(said) >= len(said)
+
+
+def _close_to_one_of(word: str, spoken: set[str]) -> bool:
+    alike = [w for w in spoken if w[0] == word[0]]
+    return bool(difflib.get_close_matches(word, alike, n=1, cutoff=_SAME_WORD))
 
 
 def _words(text: str) -> list[str]:

@@ -17,7 +17,9 @@ Per room, one session with cancellation on and one with it off (the session fiel
 plays; then asks in text, and a person talks over the second answer 1.5 s into it. Any
 `speech_started` from the first answer on, before the person spoke, is a
 self-interruption; the person is detected when `speech_started` arrives after they
-began (`detect_ms`: from their first sample to the event, on the client's clock).
+began (`detect_ms`: from their first sample to the event, on the client's clock;
+`heard_ms`: from their first sample to the first voiced chunk of the speech the event
+dates, on the session's audio clock, the rest being the confirmation).
 Then on echo-free speech (headphones: no echo, the answer still playing), each clip is
 committed by server VAD and transcribed: `clean_wer_delta` is on minus off, and the
 speech timing (start, end) is compared clip by clip. The clips keep a fixed schedule on
@@ -232,6 +234,11 @@ async def close(client: Client, tasks: Any) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
+# The gateway's default turn detection dates a speech's start this far before its first
+# voiced chunk: `heard_ms` adds it back to tell the VAD's onset from the confirmation.
+PREFIX_PADDING_MS = 300
+
+
 def has(client: Client, kind: str, after_ms: float = 0.0) -> Any:
     """A condition for `Client.wait`: an event of `kind` arrived after `after_ms`."""
     return lambda: bool(client.seen(kind, after_ms))
@@ -253,6 +260,7 @@ class Trial:
     self_interruptions: int = 0
     answer_s: float = 0.0
     detect_ms: float | None = None
+    heard_ms: float | None = None  # from the person's first sample to the VAD's onset
     cut_before_person: bool = False
     record: Recording | None = None
     person_at: int = 0
@@ -292,6 +300,8 @@ async def room_trial(
         trial.cut_before_person = bool(before)
         if after and not before:
             trial.detect_ms = after[0] - onset_ms
+            speech = next(e for t, e in started if t >= onset_ms)
+            trial.heard_ms = speech["audio_start_ms"] + PREFIX_PADDING_MS - onset_ms
         trial.record = client.record
     except TimeoutError:
         trial.failed = "timed out: " + ", ".join(e["type"] for _, e in client.events[-5:])
@@ -443,6 +453,7 @@ async def run(url: str, rooms: int, clean: int) -> dict[str, Any]:
                     "self_interruptions": t.self_interruptions,
                     "first_answer_s": t.answer_s,
                     "detect_ms": t.detect_ms,
+                    "heard_ms": t.heard_ms,
                 }
                 for t in ran
             },

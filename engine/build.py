@@ -101,8 +101,8 @@ async def build_engine(config: EngineConfig, *, progress: bool = True) -> Engine
     # The words that may confirm an interruption also hold the main lane while they run.
     urgency = Urgency(max_hold_s=URGENT_HOLD_S)
     for stage in heavy.values():
-        # Their steps that take seconds on a CPU (a large model's prefill forward, a
-        # Kokoro render) give way within themselves as well, between their pieces.
+        # Their steps that take long on a CPU (a large model's prefill forward, a
+        # voice's render) give way within themselves as well, between their pieces.
         give_way = getattr(stage, "give_way_with", None)
         if give_way is not None:
             give_way(urgency.pause)

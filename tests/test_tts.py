@@ -226,6 +226,26 @@ def test_tiled_decoder_equals_untiled(resblock: str) -> None:
         np.testing.assert_allclose(t, w, atol=SUM_ORDER_ATOL)
 
 
+def test_the_vocoder_pauses_between_its_pieces_and_sounds_the_same() -> None:
+    model = tiny_model(5)
+    model.dec.TILE_BYTES, model.dec.MIN_TILE = 256, 8  # tiles of a few samples
+    ids = mx.array([[1, 0, 5, 0, 9, 0, 12, 0, 3, 0, 2]])
+    z_p, frames = model.latents(ids, mx.array([11]), 0.0, 1.0, 0.0)
+    z = model.flows(z_p, frames)
+    whole = np.array(model.vocode(z, frames))
+    pauses: list[int] = []
+    pieces = np.array(model.vocode(z, frames, lambda: pauses.append(1)))
+    # Between the two upsampling stages, and between each stage's time tiles.
+    assert len(pauses) > len(TINY.upsample_rates)
+    np.testing.assert_allclose(pieces, whole, atol=1e-6, rtol=0)
+    model.dec.tiled = False
+    pauses.clear()
+    np.testing.assert_allclose(
+        np.array(model.vocode(z, frames, lambda: pauses.append(1))), whole, atol=SUM_ORDER_ATOL
+    )
+    assert len(pauses) == len(TINY.upsample_rates) - 1  # between the stages only
+
+
 def test_scales_default_to_the_voice_config() -> None:
     args = vits.ModelArgs(**{**TINY.__dict__, "noise_scale": 0.0, "noise_w": 0.0})
     model = tiny_model(6, args)
@@ -360,6 +380,22 @@ def test_whisper_understands_the_voice(voice: Voice) -> None:
     errors = sum(_edits(_words(r), _words(h)) for r, h in zip(SENTENCES, hyps, strict=True))
     total = sum(len(_words(r)) for r in SENTENCES)
     assert errors / total <= 0.15, list(zip(SENTENCES, hyps, strict=True))
+
+
+@pytest.mark.models
+def test_a_render_pauses_within_itself_and_sounds_the_same() -> None:
+    voice = load_voice()  # its own: the pause stays with it
+    (latents,) = voice.latents([voice.ids(SENTENCES[0])], [voice.scales(TtsRequest())])
+    span = [(latents, 0, latents.shape[1])]
+    (whole,) = voice.render(span)
+    pauses: list[int] = []
+    voice.give_way_with(lambda: pauses.append(1))
+    (pieces,) = voice.render(span)
+    # After the flows, between the vocoder's four stages, and between the time tiles of
+    # its longest stages: a check that comes while a sentence renders waits for a piece
+    # of it, not the whole render.
+    assert len(pauses) > 1 + 3, len(pauses)
+    np.testing.assert_allclose(pieces, whole, atol=1e-5, rtol=0)
 
 
 # --- the stage -----------------------------------------------------------------------

@@ -31,7 +31,7 @@ import numpy as np
 
 from engine.models import fast_ops
 from engine.models.vits import Conv1d as _VitsConv1d
-from engine.models.vits import ConvTranspose1d
+from engine.models.vits import ConvTranspose1d, give_way
 
 __all__ = ["ModelArgs", "Model", "load", "load_voices", "style_for"]
 
@@ -144,15 +144,6 @@ def _frame_mask(lengths: np.ndarray, T: int) -> tuple[mx.array, mx.array]:
 
 
 # --- layers ----------------------------------------------------------------------------
-
-
-def _give_way(x: mx.array, pause: Callable[[], None] | None) -> None:
-    """A render takes seconds on a CPU: between its pieces, with `x` evaluated, `pause`
-    may hold this thread while an urgent request of another lane runs
-    (`engine.runtime.urgency`)."""
-    if pause is not None:
-        mx.eval(x)
-        pause()
 
 
 class Conv1d(_VitsConv1d):
@@ -649,10 +640,10 @@ class Generator(nn.Module):
             blocks = self.resblocks[i * self.n_kernels : (i + 1) * self.n_kernels]
             xs = blocks[0](x, s, mask, count)
             for block in blocks[1:]:
-                _give_way(xs, pause)
+                give_way(xs, pause)
                 xs = xs + block(x, s, mask, count)
             x = xs / self.n_kernels
-            _give_way(x, pause)
+            give_way(x, pause)
         x = self.conv_post(_leaky(x, 0.01) * mask)
         bins = self.stft.n_fft // 2 + 1
         mag = mx.exp(x[..., :bins])
@@ -701,10 +692,10 @@ class Decoder(nn.Module):
         x = self.encode(mx.concatenate([asr, F0, N], axis=-1), s, [m1])
         asr_res = self.asr_res(asr)
         for block in self.decode:
-            _give_way(x, pause)
+            give_way(x, pause)
             x = mx.concatenate([x, asr_res, F0, N], axis=-1)
             x = block(x, s, [m1, m2] if block.upsample else [m1])
-        _give_way(x, pause)
+        give_way(x, pause)
         return self.generator(x, s, f0, frames, key, pause)
 
 
@@ -793,7 +784,7 @@ class Model(nn.Module):
         and the item's own length: with the same seed an item's audio is the same alone
         or in any batch. seed None draws a fresh one; noise=False leaves the noise out,
         as the ONNX export does (deterministic). `pause`, if given, is called between
-        the decoder's blocks and the generator's, each evaluated first (`_give_way`).
+        the decoder's blocks and the generator's, each evaluated first (`give_way`).
         """
         frames = np.asarray(frames, dtype=np.int64)
         B, T, _ = features.shape

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +64,15 @@ class ModelArgs:
 
 
 # --- convolutions --------------------------------------------------------------------
+
+
+def give_way(x: mx.array, pause: Callable[[], None] | None) -> None:
+    """A render takes a while on a CPU: between its pieces, with `x` evaluated, `pause`
+    may hold this thread while an urgent request of another lane runs
+    (`engine.runtime.urgency`)."""
+    if pause is not None:
+        mx.eval(x)
+        pause()
 
 
 def _dilated_polyphase(x: mx.array, w: mx.array, dilation: int) -> mx.array:
@@ -616,7 +626,9 @@ class Generator(nn.Module):
             x = fast_ops.tanh(self.conv_post(_masked(nn.leaky_relu(x, 0.01), mask)))
         return x
 
-    def _run_stage(self, i: int, x: mx.array, mask: mx.array | None) -> mx.array:
+    def _run_stage(
+        self, i: int, x: mx.array, mask: mx.array | None, pause: Callable[[], None] | None
+    ) -> mx.array:
         B, length, C = x.shape
         tile = max(self.MIN_TILE, self.TILE_BYTES // (4 * C * B))
         halo = self.radius + (3 if i == len(self.ups) - 1 else 0)
@@ -630,6 +642,8 @@ class Generator(nn.Module):
             part = part[:, start - a : start - a + min(tile, length - start)]
             mx.eval(part)  # finish this tile while its activations are still in cache
             outs.append(part)
+            if pause is not None and start + tile < length:
+                pause()
         return mx.concatenate(outs, axis=1)
 
     def context_frames(self) -> int:
@@ -644,13 +658,19 @@ class Generator(nn.Module):
             radius += (self.radius + post) / scale
         return math.ceil(radius)
 
-    def __call__(self, x: mx.array, mask: mx.array | None) -> mx.array:
-        """`mask` [B, frames, 1], or None when every item fills the whole length."""
+    def __call__(
+        self, x: mx.array, mask: mx.array | None, pause: Callable[[], None] | None = None
+    ) -> mx.array:
+        """`mask` [B, frames, 1], or None when every item fills the whole length.
+        `pause`, if given, is called between the stages and between a stage's time tiles
+        on the CPU, each evaluated first (`give_way`)."""
         x = self.conv_pre(_masked(x, mask))
         for i, up in enumerate(self.ups):
             x = up(_masked(nn.leaky_relu(x, 0.1), mask))
             mask = None if mask is None else mx.repeat(mask, self.rates[i], axis=1)
-            x = self._run_stage(i, x, mask)
+            x = self._run_stage(i, x, mask, pause)
+            if i < len(self.ups) - 1:
+                give_way(x, pause)
         return x[..., 0]
 
 
@@ -735,11 +755,14 @@ class Model(nn.Module):
         y_mask = _frame_mask(frames, z_p.shape[1])
         return self.flow(z_p * y_mask, y_mask) * y_mask
 
-    def vocode(self, z: mx.array, frames: np.ndarray) -> mx.array:
-        """Audio [B, samples] of latents z; item b fills its first `frames[b]` frames."""
+    def vocode(
+        self, z: mx.array, frames: np.ndarray, pause: Callable[[], None] | None = None
+    ) -> mx.array:
+        """Audio [B, samples] of latents z; item b fills its first `frames[b]` frames.
+        `pause`: see `Generator.__call__`."""
         T = z.shape[1]
         full = bool((frames == T).all())
-        return self.dec(z, None if full else _frame_mask(frames, T))
+        return self.dec(z, None if full else _frame_mask(frames, T), pause)
 
     def render(self, z_p: mx.array, frames: np.ndarray) -> mx.array:
         """Audio [B, samples] of prior latents (flows, then the vocoder)."""

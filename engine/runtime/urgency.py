@@ -15,9 +15,9 @@ hold costs no audio, and two bounds keep any stream from starving:
 
 A step already under way when a hold begins goes on, and shares the cores with the
 urgent request. Most steps are short, but on a CPU a prefill forward of a large model
-(the quality profile's 1.5B: a 64-token slice in about 1.5 s) and a Kokoro render (a
-clause in 1 to 3 s) are not, so those pause within themselves too, between their layers
-or blocks (`pause`).
+(the quality profile's 1.5B: a 64-token slice in about 1.5 s) and a voice's render (a
+Kokoro clause in 1 to 3 s, a Piper chunk in a few hundred ms) are not, so those pause
+within themselves too, between their layers, blocks or tiles (`pause`).
 """
 
 from __future__ import annotations

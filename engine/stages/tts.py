@@ -204,8 +204,8 @@ class TtsStage:
         self._streams: dict[str, _Stream] = {}
 
     def give_way_with(self, pause: Callable[[], None]) -> None:
-        """Where the voice's renders take seconds (Kokoro on a CPU), call `pause`
-        between their pieces (`engine.runtime.urgency`)."""
+        """The voice's renders take hundreds of ms (Piper) to seconds (Kokoro) on a
+        CPU: `pause` is called between their pieces (`engine.runtime.urgency`)."""
         self.voice.give_way_with(pause)
 
     def add(self, request_id: str, inputs: TtsRequest) -> None:

@@ -110,6 +110,7 @@ class Voice:
         self.phonemizer = get_phonemizer(config.get("espeak", {}).get("voice", "en-us"))
         # The converter copied the voice json's inference defaults into the model args.
         self.defaults = Scales(args.noise_scale, args.length_scale, args.noise_w)
+        self._pause: Callable[[], None] | None = None
 
     @classmethod
     def load(cls, model_dir: Path | str) -> Voice:
@@ -131,8 +132,10 @@ class Voice:
         return phoneme_ids(self.phonemizer.phonemize(text), self.id_map)
 
     def give_way_with(self, pause: Callable[[], None]) -> None:
-        """Not taken: a Piper render is short (a chunk of at most 3 s of speech, at a
-        real-time factor about 0.1 here) and runs whole."""
+        """A render of a few seconds of speech takes a few hundred ms on a CPU: `pause`
+        is called between its flows and its vocoder, and within the vocoder
+        (`vits.Generator`)."""
+        self._pause = pause
 
     def context_frames(self) -> int:
         """Latent frames of context a rendered span needs on each side."""
@@ -163,12 +166,13 @@ class Voice:
         context, vocoder_context = model.context_frames(), model.dec.context_frames()
         windows = [_window(z_p, start, stop, context) for z_p, start, stop in spans]
         z = model.flows(*stack_frames([w for w, _ in windows]))
+        vits.give_way(z, self._pause)
         # The vocoder needs fewer frames around each span than the flows did.
         windows = [
             _window(z[i : i + 1, : w.shape[1]], a, a + n, vocoder_context)
             for i, (w, (a, n)) in enumerate(windows)
         ]
-        audio = np.array(model.vocode(*stack_frames([w for w, _ in windows])))
+        audio = np.array(model.vocode(*stack_frames([w for w, _ in windows]), self._pause))
         hop = model.args.hop_length
         return [audio[i, a * hop : (a + n) * hop].copy() for i, (_, (a, n)) in enumerate(windows)]
 

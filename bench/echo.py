@@ -75,6 +75,8 @@ from _echo_offline import headset_wer, offline, offline_rooms  # noqa: E402
 from _gateway import gateway_process  # noqa: E402
 from _rooms import RATE, ROOMS, Room, Speakerphone  # noqa: E402
 
+from gateway.protocol.session_config import TurnDetection  # noqa: E402
+
 # The clean clips' schedule on the client's clock, on the VAD's 32 ms chunk grid (its
 # stream starts at the session's first sample): each question at a multiple of the
 # period, its clip this long after it, the answer playing by then.
@@ -234,9 +236,10 @@ async def close(client: Client, tasks: Any) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-# The gateway's default turn detection dates a speech's start this far before its first
-# voiced chunk: `heard_ms` adds it back to tell the VAD's onset from the confirmation.
-PREFIX_PADDING_MS = 300
+# The session's turn detection (the gateway's default) dates a speech's start this far
+# before its first voiced chunk: `heard_ms` adds it back to tell the VAD's onset from the
+# confirmation.
+PREFIX_PADDING_MS = TurnDetection.prefix_padding_ms
 
 
 def has(client: Client, kind: str, after_ms: float = 0.0) -> Any:
@@ -295,12 +298,12 @@ async def room_trial(
         await client.sleep_until(onset_ms + len(person) * 1000 / RATE + 1500)
         started = client.seen("input_audio_buffer.speech_started", after_ms=answer_from)
         before = [t for t, _ in started if t < onset_ms]
-        after = [t for t, _ in started if t >= onset_ms]
+        after = [(t, e) for t, e in started if t >= onset_ms]
         trial.self_interruptions = len(before)
         trial.cut_before_person = bool(before)
         if after and not before:
-            trial.detect_ms = after[0] - onset_ms
-            speech = next(e for t, e in started if t >= onset_ms)
+            detected_ms, speech = after[0]
+            trial.detect_ms = detected_ms - onset_ms
             trial.heard_ms = speech["audio_start_ms"] + PREFIX_PADDING_MS - onset_ms
         trial.record = client.record
     except TimeoutError:

@@ -15,6 +15,9 @@ The text is a three-sentence answer, spoken clause by clause as the TTS stage do
   LLM's first clause: the stage's first step renders a short first chunk of it;
   `whole_clause_ms` is the time to render that clause whole, as the first step did
   before chunking.
+- `rtf_giving_way`: the `rtf` clauses as the engine renders them, with a pause point after
+  the flows and within the vocoder (`Voice.give_way_with`), no hold under way;
+  `rtf_whole` the same clauses rendered whole, alternating with it.
 - `*_cpu`: process CPU time / audio time (less sensitive to other load on the machine).
 - `breakdown_ms`: encoder + duration predictor, flows and decoder for the whole answer.
 Each figure is the best of `--repeats` runs after one warm-up.
@@ -170,6 +173,17 @@ def main() -> None:
     report["audio_s"] = round(audio_s, 2)
     report["rtf"], report["rtf_cpu"] = round(wall / audio_s, 3), round(cpu / audio_s, 3)
     report["breakdown_ms"] = breakdown_ms(voice, [t for seq in ids for t in seq])
+    whole_s: list[float] = []
+    giving_way_s: list[float] = []
+    for _ in range(args.repeats):  # alternating: both see the same machine load
+        for pause, times in ((None, whole_s), (lambda: None, giving_way_s)):
+            voice.give_way_with(pause)
+            start = time.perf_counter()
+            mlx_clauses(voice, ids)
+            times.append(time.perf_counter() - start)
+    voice.give_way_with(None)
+    report["rtf_whole"] = round(min(whole_s) / audio_s, 3)
+    report["rtf_giving_way"] = round(min(giving_way_s) / audio_s, 3)
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 2

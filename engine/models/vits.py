@@ -63,9 +63,6 @@ class ModelArgs:
         return int(np.prod(self.upsample_rates))
 
 
-# --- convolutions --------------------------------------------------------------------
-
-
 def give_way(x: mx.array, pause: Callable[[], None] | None) -> None:
     """A render takes a while on a CPU: between its pieces, with `x` evaluated, `pause`
     may hold this thread while an urgent request of another lane runs
@@ -73,6 +70,9 @@ def give_way(x: mx.array, pause: Callable[[], None] | None) -> None:
     if pause is not None:
         mx.eval(x)
         pause()
+
+
+# --- convolutions --------------------------------------------------------------------
 
 
 def _dilated_polyphase(x: mx.array, w: mx.array, dilation: int) -> mx.array:

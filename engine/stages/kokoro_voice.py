@@ -107,9 +107,10 @@ class KokoroVoice:
             raise ValueError(f"Kokoro has no voice {voice!r}")
         return KokoroScales(voice, 1.0 if request.speed is None else request.speed)
 
-    def give_way_with(self, pause: Callable[[], None]) -> None:
+    def give_way_with(self, pause: Callable[[], None] | None) -> None:
         """A clause renders in seconds on a CPU (2.6 s for 4.5 s of speech): `pause` is
-        called between the pieces of each render (`kokoro.Model.decode`)."""
+        called between the pieces of each render (`kokoro.Model.decode`); None: renders
+        run whole."""
         self._pause = pause
 
     def context_frames(self) -> int:

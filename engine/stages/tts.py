@@ -203,7 +203,7 @@ class TtsStage:
         self._context = voice.context_frames()
         self._streams: dict[str, _Stream] = {}
 
-    def give_way_with(self, pause: Callable[[], None]) -> None:
+    def give_way_with(self, pause: Callable[[], None] | None) -> None:
         """The voice's renders take hundreds of ms (Piper) to seconds (Kokoro) on a
         CPU: `pause` is called between their pieces (`engine.runtime.urgency`)."""
         self.voice.give_way_with(pause)

@@ -85,7 +85,7 @@ class VoiceModel(Protocol):
     openai_voices: dict[str, str]
 
     def scales(self, request: TtsRequest) -> Any: ...
-    def give_way_with(self, pause: Callable[[], None]) -> None: ...
+    def give_way_with(self, pause: Callable[[], None] | None) -> None: ...
     def context_frames(self) -> int: ...
     def id_pieces(self, text: str) -> list[list[int]]: ...
     def latents(self, batch: Sequence[list[int]], scales: Sequence[Any]) -> list[mx.array]: ...
@@ -131,10 +131,10 @@ class Voice:
     def ids(self, text: str) -> list[int]:
         return phoneme_ids(self.phonemizer.phonemize(text), self.id_map)
 
-    def give_way_with(self, pause: Callable[[], None]) -> None:
+    def give_way_with(self, pause: Callable[[], None] | None) -> None:
         """A render of a few seconds of speech takes a few hundred ms on a CPU: `pause`
         is called between its flows and its vocoder, and within the vocoder
-        (`vits.Generator`)."""
+        (`vits.Generator`); None: renders run whole."""
         self._pause = pause
 
     def context_frames(self) -> int:

@@ -4,7 +4,11 @@
 
 The text is a three-sentence answer, spoken clause by clause as the TTS stage does.
 
-- `rtf`: synthesis wall time / audio time, MLX with the rewritten convolutions.
+- `rtf`: synthesis wall time / audio time, with the voice's own convolutions
+  (`conv_mode`: "native", the vocoder through `engine.native.vits_conv`, where that
+  builds; "taps" otherwise).
+- `rtf_native`, `rtf_taps`: the same clauses with the vocoder's convolutions native and
+  in MLX (one GEMM per tap, the MLX path's fastest), alternating.
 - `rtf_polyphase`: the same with dilated convs as polyphase undilated convs and
   transposed convs as polyphase convs (the first rewrite), `mx.conv1d` otherwise.
 - `rtf_before`: the same with MLX's stock dilated and transposed convolutions.
@@ -159,7 +163,8 @@ def main() -> None:
     ids = [voice.ids(c) for c in clauses]
     report: dict[str, object] = {"clauses": len(clauses)}
 
-    voice.model.set_conv_mode("taps")
+    mode = "native" if voice.model.dec.native else "taps"
+    report["conv_mode"] = mode
     report["first_audio_ms"] = round(
         min(first_chunk_ms(voice, ANSWER) for _ in range(args.repeats + 1)), 1
     )
@@ -193,6 +198,16 @@ def main() -> None:
     report["onnxruntime_rtf"] = round(wall / ort_audio, 3)
     report["onnxruntime_rtf_cpu"] = round(cpu / ort_audio, 3)
 
+    by_mode: dict[str, list[float]] = {m: [] for m in dict.fromkeys([mode, "taps"])}
+    for _ in range(args.repeats):  # alternating: both see the same machine load
+        for m, times in by_mode.items():
+            voice.model.set_conv_mode(m)
+            start = time.perf_counter()
+            mlx_clauses(voice, ids)
+            times.append(time.perf_counter() - start)
+    for m, times in by_mode.items():
+        report[f"rtf_{m}"] = round(min(times) / audio_s, 3)
+
     voice.model.set_conv_mode("polyphase")
     wall, cpu, audio_s = timed(lambda: mlx_clauses(voice, ids), args.repeats)
     report["rtf_polyphase"] = round(wall / audio_s, 3)
@@ -200,7 +215,7 @@ def main() -> None:
         voice.model.set_conv_mode("stock")
         wall, cpu, audio_s = timed(lambda: mlx_clauses(voice, ids), 1)
         report["rtf_before"] = round(wall / audio_s, 3)
-    voice.model.set_conv_mode("taps")
+    voice.model.set_conv_mode(mode)
 
     if args.json:
         print(json.dumps(report))

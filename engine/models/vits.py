@@ -18,6 +18,7 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.models import fast_ops
+from engine.native import vits_conv
 
 __all__ = ["ModelArgs", "Model", "load", "rational_quadratic_inverse"]
 
@@ -90,7 +91,7 @@ def _dilated_polyphase(x: mx.array, w: mx.array, dilation: int) -> mx.array:
     return y[:, :out_len]
 
 
-CONV_MODES = ("stock", "polyphase", "taps")
+CONV_MODES = ("stock", "polyphase", "taps", "native")
 
 
 class Conv1d(nn.Module):
@@ -120,6 +121,7 @@ class Conv1d(nn.Module):
         self.pad = (kernel * dilation - dilation) // 2
         self.mode = "taps"
         object.__setattr__(self, "_taps", None)
+        object.__setattr__(self, "_packed", None)
 
     def _tap_weights(self) -> list[mx.array]:
         # (in, out) matrices per tap, rebuilt only when the weight array is replaced.
@@ -163,6 +165,44 @@ class Conv1d(nn.Module):
             y = mx.addmm(y, xp[:, k * d : k * d + L], w)
         return y
 
+    def native(
+        self,
+        x: np.ndarray,
+        residual: np.ndarray | None = None,
+        out: np.ndarray | None = None,
+        slope: float = 1.0,
+    ) -> np.ndarray:
+        """The same conv of leaky_relu(x, slope) (1: none) for one item, x (time, in),
+        through the native kernel (`engine.native.vits_conv`); `out` may be `residual`
+        (in place)."""
+        taps, bias = self._native_weights()
+        y = vits_conv.conv1d(
+            x,
+            taps,
+            length=x.shape[0],
+            pad_left=self.pad,
+            dilation=self.dilation,
+            bias=bias,
+            residual=residual,
+            slope=slope,
+            out=out,
+        )
+        out_ch = self.weight.shape[0]
+        return y if y.shape[1] == out_ch else y[:, :out_ch]
+
+    def _native_weights(self) -> tuple[np.ndarray, np.ndarray | None]:
+        # Packed for the kernel, rebuilt only when the weight array is replaced.
+        cached = self._packed
+        if cached is None or cached[0] is not self.weight:
+            taps = vits_conv.pack_taps(np.array(self.weight))
+            bias = None
+            if "bias" in self:
+                bias = np.zeros(taps.shape[2], np.float32)
+                bias[: self.weight.shape[0]] = np.array(self.bias)
+            cached = (self.weight, taps, bias)
+            object.__setattr__(self, "_packed", cached)
+        return cached[1], cached[2]
+
     def _single_output(self, xp: mx.array, L: int, residual: mx.array | None) -> mx.array:
         # One output channel: a GEMM per tap would be a matrix-vector product; do one
         # GEMM for all taps and add the shifted columns instead.
@@ -192,6 +232,7 @@ class ConvTranspose1d(nn.Module):
         self.mode = "taps"
         # Derived from `weight` on first use; kept off the parameter tree.
         object.__setattr__(self, "_poly", None)
+        object.__setattr__(self, "_packed", None)
 
     def _polyphase_weight(self) -> tuple[mx.array, list[mx.array], int, int]:
         # Output t = m*s + r takes input m - e through tap k = q + e*s, q = r + padding.
@@ -234,6 +275,22 @@ class ConvTranspose1d(nn.Module):
         y = mx.conv1d(xp, w)[:, :m]
         y = y.reshape(B, m * s, -1)[:, :out_len]
         return y + self.bias
+
+    def native(self, x: np.ndarray, slope: float) -> np.ndarray:
+        """The same transposed conv of leaky_relu(x, slope) for one item, x (time, in),
+        through the native kernel: its polyphase conv, one call."""
+        s, L = self.stride, x.shape[0]
+        out_len = (L - 1) * s - 2 * self.padding + self.weight.shape[1]
+        _, per_tap, e_max, _ = self._polyphase_weight()
+        cached = self._packed
+        if cached is None or cached[0] is not per_tap:
+            taps = np.stack([np.array(w) for w in per_tap])  # (taps, in, stride * out)
+            bias = np.tile(np.array(self.bias), s).astype(np.float32)
+            cached = (per_tap, taps, bias)
+            object.__setattr__(self, "_packed", cached)
+        m = -(-out_len // s)
+        y = vits_conv.conv1d(x, cached[1], length=m, pad_left=e_max, bias=cached[2], slope=slope)
+        return y.reshape(m * s, -1)[:out_len]
 
 
 class LayerNorm(nn.Module):
@@ -576,6 +633,17 @@ class ResBlock(nn.Module):
             x = c(_masked(nn.leaky_relu(x, 0.1), mask), residual=x)
         return x
 
+    def native(self, x: np.ndarray) -> np.ndarray:
+        """The block over one item, x (time, channels), through the native kernel."""
+        y = x.copy()  # each conv adds onto it in place
+        if self.kind == "1":
+            for c1, c2 in zip(self.convs1, self.convs2, strict=True):
+                c2.native(c1.native(y, slope=0.1), residual=y, out=y, slope=0.1)
+            return y
+        for c in self.convs:
+            c.native(y, residual=y, out=y, slope=0.1)
+        return y
+
 
 def _stage_radius(kernels: list[int], dilations: list[list[int]], kind: str) -> int:
     # Samples on each side that one stage of parallel resblocks reads beyond its output.
@@ -615,6 +683,8 @@ class Generator(nn.Module):
             args.resblock_kernel_sizes, args.resblock_dilation_sizes, args.resblock
         )
         self.tiled = True
+        # Run on the CPU through `engine.native.vits_conv` (`Model.set_conv_mode`).
+        self.native = False
 
     def _stage(self, i: int, x: mx.array, mask: mx.array | None) -> mx.array:
         blocks = self.resblocks[i * self.n_kernels : (i + 1) * self.n_kernels]
@@ -664,6 +734,8 @@ class Generator(nn.Module):
         """`mask` [B, frames, 1], or None when every item fills the whole length.
         `pause`, if given, is called between the stages and between a stage's time tiles
         on the CPU, each evaluated first (`give_way`)."""
+        if self.native and mx.default_device() == mx.cpu:
+            return self._native(x, mask, pause)
         x = self.conv_pre(_masked(x, mask))
         for i, up in enumerate(self.ups):
             x = up(_masked(nn.leaky_relu(x, 0.1), mask))
@@ -672,6 +744,47 @@ class Generator(nn.Module):
             if i < len(self.ups) - 1:
                 give_way(x, pause)
         return x[..., 0]
+
+    def _native(
+        self, x: mx.array, mask: mx.array | None, pause: Callable[[], None] | None
+    ) -> mx.array:
+        # Item by item, each cut to its own frames: the masked batch's convs see zeros
+        # past an item's end, as a lone item's do.
+        B, T, _ = x.shape
+        frames = [T] * B if mask is None else np.array(mask.sum(axis=(1, 2))).astype(int)
+        hop = math.prod(self.rates)
+        audio = np.zeros((B, T * hop), np.float32)
+        for b in range(B):
+            y = np.array(x[b, : int(frames[b])])
+            y = self.conv_pre.native(y)
+            for i, up in enumerate(self.ups):
+                y = self._native_stage(i, up.native(y, slope=0.1), pause)
+                if i < len(self.ups) - 1 and pause is not None:
+                    pause()
+            audio[b, : y.shape[0]] = self.conv_post.native(y, slope=0.01)[:, 0]
+        return fast_ops.tanh(mx.array(audio))
+
+    def _native_stage(self, i: int, x: np.ndarray, pause: Callable[[], None] | None) -> np.ndarray:
+        # The tiles of `_run_stage`, for the same reason: a tile's activations stay in cache.
+        length, C = x.shape
+        tile = max(self.MIN_TILE, self.TILE_BYTES // (4 * C)) if self.tiled else length
+        out = np.empty_like(x)
+        for start in range(0, length, tile):
+            a, b = max(0, start - self.radius), min(length, start + tile + self.radius)
+            part = self._native_blocks(i, x[a:b])
+            n = min(tile, length - start)
+            out[start : start + n] = part[start - a : start - a + n]
+            if pause is not None and start + tile < length:
+                pause()
+        return out
+
+    def _native_blocks(self, i: int, x: np.ndarray) -> np.ndarray:
+        blocks = self.resblocks[i * self.n_kernels : (i + 1) * self.n_kernels]
+        total = blocks[0].native(x)
+        for block in blocks[1:]:
+            total += block.native(x)
+        total /= self.n_kernels
+        return total
 
 
 # --- the whole voice -----------------------------------------------------------------
@@ -687,14 +800,19 @@ class Model(nn.Module):
         self.dec = Generator(args)
 
     def set_conv_mode(self, mode: str, tiled: bool = True) -> None:
-        """Conv kernels: "taps" (default, fastest on CPU), "polyphase", or MLX's "stock";
-        `tiled` runs the decoder's resblocks over cache-sized time tiles on the CPU."""
+        """Conv kernels: "native" (the decoder through `engine.native.vits_conv` on the
+        CPU, the rest as "taps"; what `load` picks where it builds), "taps" (one GEMM
+        per tap, the fastest in MLX on a CPU), "polyphase", or MLX's "stock"; `tiled`
+        runs the decoder's resblocks over cache-sized time tiles on the CPU."""
         if mode not in CONV_MODES:
             raise ValueError(f"conv mode must be one of {CONV_MODES}")
+        if mode == "native" and not vits_conv.load():
+            raise RuntimeError("native convolutions need a C compiler (see the log)")
         for _, m in self.named_modules():
             if isinstance(m, (Conv1d, ConvTranspose1d)):
-                m.mode = mode
+                m.mode = "taps" if mode == "native" else mode
         self.dec.tiled = tiled
+        self.dec.native = mode == "native"
 
     def durations(
         self, ids: mx.array, lengths: mx.array, noise_w: mx.array, length_scale: mx.array
@@ -810,4 +928,6 @@ def load(model_dir: Path | str) -> tuple[Model, dict]:
     model = Model(ModelArgs.from_dict(config))
     model.load_weights(str(model_dir / "model.safetensors"), strict=True)
     mx.eval(model.parameters())
+    if vits_conv.load():
+        model.set_conv_mode("native")
     return model, voice

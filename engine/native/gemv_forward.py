@@ -23,21 +23,14 @@ exactly, the fp32 product bit for bit.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import time
-import uuid
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from engine.weights.paths import cache_dir
+from engine.native import build
 
 if TYPE_CHECKING:  # this module is imported before mlx.core (engine.native.blas)
     import mlx.core as mx
@@ -69,8 +62,6 @@ GROUPS_FILE = "twins.safetensors"
 # "1": products over twins rebuild the weights in floats (bit for bit the fp32 product)
 # instead of running in integers over rounded activations (`exact_twins`).
 EXACT_ENV = "DUPLEX_GATEWAY_EXACT_TWINS"
-# Builds not loaded for this long are deleted from the cache (30 days).
-PRUNE_AFTER_S = 30 * 24 * 3600
 
 _lib: ctypes.CDLL | None = None
 
@@ -234,56 +225,5 @@ def twin_products() -> int:
 
 def _built() -> Path | None:
     """The compiled library of `SOURCE` in the cache, built now if needed; None without
-    a compiler.
-
-    Its name is its content's hash: checkouts of different versions share one cache,
-    and each finds its own build there, never one another's. A build is written under a
-    temporary name and renamed into place, so a process never loads a partial one."""
-    source = SOURCE
-    code = source.read_bytes()
-    # Built for this CPU's instruction set: a cache moved to another machine rebuilds.
-    key = hashlib.sha256(code + platform.machine().encode() + _cpu_flags()).hexdigest()[:16]
-    target = cache_dir() / "native" / f"gemv_forward-{key}.so"
-    if target.exists():
-        with contextlib.suppress(OSError):
-            os.utime(target)  # in use: not pruned (`_prune`)
-        return target
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        log.warning("no C compiler: few-row products use the BLAS's sgemm (slower decode)")
-        return None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
-    cmd = [compiler, "-O3", "-march=native", "-Wno-psabi", "-shared", "-fPIC", "-pthread"]
-    cmd += ["-o", str(tmp)]
-    cmd += [str(source), "-ldl"]
-    try:
-        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        log.warning("building %s failed (%s); few-row products use sgemm", source.name, detail)
-        tmp.unlink(missing_ok=True)
-        return None
-    os.replace(tmp, target)  # atomic: another process may be building the same file
-    _prune(target.parent)
-    return target
-
-
-def _prune(folder: Path) -> None:
-    """Drop builds no process has loaded for `PRUNE_AFTER_S`, so upgrades do not pile
-    them up. A build in use is refreshed each time it is loaded, and a process that
-    still has one mapped keeps its mapping."""
-    cutoff = time.time() - PRUNE_AFTER_S
-    # The hidden ones are what builds that were stopped half-way left behind.
-    for old in [*folder.glob("gemv_forward-*.so"), *folder.glob(".gemv_forward-*.so.*")]:
-        with contextlib.suppress(OSError):  # another process pruned it first
-            if old.stat().st_mtime < cutoff:
-                old.unlink()
-
-
-def _cpu_flags() -> bytes:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return b""
-    return next((line for line in text.splitlines() if line.startswith("flags")), "").encode()
+    a compiler (`engine.native.build`)."""
+    return build.library(SOURCE, "gemv_forward", "few-row products use the BLAS's sgemm")

@@ -1,0 +1,248 @@
+/* Direct 1-D convolutions for the VITS vocoder, time-major (rows of channels).
+ *
+ * Through MLX a conv of a few dozen channels is one small GEMM per tap, each reading
+ * and writing the whole output again, plus a pass each for the activation before it,
+ * the zero padding and the residual: at 32 channels the passes cost more than the
+ * multiplications. Here one call does all of it: the input is padded and put through
+ * its leaky ReLU once into a scratch copy, and each block of output rows keeps its
+ * sums in registers over every tap and input channel, starting from the bias and the
+ * residual. Every output value is summed in the same order (taps, then input
+ * channels) whatever the rows around it, so results do not depend on how the rows are
+ * split over threads or on the other items of a batch.
+ */
+#define _GNU_SOURCE /* sched_getaffinity */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+enum { ROWS = 6, CHUNK = 16 * ROWS, MAX_THREADS = 8 };
+/* Calls with fewer multiply-adds than this run on the calling thread alone. */
+static const long MIN_SPLIT_MACS = 1L << 22;
+
+typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float v8u __attribute__((vector_size(8 * sizeof(float)), aligned(4)));
+
+static inline v8 load(const float *p) { return *(const v8u *)p; }
+static inline void store(float *p, v8 v) { *(v8u *)p = v; }
+static inline v8 splat(float s) { return (v8){s, s, s, s, s, s, s, s}; }
+
+struct conv {
+  const float *xs; /* padded input after the activation: (t_out + (taps-1)*dilation) x ci */
+  const float *w;  /* taps x ci x co */
+  const float *bias, *residual; /* co, t_out x co; either may be NULL */
+  float *out;                   /* t_out x co */
+  long t_out;
+  int ci, co, taps, dilation;
+};
+
+/* `rows` output rows from row t, output channels j .. j + 8*width. */
+static inline __attribute__((always_inline)) void block(const struct conv *p, long t, int j,
+                                                        int rows, int width) {
+  v8 acc[ROWS][2];
+  for (int r = 0; r < rows; r++)
+    for (int h = 0; h < width; h++) {
+      v8 a = p->bias != NULL ? load(p->bias + j + 8 * h) : splat(0.0f);
+      if (p->residual != NULL) a += load(p->residual + (t + r) * p->co + j + 8 * h);
+      acc[r][h] = a;
+    }
+  for (int k = 0; k < p->taps; k++) {
+    const float *x = p->xs + (t + (long)k * p->dilation) * p->ci;
+    const float *w = p->w + (long)k * p->ci * p->co + j;
+    for (int c = 0; c < p->ci; c++) {
+      v8 b0 = load(w + (long)c * p->co), b1 = width > 1 ? load(w + (long)c * p->co + 8) : b0;
+      for (int r = 0; r < rows; r++) {
+        v8 a = splat(x[(long)r * p->ci + c]);
+        acc[r][0] += a * b0;
+        if (width > 1) acc[r][1] += a * b1;
+      }
+    }
+  }
+  for (int r = 0; r < rows; r++)
+    for (int h = 0; h < width; h++) store(p->out + (t + r) * p->co + j + 8 * h, acc[r][h]);
+}
+
+#define BLOCK_CASES(width)                                                                   \
+  switch (rows) {                                                                          \
+  case 1: block(p, t, j, 1, width); break;                                                 \
+  case 2: block(p, t, j, 2, width); break;                                                 \
+  case 3: block(p, t, j, 3, width); break;                                                 \
+  case 4: block(p, t, j, 4, width); break;                                                 \
+  case 5: block(p, t, j, 5, width); break;                                                 \
+  default: block(p, t, j, 6, width); break;                                                \
+  }
+
+/* Rows in chunks of CHUNK, each chunk's input read from cache for every block of
+ * output channels: swept over all the rows at once, a wide conv (an upsampling layer's
+ * 512 channels) read its whole input from memory again for every 16 of them. */
+static void conv_rows(const struct conv *p, long from, long to) {
+  for (long chunk = from; chunk < to; chunk += CHUNK) {
+    long end = chunk + CHUNK < to ? chunk + CHUNK : to;
+    for (int j = 0; j < p->co; j += 16) {
+      int wide = p->co - j >= 16;
+      for (long t = chunk; t < end; t += ROWS) {
+        int rows = end - t < ROWS ? (int)(end - t) : ROWS;
+        if (wide) {
+          BLOCK_CASES(2)
+        } else {
+          BLOCK_CASES(1)
+        }
+      }
+    }
+  }
+}
+
+/* --- helpers that stay awake between the calls of a render --------------------------
+ * A vocoder pass makes hundreds of calls of a millisecond or less, a few tens of
+ * microseconds apart. A thread started per call, or woken from sleep, reaches its core
+ * late on a virtual machine, and the calls then ran no faster on two cores than on one:
+ * the helpers spin for a while after each call before they sleep. One call at a time
+ * uses them; a call that finds them busy runs on its own thread. */
+
+static const long SPIN_NS = 200 * 1000;
+
+static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t wake_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
+static int pool_threads; /* 0: not started (again, after a fork) */
+static const struct conv *job;
+static atomic_uint generation;
+static atomic_int unfinished;
+static unsigned born_at; /* the generation before the helpers' first call */
+
+static long now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+/* Part `part` of `parts`: whole blocks of rows, so every part runs the widest kernel. */
+static void run_part(const struct conv *p, int part, int parts) {
+  long blocks = (p->t_out + ROWS - 1) / ROWS;
+  long from = blocks * part / parts * ROWS, to = blocks * (part + 1) / parts * ROWS;
+  conv_rows(p, from, to < p->t_out ? to : p->t_out);
+}
+
+static void *helper_main(void *arg) {
+  int index = (int)(size_t)arg;
+  unsigned seen = born_at;
+  for (;;) {
+    long start = now_ns();
+    while (atomic_load_explicit(&generation, memory_order_acquire) == seen &&
+           now_ns() - start < SPIN_NS)
+      ;
+    pthread_mutex_lock(&wake_lock);
+    while (atomic_load(&generation) == seen) pthread_cond_wait(&wake, &wake_lock);
+    pthread_mutex_unlock(&wake_lock);
+    seen = atomic_load(&generation);
+    run_part(job, index, pool_threads);
+    atomic_fetch_sub_explicit(&unfinished, 1, memory_order_release);
+  }
+  return NULL;
+}
+
+/* A forked child has none of the helpers, and a lock a helper held stays held. */
+static void forget_pool(void) {
+  pool_threads = 0;
+  pthread_mutex_init(&pool_busy, NULL);
+  pthread_mutex_init(&wake_lock, NULL);
+  pthread_cond_init(&wake, NULL);
+}
+
+static int usable_cores(void) {
+  cpu_set_t set;
+  long n = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set)
+                                                       : sysconf(_SC_NPROCESSORS_ONLN);
+  return n < 1 ? 1 : n > MAX_THREADS ? MAX_THREADS : (int)n;
+}
+
+static int start_pool(void) {
+  static int at_fork_set;
+  if (!at_fork_set) at_fork_set = pthread_atfork(NULL, NULL, forget_pool) == 0;
+  born_at = atomic_load(&generation);
+  int started = 1, want = usable_cores();
+  for (; started < want; started++) {
+    pthread_t t;
+    if (pthread_create(&t, NULL, helper_main, (void *)(size_t)started) != 0) break;
+    pthread_detach(t);
+  }
+  return started;
+}
+
+static void conv_split(const struct conv *p) {
+  long macs = p->t_out * p->ci * p->co * p->taps;
+  if (macs < MIN_SPLIT_MACS || pthread_mutex_trylock(&pool_busy) != 0) {
+    conv_rows(p, 0, p->t_out);
+    return;
+  }
+  if (pool_threads == 0) pool_threads = start_pool();
+  job = p;
+  atomic_store(&unfinished, pool_threads - 1);
+  pthread_mutex_lock(&wake_lock);
+  atomic_fetch_add_explicit(&generation, 1, memory_order_release);
+  pthread_cond_broadcast(&wake);
+  pthread_mutex_unlock(&wake_lock);
+  run_part(p, 0, pool_threads);
+  while (atomic_load_explicit(&unfinished, memory_order_acquire) > 0)
+    ;
+  pthread_mutex_unlock(&pool_busy);
+}
+
+/* The calling thread's scratch of at least `n` floats, kept between calls: a fresh
+ * megabyte from malloc comes back from the kernel page by page, and faulting it in
+ * cost as much as the convolution it held. Freed when the thread ends. */
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static __thread float *scratch_at;
+static __thread size_t scratch_floats;
+
+static void make_scratch_key(void) { pthread_key_create(&scratch_key, free); }
+
+static float *scratch(size_t n) {
+  if (n <= scratch_floats) return scratch_at;
+  pthread_once(&scratch_once, make_scratch_key);
+  float *grown = malloc(n * sizeof(float));
+  if (grown == NULL) return NULL;
+  free(scratch_at);
+  scratch_at = grown, scratch_floats = n;
+  pthread_setspecific(scratch_key, grown);
+  return grown;
+}
+
+/* out (t_out x co) = bias + residual + conv(act(x)), where act is a leaky ReLU of
+ * `slope` in [0, 1] (1: none), x (t_in x ci) is read with `pad_left` zero rows before it (and as
+ * many after as the taps need), and w holds one ci x co matrix per tap. co must be a
+ * multiple of 8. Returns 0, or -1 when it cannot (co, or no memory). */
+int vits_conv(const float *x, long t_in, int ci, long pad_left, long t_out, int taps,
+              int dilation, const float *w, int co, const float *bias, const float *residual,
+              float slope, float *out) {
+  if (co % 8 != 0 || ci < 1 || taps < 1 || dilation < 1 || t_out < 1 || pad_left < 0 ||
+      !(slope >= 0.0f && slope <= 1.0f))
+    return -1;
+  long rows = t_out + (long)(taps - 1) * dilation;
+  float *xs = scratch((size_t)rows * ci);
+  if (xs == NULL) return -1;
+  for (long i = 0; i < rows; i++) {
+    long src = i - pad_left;
+    float *row = xs + i * ci;
+    if (src < 0 || src >= t_in) {
+      memset(row, 0, (size_t)ci * sizeof(float));
+      continue;
+    }
+    const float *restrict in = x + src * ci;
+    float *restrict to = row;
+    /* Branch-free, so the compiler vectorizes it: with 0 <= slope <= 1 the larger of
+     * v and slope * v is the leaky ReLU of v (a branch on the sign mispredicts half the
+     * time on audio, and cost as much as the products at 32 channels). */
+    for (int c = 0; c < ci; c++) {
+      float v = in[c], scaled = v * slope;
+      to[c] = v > scaled ? v : scaled; /* maxps; fmaxf would be a call per value */
+    }
+  }
+  struct conv p = {xs, w, bias, residual, out, t_out, ci, co, taps, dilation};
+  conv_split(&p);
+  return 0;
+}

@@ -1,0 +1,130 @@
+"""Build and load `native/vits_conv.c`: the VITS vocoder's convolutions in one call each.
+
+Why: at the vocoder's widths (32 to 256 channels, up to 227,000 samples a second of
+speech) MLX runs a conv as one small GEMM per tap plus a pass each for the activation,
+the padding and the residual, and the passes cost more than the multiplications. The C
+kernel pads and activates its input once and keeps each output block's sums in
+registers over every tap (see the C file). It works on NumPy arrays, outside MLX's
+graph, so it serves the CPU only; `engine.models.vits` uses it there and keeps MLX's
+convolutions on a GPU, without a compiler, or with `DUPLEX_GATEWAY_NATIVE_CONV=0`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import numpy as np
+
+from engine.native import build
+
+__all__ = ["ENV", "conv1d", "is_loaded", "load", "pack_taps"]
+
+SOURCE = Path(__file__).with_name("vits_conv.c")
+ENV = "DUPLEX_GATEWAY_NATIVE_CONV"
+# The kernel writes output channels in vectors of this many floats.
+LANES = 8
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def load() -> bool:
+    """Build (once per CPU, into the engine cache) and load the kernel; True when it
+    can be used. Safe to call again: the answer of the first call stands."""
+    global _lib, _tried
+    if _tried:
+        return _lib is not None
+    _tried = True
+    if os.environ.get(ENV) == "0":
+        return False
+    built = build.library(SOURCE, "vits_conv", "the voice keeps MLX's convolutions")
+    if built is None:
+        return False
+    lib = ctypes.CDLL(str(built))
+    lib.vits_conv.restype = ctypes.c_int
+    lib.vits_conv.argtypes = [
+        ctypes.c_void_p,  # x
+        ctypes.c_long,  # t_in
+        ctypes.c_int,  # ci
+        ctypes.c_long,  # pad_left
+        ctypes.c_long,  # t_out
+        ctypes.c_int,  # taps
+        ctypes.c_int,  # dilation
+        ctypes.c_void_p,  # w
+        ctypes.c_int,  # co
+        ctypes.c_void_p,  # bias
+        ctypes.c_void_p,  # residual
+        ctypes.c_float,  # slope
+        ctypes.c_void_p,  # out
+    ]
+    _lib = lib
+    return True
+
+
+def is_loaded() -> bool:
+    return _lib is not None
+
+
+def pack_taps(weight: np.ndarray) -> np.ndarray:
+    """A conv weight stored as (out, taps, in) as the kernel reads it: one (in, out)
+    matrix per tap, the out channels padded with zeros to whole vectors."""
+    out_ch = weight.shape[0]
+    padded = -(-out_ch // LANES) * LANES
+    taps = np.zeros((weight.shape[1], weight.shape[2], padded), np.float32)
+    taps[:, :, :out_ch] = weight.transpose(1, 2, 0)
+    return taps
+
+
+def conv1d(
+    x: np.ndarray,
+    taps: np.ndarray,
+    *,
+    length: int,
+    pad_left: int,
+    dilation: int = 1,
+    bias: np.ndarray | None = None,
+    residual: np.ndarray | None = None,
+    slope: float = 1.0,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """`length` rows of bias + residual + conv(leaky_relu(x, slope)); slope 1 is no
+    activation. x is (rows, in), read with `pad_left` zero rows before it and as many
+    after as the taps need; `taps` comes from `pack_taps`; `bias` has the padded width.
+    The result is (length, padded out channels): `out` if given, which may be
+    `residual` itself (the conv then runs in place)."""
+    if _lib is None:
+        raise RuntimeError("the native convolutions are not loaded (vits_conv.load)")
+    n_taps, ci, co = taps.shape
+    x, taps = _plain(x), _plain(taps)
+    if x.ndim != 2 or x.shape[1] != ci:
+        raise ValueError(f"input {x.shape} does not have the taps' {ci} channels")
+    if out is None:
+        out = np.empty((length, co), np.float32)
+    for name, a in (("bias", bias), ("residual", residual), ("out", out)):
+        want = (co,) if name == "bias" else (length, co)
+        if a is not None and (a.shape != want or a.dtype != np.float32 or not a.flags.c_contiguous):
+            raise ValueError(f"{name} must be a contiguous float32 array of shape {want}")
+    done = _lib.vits_conv(
+        x.ctypes.data,
+        x.shape[0],
+        ci,
+        pad_left,
+        length,
+        n_taps,
+        dilation,
+        taps.ctypes.data,
+        co,
+        None if bias is None else bias.ctypes.data,
+        None if residual is None else residual.ctypes.data,
+        slope,
+        out.ctypes.data,
+    )
+    if done != 0:
+        raise ValueError("the native conv refused its arguments (or is out of memory)")
+    return out
+
+
+def _plain(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32)

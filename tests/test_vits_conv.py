@@ -1,0 +1,224 @@
+"""The VITS vocoder's native convolutions (`engine/native/vits_conv.c`): against a NumPy
+reference, row for row the same whatever the rows beside them, in place, refusing what
+it cannot do, and the voice's fallback to MLX's convolutions without them."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.models import vits
+from engine.native import vits_conv
+from tests.test_tts import SUM_ORDER_ATOL, TINY, run, tiny_model
+
+
+@pytest.fixture(autouse=True)
+def loaded() -> None:
+    # The project's install has a compiler (README); without one these tests fail.
+    assert vits_conv.load(), "the native convolutions did not build (see the log)"
+
+
+def reference(
+    x: np.ndarray,
+    weight: np.ndarray,
+    *,
+    length: int,
+    pad_left: int,
+    dilation: int = 1,
+    bias: np.ndarray | None = None,
+    residual: np.ndarray | None = None,
+    slope: float = 1.0,
+) -> np.ndarray:
+    """The definition, in float64: weight is (out, taps, in), as the models store it."""
+    out_ch, taps, _ = weight.shape
+    act = np.maximum(x, x * slope).astype(np.float64)
+    rows = length + (taps - 1) * dilation
+    padded = np.zeros((rows, x.shape[1]))
+    n = max(0, min(x.shape[0], rows - pad_left))
+    padded[pad_left : pad_left + n] = act[:n]
+    y = np.zeros((length, out_ch))
+    for k in range(taps):
+        y += padded[k * dilation : k * dilation + length] @ weight[:, k, :].T
+    if bias is not None:
+        y += bias
+    if residual is not None:
+        y += residual
+    return y
+
+
+CASES = [
+    # rows, in, out, taps, dilation, slope
+    (8192, 32, 32, 7, 12, 0.1),  # the voice's last stage: split over the threads
+    (300, 64, 64, 5, 6, 0.1),
+    (97, 16, 24, 3, 2, 0.0),  # out channels not a whole 16: the 8-wide kernel too
+    (40, 192, 8, 1, 1, 1.0),  # a 1x1 conv, no activation
+    (5, 8, 16, 7, 3, 0.01),  # fewer rows than the taps reach
+]
+
+
+@pytest.mark.parametrize("rows,ci,co,taps,dilation,slope", CASES)
+def test_the_conv_is_the_definition(
+    rows: int, ci: int, co: int, taps: int, dilation: int, slope: float
+) -> None:
+    rng = np.random.default_rng(rows + co)
+    x = rng.standard_normal((rows, ci), dtype=np.float32)
+    weight = (rng.standard_normal((co, taps, ci)) / np.sqrt(ci * taps)).astype(np.float32)
+    bias = rng.standard_normal(co, dtype=np.float32)
+    residual = rng.standard_normal((rows, co), dtype=np.float32)
+    pad = dilation * (taps - 1) // 2
+    packed = vits_conv.pack_taps(weight)
+    got = vits_conv.conv1d(
+        x,
+        packed,
+        length=rows,
+        pad_left=pad,
+        dilation=dilation,
+        bias=bias,
+        residual=residual,
+        slope=slope,
+    )
+    want = reference(
+        x,
+        weight,
+        length=rows,
+        pad_left=pad,
+        dilation=dilation,
+        bias=bias,
+        residual=residual,
+        slope=slope,
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    bare = vits_conv.conv1d(x, packed, length=rows, pad_left=pad, dilation=dilation, slope=slope)
+    np.testing.assert_allclose(bare, got - bias - residual, atol=1e-4)
+
+
+def test_a_polyphase_window_reads_zeros_past_both_ends() -> None:
+    # The transposed conv's form: more zero rows before than the taps' centre, and
+    # output rows that reach past the input's end.
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((11, 8), dtype=np.float32)
+    weight = rng.standard_normal((16, 3, 8)).astype(np.float32)
+    got = vits_conv.conv1d(x, vits_conv.pack_taps(weight), length=13, pad_left=2)
+    np.testing.assert_allclose(got, reference(x, weight, length=13, pad_left=2), atol=1e-5)
+
+
+def test_a_row_is_the_same_whatever_rows_are_computed_beside_it() -> None:
+    # Each output sums its taps and channels in one order: the rows of a long call (split
+    # over the threads) equal, bit for bit, those of a short call on their neighbourhood.
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((6000, 32), dtype=np.float32)
+    packed = vits_conv.pack_taps(rng.standard_normal((32, 5, 32)).astype(np.float32) / 12)
+    long = vits_conv.conv1d(x, packed, length=6000, pad_left=12, dilation=6, slope=0.1)
+    a, b = 2011, 2046  # a window that starts and ends off the kernel's blocks of rows
+    short = vits_conv.conv1d(
+        x[a - 12 : b + 12], packed, length=b - a + 24, pad_left=12, dilation=6, slope=0.1
+    )
+    assert np.array_equal(short[12:-12], long[a:b])
+
+
+def test_in_place_equals_a_fresh_output() -> None:
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((500, 16), dtype=np.float32)
+    packed = vits_conv.pack_taps(rng.standard_normal((16, 3, 16)).astype(np.float32) / 7)
+    fresh = vits_conv.conv1d(x, packed, length=500, pad_left=1, residual=x, slope=0.1)
+    y = x.copy()
+    vits_conv.conv1d(y, packed, length=500, pad_left=1, residual=y, out=y, slope=0.1)
+    assert np.array_equal(y, fresh)
+
+
+def test_what_it_cannot_do_is_refused() -> None:
+    x = np.ones((10, 8), np.float32)
+    packed = vits_conv.pack_taps(np.ones((8, 3, 8), np.float32))
+    with pytest.raises(ValueError, match="channels"):
+        vits_conv.conv1d(np.ones((10, 4), np.float32), packed, length=10, pad_left=1)
+    with pytest.raises(ValueError, match="refused"):
+        vits_conv.conv1d(x, packed, length=10, pad_left=1, slope=2.0)
+    with pytest.raises(ValueError, match="residual"):
+        vits_conv.conv1d(x, packed, length=10, pad_left=1, residual=np.ones((9, 8), np.float32))
+
+
+# --- the vocoder through it ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("resblock", ["1", "2"])
+def test_the_native_vocoder_sounds_as_the_mlx_one(resblock: str) -> None:
+    args = vits.ModelArgs(**{**TINY.__dict__, "resblock": resblock})
+    model = tiny_model(7, args)
+    seqs = [[1, 0, 5, 0, 9, 0, 12, 0, 3, 0, 2], [1, 0, 7, 0, 2]]  # a masked batch
+    model.set_conv_mode("taps")
+    mlx_audio = run(model, seqs)
+    model.set_conv_mode("native")
+    native = run(model, seqs)
+    model.dec.TILE_BYTES, model.dec.MIN_TILE = 256, 8  # tiles of a few samples
+    tiled = run(model, seqs)
+    for m, n, t in zip(mlx_audio, native, tiled, strict=True):
+        assert m.shape == n.shape == t.shape and m.size > 64
+        np.testing.assert_allclose(n, m, atol=SUM_ORDER_ATOL)
+        np.testing.assert_allclose(t, n, atol=SUM_ORDER_ATOL)
+
+
+def test_a_vocoded_item_is_the_same_alone_and_in_a_batch() -> None:
+    model = tiny_model(8)
+    model.set_conv_mode("native")
+    frames = np.array([9, 23])
+    z = mx.random.normal((2, 23, TINY.inter_channels))
+    batched = np.array(model.vocode(z, frames))
+    hop = TINY.hop_length
+    for b, n in enumerate(frames):
+        single = np.array(model.vocode(z[b : b + 1, :n], frames[b : b + 1]))
+        assert np.array_equal(single[0], batched[b, : n * hop])  # each item runs alone
+
+
+def test_the_native_vocoder_pauses_where_the_mlx_one_does() -> None:
+    model = tiny_model(5)
+    model.dec.TILE_BYTES, model.dec.MIN_TILE = 256, 8
+    ids = mx.array([[1, 0, 5, 0, 9, 0, 12, 0, 3, 0, 2]])
+    z_p, frames = model.latents(ids, mx.array([11]), 0.0, 1.0, 0.0)
+    z = model.flows(z_p, frames)
+    counts = {}
+    for mode in ("taps", "native"):
+        model.set_conv_mode(mode)
+        pauses: list[int] = []
+        model.vocode(z, frames, lambda: pauses.append(1))  # noqa: B023 - used at once
+        counts[mode] = len(pauses)
+    assert counts["native"] == counts["taps"] > len(TINY.upsample_rates)
+
+
+# --- without it -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def unloaded(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The module as in a fresh process, with an empty engine cache."""
+    monkeypatch.setattr(vits_conv, "_lib", None)
+    monkeypatch.setattr(vits_conv, "_tried", False)
+    monkeypatch.setenv("DUPLEX_GATEWAY_CACHE", str(tmp_path))
+
+
+def test_without_a_compiler_the_voice_keeps_mlx_convolutions(
+    unloaded: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with caplog.at_level(logging.WARNING):
+        assert not vits_conv.load()
+    assert "no C compiler" in caplog.text
+    model = tiny_model(9)
+    with pytest.raises(RuntimeError, match="compiler"):
+        model.set_conv_mode("native")
+    assert not model.dec.native
+    (audio,) = run(model, [[1, 0, 5, 0, 2]])
+    assert audio.size > 0
+
+
+def test_it_can_be_turned_off(unloaded: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(vits_conv.ENV, "0")
+    assert not vits_conv.load()
+    with pytest.raises(RuntimeError):
+        vits_conv.conv1d(
+            np.ones((4, 8), np.float32), np.ones((1, 8, 8), np.float32), length=4, pad_left=0
+        )

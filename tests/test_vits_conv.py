@@ -142,7 +142,32 @@ def test_what_it_cannot_do_is_refused() -> None:
         vits_conv.conv1d(x, packed, length=10, pad_left=1, residual=np.ones((9, 8), np.float32))
 
 
-# --- the vocoder through it ----------------------------------------------------------
+def test_the_gate_is_tanh_times_sigmoid() -> None:
+    rng = np.random.default_rng(6)
+    a = (rng.standard_normal((300, 2 * 24)) * 4).astype(np.float32)
+    a[0, :8] = [0.0, -0.0, 1e-8, -1e-8, 50.0, -50.0, 100.0, -100.0]  # tanh's tails
+    a[0, 24:32] = [0.0, 50.0, -50.0, 100.0, -100.0, 1e-8, 90.0, -90.0]  # sigmoid's
+    wide = a.astype(np.float64)
+    want = np.tanh(wide[:, :24]) / (1.0 + np.exp(-wide[:, 24:]))
+    np.testing.assert_allclose(vits_conv.gate(a), want, rtol=0, atol=2e-7)
+    with pytest.raises(ValueError, match="even"):
+        vits_conv.gate(np.ones((3, 5), np.float32))
+
+
+# --- the voice through it -------------------------------------------------------------
+
+
+def test_the_native_flows_are_the_mlx_ones() -> None:
+    model = tiny_model(10)
+    frames = np.array([9, 23])  # a masked batch: each item alone, cut to its frames
+    z_p = mx.random.normal((2, 23, TINY.inter_channels))
+    model.set_conv_mode("taps")
+    mlx_z = np.array(model.flows(z_p, frames))
+    model.set_conv_mode("native")
+    native = np.array(model.flows(z_p, frames))
+    for b, n in enumerate(frames):
+        np.testing.assert_allclose(native[b, :n], mlx_z[b, :n], atol=1e-5, rtol=1e-5)
+        assert not native[b, n:].any()
 
 
 @pytest.mark.parametrize("resblock", ["1", "2"])

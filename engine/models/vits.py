@@ -567,6 +567,21 @@ class WN(nn.Module):
                 out = out + rs
         return out * x_mask
 
+    def native(self, x: np.ndarray) -> np.ndarray:
+        """The same over one item, x (time, hidden), through the native kernels; the
+        layers' running input and skip sum side by side in one array, so that each
+        res/skip conv adds onto both in place."""
+        H = self.hidden
+        state = np.concatenate([x, np.zeros_like(x)], axis=1)  # [input | skip sum]
+        last = len(self.in_layers) - 1
+        for i, (cin, cres) in enumerate(zip(self.in_layers, self.res_skip_layers, strict=True)):
+            acts = vits_conv.gate(cin.native(state[:, :H]))
+            if i < last:
+                cres.native(acts, residual=state, out=state)
+            else:
+                return state[:, H:] + cres.native(acts)
+        raise AssertionError("WN has layers")
+
 
 class ResidualCouplingLayer(nn.Module):
     def __init__(self, channels: int, hidden: int, kernel: int, n_layers: int) -> None:
@@ -581,6 +596,12 @@ class ResidualCouplingLayer(nn.Module):
         h = self.enc(self.pre(x0) * x_mask, x_mask)
         m = self.post(h) * x_mask
         return mx.concatenate([x0, (x1 - m) * x_mask], axis=-1)
+
+    def native(self, x: np.ndarray) -> np.ndarray:
+        """The same over one item, x (time, channels), through the native kernels."""
+        x0, x1 = x[:, : self.half], x[:, self.half :]
+        m = self.post.native(self.enc.native(self.pre.native(x0)))
+        return np.concatenate([x0, x1 - m], axis=1)
 
 
 class CouplingFlows(nn.Module):
@@ -601,6 +622,12 @@ class CouplingFlows(nn.Module):
     def __call__(self, x: mx.array, x_mask: mx.array) -> mx.array:
         for flow in reversed(self.flows):
             x = flow(x, x_mask)
+        return x
+
+    def native(self, x: np.ndarray) -> np.ndarray:
+        """The same over one item, x (time, channels), through the native kernels."""
+        for flow in reversed(self.flows):
+            x = x[:, ::-1] if isinstance(flow, Flip) else flow.native(x)
         return x
 
 
@@ -870,6 +897,11 @@ class Model(nn.Module):
 
     def flows(self, z_p: mx.array, frames: np.ndarray) -> mx.array:
         """Latents z [B, T, C] of prior latents; item b fills its first `frames[b]` frames."""
+        if self.dec.native and mx.default_device() == mx.cpu:
+            z = np.zeros(z_p.shape, np.float32)
+            for b, n in enumerate(frames):  # each item alone, cut to its own frames
+                z[b, :n] = self.flow.native(np.array(z_p[b, :n]))
+            return mx.array(z)
         y_mask = _frame_mask(frames, z_p.shape[1])
         return self.flow(z_p * y_mask, y_mask) * y_mask
 

@@ -213,13 +213,13 @@ static float *scratch(size_t n) {
 }
 
 /* out (t_out x co) = bias + residual + conv(act(x)), where act is a leaky ReLU of
- * `slope` in [0, 1] (1: none), x (t_in x ci) is read with `pad_left` zero rows before it (and as
+ * `slope` in [0, 1] (1: none), x (t_in rows of ci, `ldx` floats apart) is read with `pad_left` zero rows before it (and as
  * many after as the taps need), and w holds one ci x co matrix per tap. co must be a
  * multiple of 8. Returns 0, or -1 when it cannot (co, or no memory). */
-int vits_conv(const float *x, long t_in, int ci, long pad_left, long t_out, int taps,
+int vits_conv(const float *x, long t_in, long ldx, int ci, long pad_left, long t_out, int taps,
               int dilation, const float *w, int co, const float *bias, const float *residual,
               float slope, float *out) {
-  if (co % 8 != 0 || ci < 1 || taps < 1 || dilation < 1 || t_out < 1 || pad_left < 0 ||
+  if (co % 8 != 0 || ci < 1 || ldx < ci || taps < 1 || dilation < 1 || t_out < 1 || pad_left < 0 ||
       !(slope >= 0.0f && slope <= 1.0f))
     return -1;
   long rows = t_out + (long)(taps - 1) * dilation;
@@ -232,7 +232,7 @@ int vits_conv(const float *x, long t_in, int ci, long pad_left, long t_out, int 
       memset(row, 0, (size_t)ci * sizeof(float));
       continue;
     }
-    const float *restrict in = x + src * ci;
+    const float *restrict in = x + src * ldx;
     float *restrict to = row;
     /* Branch-free, so the compiler vectorizes it: with 0 <= slope <= 1 the larger of
      * v and slope * v is the leaky ReLU of v (a branch on the sign mispredicts half the
@@ -245,4 +245,47 @@ int vits_conv(const float *x, long t_in, int ci, long pad_left, long t_out, int 
   struct conv p = {xs, w, bias, residual, out, t_out, ci, co, taps, dilation};
   conv_split(&p);
   return 0;
+}
+
+/* --- WaveNet's gate ----------------------------------------------------------------- */
+
+/* Selects of floats (the clamp below) vectorize only when the compiler may ignore the
+ * floating-point exception flags, which nothing here reads. */
+#pragma GCC optimize("no-trapping-math")
+
+/* e^x for x <= 0 within 2 ulp-ish: 2^n times a polynomial of the rest. Written for one
+ * value, so the compiler vectorizes the loop that calls it (MLX's CPU runs
+ * transcendentals one value at a time). */
+static inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  /* Rounded to the nearest integer by adding and taking away 1.5 * 2^23 (|x| < 2^22). */
+  float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int bits = ((int)n + 127) << 23;
+  float scale;
+  memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+/* tanh(v) from e^-2|v|, which cannot overflow. */
+static inline float tanh_of(float v) {
+  float e = exp_nonpositive(-2.0f * __builtin_fabsf(v));
+  return __builtin_copysignf((1.0f - e) / (1.0f + e), v);
+}
+
+/* out (rows x h) = tanh(a[:, :h]) * sigmoid(a[:, h:]), a (rows x 2h); sigmoid(v) is
+ * (1 + tanh(v / 2)) / 2, within 1e-7 of it. */
+void vits_gate(const float *a, long rows, int h, float *out) {
+  for (long t = 0; t < rows; t++) {
+    const float *restrict left = a + t * 2 * h, *restrict right = left + h;
+    float *restrict to = out + t * h;
+    for (int c = 0; c < h; c++) to[c] = tanh_of(left[c]) * (0.5f + 0.5f * tanh_of(0.5f * right[c]));
+  }
 }

@@ -19,7 +19,7 @@ import numpy as np
 
 from engine.native import build
 
-__all__ = ["ENV", "conv1d", "is_loaded", "load", "pack_taps"]
+__all__ = ["ENV", "conv1d", "gate", "is_loaded", "load", "pack_taps"]
 
 SOURCE = Path(__file__).with_name("vits_conv.c")
 ENV = "DUPLEX_GATEWAY_NATIVE_CONV"
@@ -47,6 +47,7 @@ def load() -> bool:
     lib.vits_conv.argtypes = [
         ctypes.c_void_p,  # x
         ctypes.c_long,  # t_in
+        ctypes.c_long,  # ldx
         ctypes.c_int,  # ci
         ctypes.c_long,  # pad_left
         ctypes.c_long,  # t_out
@@ -59,6 +60,8 @@ def load() -> bool:
         ctypes.c_float,  # slope
         ctypes.c_void_p,  # out
     ]
+    lib.vits_gate.restype = None
+    lib.vits_gate.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
     _lib = lib
     return True
 
@@ -93,11 +96,14 @@ def conv1d(
     activation. x is (rows, in), read with `pad_left` zero rows before it and as many
     after as the taps need; `taps` comes from `pack_taps`; `bias` has the padded width.
     The result is (length, padded out channels): `out` if given, which may be
-    `residual` itself (the conv then runs in place)."""
-    if _lib is None:
-        raise RuntimeError("the native convolutions are not loaded (vits_conv.load)")
+    `residual` itself (the conv then runs in place). x's rows may lie apart (a slice
+    of a wider array's columns)."""
+    lib = _loaded()
     n_taps, ci, co = taps.shape
-    x, taps = _plain(x), _plain(taps)
+    taps = _plain(taps)
+    rows_apart = x.ndim == 2 and x.strides[1] == 4 and x.strides[0] >= 4 * x.shape[1]
+    if x.dtype != np.float32 or not rows_apart or x.strides[0] % 4:
+        x = _plain(x)
     if x.ndim != 2 or x.shape[1] != ci:
         raise ValueError(f"input {x.shape} does not have the taps' {ci} channels")
     if out is None:
@@ -106,9 +112,10 @@ def conv1d(
         want = (co,) if name == "bias" else (length, co)
         if a is not None and (a.shape != want or a.dtype != np.float32 or not a.flags.c_contiguous):
             raise ValueError(f"{name} must be a contiguous float32 array of shape {want}")
-    done = _lib.vits_conv(
+    done = lib.vits_conv(
         x.ctypes.data,
         x.shape[0],
+        max(x.strides[0] // 4, ci),
         ci,
         pad_left,
         length,
@@ -124,6 +131,25 @@ def conv1d(
     if done != 0:
         raise ValueError("the native conv refused its arguments (or is out of memory)")
     return out
+
+
+def gate(a: np.ndarray) -> np.ndarray:
+    """WaveNet's gate of a (rows, 2h): tanh of the first h columns times the sigmoid of
+    the last h, within 2e-7."""
+    lib = _loaded()
+    a = _plain(a)
+    rows, width = a.shape
+    if width % 2:
+        raise ValueError(f"the gate takes an even number of columns, not {width}")
+    out = np.empty((rows, width // 2), np.float32)
+    lib.vits_gate(a.ctypes.data, rows, width // 2, out.ctypes.data)
+    return out
+
+
+def _loaded() -> ctypes.CDLL:
+    if _lib is None:
+        raise RuntimeError("the native convolutions are not loaded (vits_conv.load)")
+    return _lib
 
 
 def _plain(a: np.ndarray) -> np.ndarray:

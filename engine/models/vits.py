@@ -284,7 +284,8 @@ class ConvTranspose1d(nn.Module):
         _, per_tap, e_max, _ = self._polyphase_weight()
         cached = self._packed
         if cached is None or cached[0] is not per_tap:
-            taps = np.stack([np.array(w) for w in per_tap])  # (taps, in, stride * out)
+            # per_tap: (in, stride * out) per tap; the kernel's blocks of (out, taps, in).
+            taps = vits_conv.pack_taps(np.stack([np.array(w).T for w in per_tap], axis=1))
             bias = np.tile(np.array(self.bias), s).astype(np.float32)
             cached = (per_tap, taps, bias)
             object.__setattr__(self, "_packed", cached)
@@ -660,15 +661,16 @@ class ResBlock(nn.Module):
             x = c(_masked(nn.leaky_relu(x, 0.1), mask), residual=x)
         return x
 
-    def native(self, x: np.ndarray) -> np.ndarray:
-        """The block over one item, x (time, channels), through the native kernel."""
-        y = x.copy()  # each conv adds onto it in place
+    def native(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """The block over one item, x (time, channels), through the native kernel, into
+        `out` (x's shape): the first conv adds onto x there, the others in place."""
+        y = x
         if self.kind == "1":
             for c1, c2 in zip(self.convs1, self.convs2, strict=True):
-                c2.native(c1.native(y, slope=0.1), residual=y, out=y, slope=0.1)
+                y = c2.native(c1.native(y, slope=0.1), residual=y, out=out, slope=0.1)
             return y
         for c in self.convs:
-            c.native(y, residual=y, out=y, slope=0.1)
+            y = c.native(y, residual=y, out=out, slope=0.1)
         return y
 
 
@@ -796,20 +798,23 @@ class Generator(nn.Module):
         length, C = x.shape
         tile = max(self.MIN_TILE, self.TILE_BYTES // (4 * C)) if self.tiled else length
         out = np.empty_like(x)
+        # One tile's sum and one block's output, reused tile after tile.
+        work = np.empty((2, min(length, tile + 2 * self.radius), C), np.float32)
         for start in range(0, length, tile):
             a, b = max(0, start - self.radius), min(length, start + tile + self.radius)
-            part = self._native_blocks(i, x[a:b])
+            part = self._native_blocks(i, x[a:b], work[:, : b - a])
             n = min(tile, length - start)
             out[start : start + n] = part[start - a : start - a + n]
             if pause is not None and start + tile < length:
                 pause()
         return out
 
-    def _native_blocks(self, i: int, x: np.ndarray) -> np.ndarray:
+    def _native_blocks(self, i: int, x: np.ndarray, work: np.ndarray) -> np.ndarray:
         blocks = self.resblocks[i * self.n_kernels : (i + 1) * self.n_kernels]
-        total = blocks[0].native(x)
+        total, each = work[0], work[1]
+        blocks[0].native(x, out=total)
         for block in blocks[1:]:
-            total += block.native(x)
+            total += block.native(x, out=each)
         total /= self.n_kernels
         return total
 

@@ -32,7 +32,7 @@ static inline v8 splat(float s) { return (v8){s, s, s, s, s, s, s, s}; }
 
 struct conv {
   const float *xs; /* padded input after the activation: (t_out + (taps-1)*dilation) x ci */
-  const float *w;  /* taps x ci x co */
+  const float *w;  /* per 16 output channels (8 for the last if co % 16 is 8): taps x ci x 16 */
   const float *bias, *residual; /* co, t_out x co; either may be NULL */
   float *out;                   /* t_out x co */
   long t_out;
@@ -49,11 +49,12 @@ static inline __attribute__((always_inline)) void block(const struct conv *p, lo
       if (p->residual != NULL) a += load(p->residual + (t + r) * p->co + j + 8 * h);
       acc[r][h] = a;
     }
+  /* This block's weights lie in one run, read in order. */
+  const float *w = p->w + (long)j * p->taps * p->ci;
   for (int k = 0; k < p->taps; k++) {
     const float *x = p->xs + (t + (long)k * p->dilation) * p->ci;
-    const float *w = p->w + (long)k * p->ci * p->co + j;
-    for (int c = 0; c < p->ci; c++) {
-      v8 b0 = load(w + (long)c * p->co), b1 = width > 1 ? load(w + (long)c * p->co + 8) : b0;
+    for (int c = 0; c < p->ci; c++, w += 8 * width) {
+      v8 b0 = load(w), b1 = width > 1 ? load(w + 8) : b0;
       for (int r = 0; r < rows; r++) {
         v8 a = splat(x[(long)r * p->ci + c]);
         acc[r][0] += a * b0;
@@ -213,9 +214,10 @@ static float *scratch(size_t n) {
 }
 
 /* out (t_out x co) = bias + residual + conv(act(x)), where act is a leaky ReLU of
- * `slope` in [0, 1] (1: none), x (t_in rows of ci, `ldx` floats apart) is read with `pad_left` zero rows before it (and as
- * many after as the taps need), and w holds one ci x co matrix per tap. co must be a
- * multiple of 8. Returns 0, or -1 when it cannot (co, or no memory). */
+ * `slope` in [0, 1] (1: none), x (t_in rows of ci, `ldx` floats apart) is read with
+ * `pad_left` zero rows before it (and as many after as the taps need), and w holds the
+ * weights in blocks of 16 output channels (see struct conv). co must be a multiple of
+ * 8. Returns 0, or -1 when it cannot (co, or no memory). */
 int vits_conv(const float *x, long t_in, long ldx, int ci, long pad_left, long t_out, int taps,
               int dilation, const float *w, int co, const float *bias, const float *residual,
               float slope, float *out) {

@@ -23,8 +23,9 @@ __all__ = ["ENV", "conv1d", "gate", "is_loaded", "load", "pack_taps"]
 
 SOURCE = Path(__file__).with_name("vits_conv.c")
 ENV = "DUPLEX_GATEWAY_NATIVE_CONV"
-# The kernel writes output channels in vectors of this many floats.
+# The kernel writes output channels in vectors of this many floats, two at a time.
 LANES = 8
+BLOCK = 2 * LANES
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -71,13 +72,18 @@ def is_loaded() -> bool:
 
 
 def pack_taps(weight: np.ndarray) -> np.ndarray:
-    """A conv weight stored as (out, taps, in) as the kernel reads it: one (in, out)
-    matrix per tap, the out channels padded with zeros to whole vectors."""
-    out_ch = weight.shape[0]
+    """A conv weight stored as (out, taps, in) as the kernel reads it: the out channels
+    padded with zeros to whole vectors, then cut in blocks of 16 (the last may be 8),
+    each block's (taps, in, 16) weights in one run. Returned as (taps, in, padded out)
+    in shape, for the checks; its bytes are the blocks."""
+    out_ch, n_taps, ci = weight.shape
     padded = -(-out_ch // LANES) * LANES
-    taps = np.zeros((weight.shape[1], weight.shape[2], padded), np.float32)
-    taps[:, :, :out_ch] = weight.transpose(1, 2, 0)
-    return taps
+    full = np.zeros((padded, n_taps, ci), np.float32)
+    full[:out_ch] = weight
+    blocks = [
+        full[j : j + BLOCK].transpose(1, 2, 0).reshape(-1) for j in range(0, padded, BLOCK)
+    ]
+    return np.concatenate(blocks).reshape(n_taps, ci, padded)
 
 
 def conv1d(

@@ -80,9 +80,7 @@ def pack_taps(weight: np.ndarray) -> np.ndarray:
     padded = -(-out_ch // LANES) * LANES
     full = np.zeros((padded, n_taps, ci), np.float32)
     full[:out_ch] = weight
-    blocks = [
-        full[j : j + BLOCK].transpose(1, 2, 0).reshape(-1) for j in range(0, padded, BLOCK)
-    ]
+    blocks = [full[j : j + BLOCK].transpose(1, 2, 0).reshape(-1) for j in range(0, padded, BLOCK)]
     return np.concatenate(blocks).reshape(n_taps, ci, padded)
 
 

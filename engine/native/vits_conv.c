@@ -16,6 +16,8 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -96,20 +98,28 @@ static void conv_rows(const struct conv *p, long from, long to) {
   }
 }
 
-/* --- helpers that stay awake between the calls of a render --------------------------
+/* --- helpers that stay awake between the calls of a render, and yield ---------------
  * A vocoder pass makes hundreds of calls of a millisecond or less, a few tens of
  * microseconds apart. A thread started per call, or woken from sleep, reaches its core
  * late on a virtual machine, and the calls then ran no faster on two cores than on one:
- * the helpers spin for a while after each call before they sleep. One call at a time
- * uses them; a call that finds them busy runs on its own thread. */
+ * the helpers spin for 50 us after each call before they sleep. They run at a lower
+ * priority than the process's other threads, and the rows are taken a chunk at a time
+ * by whichever thread is free: a render uses the cores the gateway leaves idle, and
+ * where its event loop or another stage wants one, that thread runs and the caller
+ * takes the helper's rows itself. One call at a time uses them; a call that finds them
+ * busy runs on its own thread. */
 
-static const long SPIN_NS = 200 * 1000;
+static const long SPIN_NS = 50 * 1000;
+/* The helpers' nice value above the process's (Linux: per thread). */
+static const int HELPER_NICE = 10;
 
 static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t wake_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t finished = PTHREAD_COND_INITIALIZER; /* the last helper is done */
 static int pool_threads; /* 0: not started (again, after a fork) */
 static const struct conv *job;
+static atomic_long next_row; /* the first row of the job no thread has taken */
 static atomic_uint generation;
 static atomic_int unfinished;
 static unsigned born_at; /* the generation before the helpers' first call */
@@ -120,15 +130,20 @@ static long now_ns(void) {
   return t.tv_sec * 1000000000L + t.tv_nsec;
 }
 
-/* Part `part` of `parts`: whole blocks of rows, so every part runs the widest kernel. */
-static void run_part(const struct conv *p, int part, int parts) {
-  long blocks = (p->t_out + ROWS - 1) / ROWS;
-  long from = blocks * part / parts * ROWS, to = blocks * (part + 1) / parts * ROWS;
-  conv_rows(p, from, to < p->t_out ? to : p->t_out);
+/* Chunks of rows until none is left; each row comes out the same whoever takes it. */
+static void take_rows(const struct conv *p) {
+  for (;;) {
+    long from = atomic_fetch_add_explicit(&next_row, CHUNK, memory_order_relaxed);
+    if (from >= p->t_out) return;
+    conv_rows(p, from, from + CHUNK < p->t_out ? from + CHUNK : p->t_out);
+  }
 }
 
 static void *helper_main(void *arg) {
-  int index = (int)(size_t)arg;
+  (void)arg;
+#ifdef __linux__
+  setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), getpriority(PRIO_PROCESS, 0) + HELPER_NICE);
+#endif
   unsigned seen = born_at;
   for (;;) {
     long start = now_ns();
@@ -139,8 +154,12 @@ static void *helper_main(void *arg) {
     while (atomic_load(&generation) == seen) pthread_cond_wait(&wake, &wake_lock);
     pthread_mutex_unlock(&wake_lock);
     seen = atomic_load(&generation);
-    run_part(job, index, pool_threads);
-    atomic_fetch_sub_explicit(&unfinished, 1, memory_order_release);
+    take_rows(job);
+    if (atomic_fetch_sub_explicit(&unfinished, 1, memory_order_release) == 1) {
+      pthread_mutex_lock(&wake_lock);
+      pthread_cond_signal(&finished);
+      pthread_mutex_unlock(&wake_lock);
+    }
   }
   return NULL;
 }
@@ -151,6 +170,7 @@ static void forget_pool(void) {
   pthread_mutex_init(&pool_busy, NULL);
   pthread_mutex_init(&wake_lock, NULL);
   pthread_cond_init(&wake, NULL);
+  pthread_cond_init(&finished, NULL);
 }
 
 static int usable_cores(void) {
@@ -167,7 +187,7 @@ static int start_pool(void) {
   int started = 1, want = usable_cores();
   for (; started < want; started++) {
     pthread_t t;
-    if (pthread_create(&t, NULL, helper_main, (void *)(size_t)started) != 0) break;
+    if (pthread_create(&t, NULL, helper_main, NULL) != 0) break;
     pthread_detach(t);
   }
   return started;
@@ -181,14 +201,23 @@ static void conv_split(const struct conv *p) {
   }
   if (pool_threads == 0) pool_threads = start_pool();
   job = p;
+  atomic_store(&next_row, 0);
   atomic_store(&unfinished, pool_threads - 1);
   pthread_mutex_lock(&wake_lock);
   atomic_fetch_add_explicit(&generation, 1, memory_order_release);
   pthread_cond_broadcast(&wake);
   pthread_mutex_unlock(&wake_lock);
-  run_part(p, 0, pool_threads);
-  while (atomic_load_explicit(&unfinished, memory_order_acquire) > 0)
+  take_rows(p);
+  /* A helper may still be on its last chunk, behind the threads it yields to: after a
+   * short spin, sleep until it is done rather than hold a core they want. */
+  long start = now_ns();
+  while (atomic_load_explicit(&unfinished, memory_order_acquire) > 0 &&
+         now_ns() - start < SPIN_NS)
     ;
+  pthread_mutex_lock(&wake_lock);
+  while (atomic_load_explicit(&unfinished, memory_order_acquire) > 0)
+    pthread_cond_wait(&finished, &wake_lock);
+  pthread_mutex_unlock(&wake_lock);
   pthread_mutex_unlock(&pool_busy);
 }
 
@@ -290,4 +319,39 @@ void vits_gate(const float *a, long rows, int h, float *out) {
     float *restrict to = out + t * h;
     for (int c = 0; c < h; c++) to[c] = tanh_of(left[c]) * (0.5f + 0.5f * tanh_of(0.5f * right[c]));
   }
+}
+
+/* --- a stage of HiFi-GAN resblocks in one call --------------------------------------- */
+
+/* total (rows x c) = the mean over `blocks` resblocks of block(x). Each block has
+ * `per_block` convs, given in order in taps, bias, kernel and dilation (c x c each,
+ * same padding): kind "2" (pairs 0) runs y = conv(act(y)) + y for each; kind "1"
+ * (pairs 1) runs each pair as t = conv_a(act(y)), y = conv_b(act(t)) + y. act is the
+ * leaky ReLU of `slope`. `work` and `tmp` are rows x c of scratch. One call per tile
+ * keeps the caller's language runtime out of the loop: from Python, every return took
+ * the interpreter's lock back from the event loop. Returns 0, or -1 as vits_conv. */
+int vits_resblocks(const float *x, long rows, int c, int blocks, int per_block, int pairs,
+                   const float *const *taps, const float *const *bias, const int *kernel,
+                   const int *dilation, float slope, float *total, float *work, float *tmp) {
+  for (int b = 0; b < blocks; b++) {
+    float *acc = b == 0 ? total : work;
+    const float *y = x;
+    for (int i = 0; i < per_block; i++) {
+      int at = b * per_block + i, k = kernel[at], d = dilation[at];
+      long pad = (long)d * (k - 1) / 2;
+      if (pairs && i % 2 == 0) {
+        if (vits_conv(y, rows, c, c, pad, rows, k, d, taps[at], c, bias[at], NULL, slope, tmp))
+          return -1;
+        continue;
+      }
+      const float *in = pairs ? tmp : y;
+      if (vits_conv(in, rows, c, c, pad, rows, k, d, taps[at], c, bias[at], y, slope, acc))
+        return -1;
+      y = acc;
+    }
+    if (b > 0)
+      for (long i = 0; i < rows * c; i++) total[i] += work[i];
+  }
+  for (long i = 0; i < rows * c; i++) total[i] /= (float)blocks;
+  return 0;
 }

@@ -14,12 +14,13 @@ from __future__ import annotations
 import ctypes
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from engine.native import build
 
-__all__ = ["ENV", "conv1d", "gate", "is_loaded", "load", "pack_taps"]
+__all__ = ["ENV", "Conv", "conv1d", "gate", "is_loaded", "load", "pack_taps", "resblocks"]
 
 SOURCE = Path(__file__).with_name("vits_conv.c")
 ENV = "DUPLEX_GATEWAY_NATIVE_CONV"
@@ -60,6 +61,23 @@ def load() -> bool:
         ctypes.c_void_p,  # residual
         ctypes.c_float,  # slope
         ctypes.c_void_p,  # out
+    ]
+    lib.vits_resblocks.restype = ctypes.c_int
+    lib.vits_resblocks.argtypes = [
+        ctypes.c_void_p,  # x
+        ctypes.c_long,  # rows
+        ctypes.c_int,  # c
+        ctypes.c_int,  # blocks
+        ctypes.c_int,  # per_block
+        ctypes.c_int,  # pairs
+        ctypes.c_void_p,  # taps (pointers)
+        ctypes.c_void_p,  # bias (pointers)
+        ctypes.c_void_p,  # kernel
+        ctypes.c_void_p,  # dilation
+        ctypes.c_float,  # slope
+        ctypes.c_void_p,  # total
+        ctypes.c_void_p,  # work
+        ctypes.c_void_p,  # tmp
     ]
     lib.vits_gate.restype = None
     lib.vits_gate.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
@@ -135,6 +153,60 @@ def conv1d(
     if done != 0:
         raise ValueError("the native conv refused its arguments (or is out of memory)")
     return out
+
+
+class Conv(NamedTuple):
+    """One same-padded conv of a resblock: `pack_taps` weights, padded bias or None."""
+
+    taps: np.ndarray
+    bias: np.ndarray | None
+    dilation: int
+
+
+def resblocks(
+    x: np.ndarray, blocks: list[list[Conv]], pairs: bool, slope: float, work: np.ndarray
+) -> np.ndarray:
+    """The mean over HiFi-GAN resblocks of each block over x (rows, c), in one call:
+    kind "2" (pairs False) runs y = conv(act(y)) + y for each of a block's convs, kind
+    "1" (pairs True) t = conv_a(act(y)), y = conv_b(act(t)) + y for each pair; act is
+    the leaky ReLU of `slope`. `work` is (3, at least rows, c) of scratch; the result is
+    its first plane."""
+    lib = _loaded()
+    x = _plain(x)
+    rows, c = x.shape
+    per_block = len(blocks[0])
+    convs = [conv for block in blocks for conv in block]
+    if any(len(b) != per_block for b in blocks) or (pairs and per_block % 2):
+        raise ValueError("every block needs the same number of convs (in pairs for kind 1)")
+    if any(conv.taps.shape[1:] != (c, c) for conv in convs):
+        raise ValueError(f"a resblock's convs map {c} channels to {c}")
+    if work.dtype != np.float32 or work.shape[0] < 3 or work.shape[2] != c or work.shape[1] < rows:
+        raise ValueError(f"work must be float32 of shape (3, >= {rows}, {c})")
+    planes = [np.ascontiguousarray(work[i, :rows]) for i in range(3)]
+    if any(not np.shares_memory(p, work) for p in planes):
+        raise ValueError("work must be contiguous")
+    pointers = ctypes.c_void_p * len(convs)
+    taps = pointers(*[_plain(conv.taps).ctypes.data for conv in convs])
+    bias = pointers(*[None if conv.bias is None else conv.bias.ctypes.data for conv in convs])
+    kernel = np.array([conv.taps.shape[0] for conv in convs], np.int32)
+    dilation = np.array([conv.dilation for conv in convs], np.int32)
+    done = lib.vits_resblocks(
+        x.ctypes.data,
+        rows,
+        c,
+        len(blocks),
+        per_block,
+        int(pairs),
+        taps,
+        bias,
+        kernel.ctypes.data,
+        dilation.ctypes.data,
+        slope,
+        *(p.ctypes.data for p in planes),
+    )
+    if done != 0:
+        raise ValueError("the native resblocks refused their arguments (or are out of memory)")
+    return planes[0]
 
 
 def gate(a: np.ndarray) -> np.ndarray:

@@ -179,8 +179,7 @@ def test_the_native_vocoder_sounds_as_the_mlx_one(resblock: str) -> None:
     mlx_audio = run(model, seqs)
     model.set_conv_mode("native")
     native = run(model, seqs)
-    model.dec.TILE_BYTES = model.dec.NATIVE_TILE_BYTES = 256  # tiles of a few samples
-    model.dec.MIN_TILE = 8
+    model.dec.TILE_BYTES, model.dec.MIN_TILE = 256, 8  # tiles of a few samples
     tiled = run(model, seqs)
     for m, n, t in zip(mlx_audio, native, tiled, strict=True):
         assert m.shape == n.shape == t.shape and m.size > 64
@@ -202,8 +201,7 @@ def test_a_vocoded_item_is_the_same_alone_and_in_a_batch() -> None:
 
 def test_the_native_vocoder_pauses_where_the_mlx_one_does() -> None:
     model = tiny_model(5)
-    model.dec.TILE_BYTES = model.dec.NATIVE_TILE_BYTES = 256
-    model.dec.MIN_TILE = 8
+    model.dec.TILE_BYTES, model.dec.MIN_TILE = 256, 8
     ids = mx.array([[1, 0, 5, 0, 9, 0, 12, 0, 3, 0, 2]])
     z_p, frames = model.latents(ids, mx.array([11]), 0.0, 1.0, 0.0)
     z = model.flows(z_p, frames)

@@ -686,10 +686,6 @@ class Generator(nn.Module):
     narrow convs then work from cache instead of memory, about twice as fast."""
 
     TILE_BYTES = 1 << 20
-    # The native kernels keep their own working set in cache; their tiles are larger,
-    # for as fast a render with a quarter of the returns to Python between them (each
-    # return takes the GIL back from the event loop).
-    NATIVE_TILE_BYTES = 4 << 20
     MIN_TILE = 1024
 
     def __init__(self, args: ModelArgs) -> None:
@@ -797,7 +793,7 @@ class Generator(nn.Module):
     def _native_stage(self, i: int, x: np.ndarray, pause: Callable[[], None] | None) -> np.ndarray:
         # The tiles of `_run_stage`, for the same reason: a tile's activations stay in cache.
         length, C = x.shape
-        tile = max(self.MIN_TILE, self.NATIVE_TILE_BYTES // (4 * C)) if self.tiled else length
+        tile = max(self.MIN_TILE, self.TILE_BYTES // (4 * C)) if self.tiled else length
         out = np.empty_like(x)
         # The tile's sum, a block's output and a pair's middle, reused tile after tile.
         work = np.empty((3, min(length, tile + 2 * self.radius), C), np.float32)

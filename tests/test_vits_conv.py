@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -24,17 +25,12 @@ def loaded() -> None:
 
 
 def reference(
-    x: np.ndarray,
-    weight: np.ndarray,
-    *,
-    length: int,
-    pad_left: int,
-    dilation: int = 1,
-    bias: np.ndarray | None = None,
-    residual: np.ndarray | None = None,
-    slope: float = 1.0,
+    x: np.ndarray, weight: np.ndarray, length: int, pad_left: int, **given: Any
 ) -> np.ndarray:
-    """The definition, in float64: weight is (out, taps, in), as the models store it."""
+    """The definition, in float64: weight is (out, taps, in), as the models store it;
+    `given` holds `conv1d`'s dilation, bias, residual and slope."""
+    dilation, slope = given.get("dilation", 1), given.get("slope", 1.0)
+    bias, residual = given.get("bias"), given.get("residual")
     out_ch, taps, _ = weight.shape
     act = np.maximum(x, x * slope).astype(np.float64)
     rows = length + (taps - 1) * dilation
@@ -72,26 +68,9 @@ def test_the_conv_is_the_definition(
     residual = rng.standard_normal((rows, co), dtype=np.float32)
     pad = dilation * (taps - 1) // 2
     packed = vits_conv.pack_taps(weight)
-    got = vits_conv.conv1d(
-        x,
-        packed,
-        length=rows,
-        pad_left=pad,
-        dilation=dilation,
-        bias=bias,
-        residual=residual,
-        slope=slope,
-    )
-    want = reference(
-        x,
-        weight,
-        length=rows,
-        pad_left=pad,
-        dilation=dilation,
-        bias=bias,
-        residual=residual,
-        slope=slope,
-    )
+    given = dict(dilation=dilation, bias=bias, residual=residual, slope=slope)
+    got = vits_conv.conv1d(x, packed, length=rows, pad_left=pad, **given)
+    want = reference(x, weight, length=rows, pad_left=pad, **given)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     bare = vits_conv.conv1d(x, packed, length=rows, pad_left=pad, dilation=dilation, slope=slope)
     np.testing.assert_allclose(bare, got - bias - residual, atol=1e-4)

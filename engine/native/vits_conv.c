@@ -16,8 +16,6 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
-#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -102,16 +100,14 @@ static void conv_rows(const struct conv *p, long from, long to) {
  * A vocoder pass makes hundreds of calls of a millisecond or less, a few tens of
  * microseconds apart. A thread started per call, or woken from sleep, reaches its core
  * late on a virtual machine, and the calls then ran no faster on two cores than on one:
- * the helpers spin for 50 us after each call before they sleep. They run at a lower
- * priority than the process's other threads, and the rows are taken a chunk at a time
- * by whichever thread is free: a render uses the cores the gateway leaves idle, and
- * where its event loop or another stage wants one, that thread runs and the caller
- * takes the helper's rows itself. One call at a time uses them; a call that finds them
- * busy runs on its own thread. */
+ * the helpers spin for 50 us after each call before they sleep. They inherit the
+ * priority of the thread that starts them (the gateway runs the engine's threads below
+ * its event loop: gateway/server/priority.py), and the rows are taken a chunk at a
+ * time by whichever thread is free: where a thread of higher priority takes a helper's
+ * core, the caller takes the helper's rows itself. One call at a time uses them; a
+ * call that finds them busy runs on its own thread. */
 
 static const long SPIN_NS = 50 * 1000;
-/* The helpers' nice value above the process's (Linux: per thread). */
-static const int HELPER_NICE = 10;
 
 static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t wake_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -141,9 +137,6 @@ static void take_rows(const struct conv *p) {
 
 static void *helper_main(void *arg) {
   (void)arg;
-#ifdef __linux__
-  setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), getpriority(PRIO_PROCESS, 0) + HELPER_NICE);
-#endif
   unsigned seen = born_at;
   for (;;) {
     long start = now_ns();

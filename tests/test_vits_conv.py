@@ -119,6 +119,14 @@ def test_what_it_cannot_do_is_refused() -> None:
         vits_conv.conv1d(x, packed, length=10, pad_left=1, slope=2.0)
     with pytest.raises(ValueError, match="residual"):
         vits_conv.conv1d(x, packed, length=10, pad_left=1, residual=np.ones((9, 8), np.float32))
+    work = np.empty((3, 10, 8), np.float32)
+    strided = vits_conv.Conv(np.ones((3, 8, 16), np.float32)[:, :, ::2], None, 1)
+    with pytest.raises(ValueError, match="contiguous"):
+        vits_conv.resblocks(x, [[strided]], False, 0.1, work)
+    with pytest.raises(ValueError, match="channels"):
+        vits_conv.resblocks(
+            np.ones((10, 16), np.float32), [[vits_conv.Conv(packed, None, 1)]], False, 0.1, work
+        )
 
 
 def test_the_gate_is_tanh_times_sigmoid() -> None:

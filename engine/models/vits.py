@@ -895,7 +895,7 @@ class Model(nn.Module):
 
     def flows(self, z_p: mx.array, frames: np.ndarray) -> mx.array:
         """Latents z [B, T, C] of prior latents; item b fills its first `frames[b]` frames."""
-        if self.dec.native and mx.default_device() == mx.cpu:
+        if self.dec.native and mx.default_device() == mx.cpu:  # set_conv_mode("native")
             z = np.zeros(z_p.shape, np.float32)
             for b, n in enumerate(frames):  # each item alone, cut to its own frames
                 z[b, :n] = self.flow.native(np.array(z_p[b, :n]))

@@ -96,7 +96,7 @@ static void conv_rows(const struct conv *p, long from, long to) {
   }
 }
 
-/* --- helpers that stay awake between the calls of a render, and yield ---------------
+/* --- helpers that stay awake between the calls of a render ---------------------------
  * A vocoder pass makes hundreds of calls of a millisecond or less, a few tens of
  * microseconds apart. A thread started per call, or woken from sleep, reaches its core
  * late on a virtual machine, and the calls then ran no faster on two cores than on one:
@@ -201,8 +201,8 @@ static void conv_split(const struct conv *p) {
   pthread_cond_broadcast(&wake);
   pthread_mutex_unlock(&wake_lock);
   take_rows(p);
-  /* A helper may still be on its last chunk, behind the threads it yields to: after a
-   * short spin, sleep until it is done rather than hold a core they want. */
+  /* A helper may still be on its last chunk, behind threads of higher priority: after
+   * a short spin, sleep until it is done rather than hold a core they want. */
   long start = now_ns();
   while (atomic_load_explicit(&unfinished, memory_order_acquire) > 0 &&
          now_ns() - start < SPIN_NS)

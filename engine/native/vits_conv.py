@@ -20,7 +20,7 @@ import numpy as np
 
 from engine.native import build
 
-__all__ = ["ENV", "Conv", "conv1d", "gate", "is_loaded", "load", "pack_taps", "resblocks"]
+__all__ = ["ENV", "Conv", "conv1d", "gate", "load", "pack_taps", "resblocks"]
 
 SOURCE = Path(__file__).with_name("vits_conv.c")
 ENV = "DUPLEX_GATEWAY_NATIVE_CONV"
@@ -83,10 +83,6 @@ def load() -> bool:
     lib.vits_gate.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
     _lib = lib
     return True
-
-
-def is_loaded() -> bool:
-    return _lib is not None
 
 
 def pack_taps(weight: np.ndarray) -> np.ndarray:
@@ -178,15 +174,18 @@ def resblocks(
     convs = [conv for block in blocks for conv in block]
     if any(len(b) != per_block for b in blocks) or (pairs and per_block % 2):
         raise ValueError("every block needs the same number of convs (in pairs for kind 1)")
-    if any(conv.taps.shape[1:] != (c, c) for conv in convs):
+    # The kernel keeps pointers to these: each must be the caller's own array, not a copy.
+    biases = [conv.bias for conv in convs if conv.bias is not None]
+    for a in [work, *(conv.taps for conv in convs), *biases]:
+        if a.dtype != np.float32 or not a.flags.c_contiguous:
+            raise ValueError("work and the convs' weights must be contiguous float32 arrays")
+    if any(conv.taps.shape[1:] != (c, c) for conv in convs) or any(b.shape != (c,) for b in biases):
         raise ValueError(f"a resblock's convs map {c} channels to {c}")
-    if work.dtype != np.float32 or work.shape[0] < 3 or work.shape[2] != c or work.shape[1] < rows:
-        raise ValueError(f"work must be float32 of shape (3, >= {rows}, {c})")
-    planes = [np.ascontiguousarray(work[i, :rows]) for i in range(3)]
-    if any(not np.shares_memory(p, work) for p in planes):
-        raise ValueError("work must be contiguous")
+    if work.ndim != 3 or work.shape[0] < 3 or work.shape[1] < rows or work.shape[2] != c:
+        raise ValueError(f"work must be of shape (3, >= {rows}, {c})")
+    planes = [work[i, :rows] for i in range(3)]
     pointers = ctypes.c_void_p * len(convs)
-    taps = pointers(*[_plain(conv.taps).ctypes.data for conv in convs])
+    taps = pointers(*[conv.taps.ctypes.data for conv in convs])
     bias = pointers(*[None if conv.bias is None else conv.bias.ctypes.data for conv in convs])
     kernel = np.array([conv.taps.shape[0] for conv in convs], np.int32)
     dilation = np.array([conv.dilation for conv in convs], np.int32)

@@ -149,13 +149,17 @@ def test_inverse_spline_inverts_forward() -> None:
     y = np.array(
         [spline_forward(float(x[i]), uw[i], uh[i], ud[i], B) for i in range(64)], np.float32
     )
-    back = vits.rational_quadratic_inverse(mx.array(y), mx.array(uw), mx.array(uh), mx.array(ud), B)
-    back = np.array(back)
-    # Checked in y: where the spline is nearly flat, float32 y cannot pin x down.
-    again = [spline_forward(float(back[i]), uw[i], uh[i], ud[i], B) for i in range(64)]
-    np.testing.assert_allclose(again, y, atol=1e-5)
-    # Outside the bound the transform is the identity.
-    assert back[-2:].tolist() == [-7.0, 6.5]
+    on_mlx = vits.rational_quadratic_inverse(
+        mx.array(y), mx.array(uw), mx.array(uh), mx.array(ud), B
+    )
+    on_numpy = vits.rational_quadratic_inverse(y, uw, uh, ud, B, xp=np)  # the native path's
+    assert on_numpy.dtype == np.float32
+    for back in (np.array(on_mlx), on_numpy):
+        # Checked in y: where the spline is nearly flat, float32 y cannot pin x down.
+        again = [spline_forward(float(back[i]), uw[i], uh[i], ud[i], B) for i in range(64)]
+        np.testing.assert_allclose(again, y, atol=1e-5)
+        # Outside the bound the transform is the identity.
+        assert back[-2:].tolist() == [-7.0, 6.5]
 
 
 @pytest.mark.parametrize("mode", ["polyphase", "taps"])

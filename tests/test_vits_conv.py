@@ -1,10 +1,12 @@
-"""The VITS vocoder's native convolutions (`engine/native/vits_conv.c`): against a NumPy
-reference, row for row the same whatever the rows beside them, in place, refusing what
-it cannot do, and the voice's fallback to MLX's convolutions without them."""
+"""The VITS voice's native kernels (`engine/native/vits_conv.c`): the convolutions
+against a NumPy reference, row for row the same whatever the rows beside them, in place,
+refusing what they cannot do; the layer norm and the products; the voice through them;
+and its fallback to MLX's convolutions without them."""
 
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,7 @@ CASES = [
     (300, 64, 64, 5, 6, 0.1),
     (97, 16, 24, 3, 2, 0.0),  # out channels not a whole 16: the 8-wide kernel too
     (40, 192, 8, 1, 1, 1.0),  # a 1x1 conv, no activation
+    (57, 192, 768, 3, 1, 0.0),  # the text encoder's: few rows, cut evenly over the threads
     (5, 8, 16, 7, 3, 0.01),  # fewer rows than the taps reach
 ]
 
@@ -100,6 +103,16 @@ def test_a_row_is_the_same_whatever_rows_are_computed_beside_it() -> None:
     assert np.array_equal(short[12:-12], long[a:b])
 
 
+def test_a_short_wide_call_cut_over_the_threads_gives_each_row_as_alone() -> None:
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((57, 192), dtype=np.float32)
+    packed = vits_conv.pack_taps(rng.standard_normal((768, 3, 192)).astype(np.float32) / 24)
+    whole = vits_conv.conv1d(x, packed, length=57, pad_left=1)
+    for row in (0, 29, 56):  # the first, one past an even cut, the last
+        alone = vits_conv.conv1d(x[max(0, row - 1) : row + 2], packed, length=3, pad_left=1)
+        assert np.array_equal(alone[min(row, 1)], whole[row])
+
+
 def test_in_place_equals_a_fresh_output() -> None:
     rng = np.random.default_rng(5)
     x = rng.standard_normal((500, 16), dtype=np.float32)
@@ -141,7 +154,56 @@ def test_the_gate_is_tanh_times_sigmoid() -> None:
         vits_conv.gate(np.ones((3, 5), np.float32))
 
 
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("width", [192, 29])  # whole vectors, and a tail past them
+def test_the_layer_norm_is_the_definition(gelu: bool, width: int) -> None:
+    rng = np.random.default_rng(8)
+    x, residual = (rng.standard_normal((40, width), dtype=np.float32) * 3 for _ in range(2))
+    gamma, beta = (rng.standard_normal(width, dtype=np.float32) for _ in range(2))
+    wide = x.astype(np.float64) + residual
+    centred = wide - wide.mean(axis=1, keepdims=True)
+    want = centred / np.sqrt((centred**2).mean(axis=1, keepdims=True) + 1e-5) * gamma + beta
+    if gelu:
+        want = 0.5 * want * (1.0 + np.vectorize(math.erf)(want / math.sqrt(2.0)))
+    got = vits_conv.layer_norm(x, gamma, beta, residual, gelu)
+    np.testing.assert_allclose(got, want, rtol=0, atol=5e-6)
+    alone = vits_conv.layer_norm(x + residual, gamma, beta, gelu=gelu)
+    np.testing.assert_allclose(alone, got, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="gamma"):
+        vits_conv.layer_norm(x, gamma[:-1], beta)
+
+
+@pytest.mark.parametrize("shape", [(57, 96, 57), (3, 9, 96), (179, 179, 96)])
+def test_the_product_is_the_definition(shape: tuple[int, int, int]) -> None:
+    rows, k, n = shape
+    rng = np.random.default_rng(9)
+    a = rng.standard_normal((rows, k), dtype=np.float32)
+    b = rng.standard_normal((k, n), dtype=np.float32)
+    got = vits_conv.matmul(a, b)
+    assert got.shape == (rows, n) and got.flags.c_contiguous
+    np.testing.assert_allclose(got, a.astype(np.float64) @ b, rtol=0, atol=1e-4)
+
+
 # --- the voice through it -------------------------------------------------------------
+
+
+def test_the_native_durations_are_the_mlx_ones() -> None:
+    # Encoder and duration predictor, item by item cut to its length, against MLX's
+    # masked batch, with the same noise drawn.
+    model = tiny_model(11)
+    ids = mx.array(
+        [[1, 0, 5, 0, 9, 0, 12, 0, 3, 0, 2, 0, 7], [1, 0, 7, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0]]
+    )
+    lengths, noise_w, length_scale = mx.array([13, 5]), mx.array([0.8, 0.5]), mx.array([1.0, 1.3])
+    got = {}
+    for mode in ("taps", "native"):
+        model.set_conv_mode(mode)
+        mx.random.seed(12)
+        got[mode] = [np.array(a) for a in model.durations(ids, lengths, noise_w, length_scale)]
+    for mlx_a, native_a in zip(got["taps"], got["native"], strict=True):
+        np.testing.assert_allclose(native_a, mlx_a, rtol=1e-5, atol=1e-5)
+    assert got["native"][2].sum() > 0 and not got["native"][2][1, 5:].any()
+    assert not got["native"][0][1, 5:].any()  # padding: nothing past an item's end
 
 
 def test_the_native_flows_are_the_mlx_ones() -> None:

@@ -12,6 +12,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
+from typing import TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,6 +23,8 @@ from engine.models import fast_ops
 from engine.native import vits_conv
 
 __all__ = ["ModelArgs", "Model", "load", "rational_quadratic_inverse"]
+
+Array = TypeVar("Array", mx.array, np.ndarray)
 
 
 @dataclass
@@ -174,7 +178,11 @@ class Conv1d(nn.Module):
     ) -> np.ndarray:
         """The same conv of leaky_relu(x, slope) (1: none) for one item, x (time, in),
         through the native kernel (`engine.native.vits_conv`); `out` may be `residual`
-        (in place)."""
+        (in place). A depthwise conv (the duration predictor's) takes x alone."""
+        if self.groups > 1:
+            if residual is not None or out is not None or slope != 1.0:
+                raise ValueError("a native depthwise conv takes no residual, out or slope")
+            return self._native_depthwise(x)
         taps, bias = self.native_weights()
         y = vits_conv.conv1d(
             x,
@@ -189,6 +197,18 @@ class Conv1d(nn.Module):
         )
         out_ch = self.weight.shape[0]
         return y if y.shape[1] == out_ch else y[:, :out_ch]
+
+    def _native_depthwise(self, x: np.ndarray) -> np.ndarray:
+        # One channel per group: a product per tap, no GEMM to run.
+        if not self.groups == x.shape[1] == self.weight.shape[0]:
+            raise ValueError("native grouped convs are depthwise only")
+        L, d = x.shape[0], self.dilation
+        w = np.array(self.weight[:, :, 0])
+        padded = np.pad(x, ((self.pad, self.pad), (0, 0)))
+        y = padded[:L] * w[:, 0]
+        for k in range(1, w.shape[1]):
+            y += padded[k * d : k * d + L] * w[:, k]
+        return y + np.array(self.bias) if "bias" in self else y
 
     def native_weights(self) -> tuple[np.ndarray, np.ndarray | None]:
         # Packed for the kernel, rebuilt only when the weight array is replaced.
@@ -303,6 +323,14 @@ class LayerNorm(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         return mx.fast.layer_norm(x, self.gamma, self.beta, 1e-5)
 
+    def native(
+        self, x: np.ndarray, residual: np.ndarray | None = None, gelu: bool = False
+    ) -> np.ndarray:
+        """The norm of x + residual (time, channels), then the GELU where `gelu`, in
+        one native pass."""
+        gamma, beta = np.array(self.gamma), np.array(self.beta)
+        return vits_conv.layer_norm(x, gamma, beta, residual, gelu, 1e-5)
+
 
 # --- text encoder --------------------------------------------------------------------
 
@@ -347,6 +375,34 @@ class MultiHeadAttention(nn.Module):
         out = out + mx.where(valid, rel_p, 0.0) @ self.emb_rel_v[0]
         return self.conv_o(out.transpose(0, 2, 1, 3).reshape(B, L, C))
 
+    def native(self, x: np.ndarray) -> np.ndarray:
+        """The same over one item, x (time, channels), with nothing masked, one head at
+        a time: the native kernel for the products, NumPy for the rest."""
+        L, C = x.shape
+        H, W = self.n_heads, self.window
+        q, k, v = (
+            c.native(x).reshape(L, H, -1).transpose(1, 0, 2)
+            for c in (self.conv_q, self.conv_k, self.conv_v)
+        )
+        q = q / math.sqrt(q.shape[-1])
+        # The scores (H, L, L) at offsets -W..W of the diagonal, flat, against the same
+        # (query, offset) pairs of (H, L, 2W + 1); pairs past either end are left out.
+        key = np.arange(L)[:, None] + np.arange(-W, W + 1)
+        query, offset = np.nonzero((key >= 0) & (key < L))
+        at, rel = query * L + key[query, offset], query * (2 * W + 1) + offset
+        rel_k, rel_v = np.array(self.emb_rel_k[0]), np.array(self.emb_rel_v[0])
+        out = np.empty((L, H, q.shape[-1]), np.float32)
+        for h in range(H):
+            scores = vits_conv.matmul(q[h], k[h].T)
+            scores.reshape(-1)[at] += vits_conv.matmul(q[h], rel_k.T).reshape(-1)[rel]
+            scores -= scores.max(axis=-1, keepdims=True)
+            p = np.exp(scores, out=scores)
+            p /= p.sum(axis=-1, keepdims=True)
+            rel_p = np.zeros(L * (2 * W + 1), np.float32)
+            rel_p[rel] = p.reshape(-1)[at]
+            out[:, h] = vits_conv.matmul(p, v[h]) + vits_conv.matmul(rel_p.reshape(L, -1), rel_v)
+        return self.conv_o.native(out.reshape(L, C))
+
 
 class FFN(nn.Module):
     def __init__(self, channels: int, filter_channels: int, kernel: int) -> None:
@@ -357,6 +413,11 @@ class FFN(nn.Module):
     def __call__(self, x: mx.array, x_mask: mx.array) -> mx.array:
         x = nn.relu(self.conv_1(x * x_mask))
         return self.conv_2(x * x_mask) * x_mask
+
+    def native(self, x: np.ndarray) -> np.ndarray:
+        """The same over one item, x (time, channels); the ReLU is conv_2's input
+        activation."""
+        return self.conv_2.native(self.conv_1.native(x), slope=0.0)
 
 
 class Encoder(nn.Module):
@@ -382,6 +443,15 @@ class Encoder(nn.Module):
             x = n2(x + ffn(x, x_mask))
         return x * x_mask
 
+    def native(self, x: np.ndarray) -> np.ndarray:
+        """The same over one item, x (time, channels), with nothing masked."""
+        for attn, n1, ffn, n2 in zip(
+            self.attn_layers, self.norm_layers_1, self.ffn_layers, self.norm_layers_2, strict=True
+        ):
+            x = n1.native(attn.native(x), residual=x)
+            x = n2.native(ffn.native(x), residual=x)
+        return x
+
 
 class TextEncoder(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
@@ -397,48 +467,58 @@ class TextEncoder(nn.Module):
         m, logs = mx.split(self.proj(x) * x_mask, 2, axis=-1)
         return x, m, logs
 
+    def native(self, ids: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The same for one item's ids (time,), through the native kernels."""
+        x = np.array(self.emb.weight)[ids] * math.sqrt(self.hidden)
+        x = self.encoder.native(x)
+        m, logs = np.split(self.proj.native(x), 2, axis=-1)
+        return x, m, logs
+
 
 # --- stochastic duration predictor ---------------------------------------------------
 
 
 def rational_quadratic_inverse(
-    y: mx.array,
-    widths: mx.array,
-    heights: mx.array,
-    derivs: mx.array,
+    y: Array,
+    widths: Array,
+    heights: Array,
+    derivs: Array,
     tail_bound: float,
     min_bin: float = 1e-3,
     min_deriv: float = 1e-3,
-) -> mx.array:
+    xp: ModuleType = mx,
+) -> Array:
     """Inverse of the monotone rational-quadratic spline on [-B, B], identity outside.
 
     `derivs` holds the num_bins - 1 inner knot derivatives (pre-softplus); the two edge
-    derivatives are 1 so the spline joins the identity tails smoothly.
+    derivatives are 1 so the spline joins the identity tails smoothly. `xp` is the
+    arrays' module: `mlx.core`, or `numpy` for the native path.
     """
     n = widths.shape[-1]
     B = tail_bound
 
-    def knots(unnormalised: mx.array) -> tuple[mx.array, mx.array]:
-        size = min_bin + (1 - min_bin * n) * mx.softmax(unnormalised, axis=-1)
-        cum = mx.cumsum(size, axis=-1)
-        cum = mx.concatenate([mx.zeros_like(cum[..., :1]), cum], axis=-1)
+    def knots(unnormalised: Array) -> tuple[Array, Array]:
+        e = xp.exp(unnormalised - xp.max(unnormalised, axis=-1, keepdims=True))
+        size = min_bin + (1 - min_bin * n) * (e / xp.sum(e, axis=-1, keepdims=True))
+        cum = xp.cumsum(size, axis=-1)
+        cum = xp.concatenate([xp.zeros_like(cum[..., :1]), cum], axis=-1)
         cum = 2 * B * cum - B
-        cum = mx.concatenate([cum[..., :1] * 0 - B, cum[..., 1:-1], cum[..., :1] * 0 + B], -1)
+        cum = xp.concatenate([cum[..., :1] * 0 - B, cum[..., 1:-1], cum[..., :1] * 0 + B], -1)
         return cum, cum[..., 1:] - cum[..., :-1]
 
     cumw, w = knots(widths)
     cumh, h = knots(heights)
-    edge = mx.full(derivs.shape[:-1] + (1,), 1.0 - min_deriv)
-    d = min_deriv + mx.concatenate([edge, nn.softplus(derivs), edge], axis=-1)
+    edge = xp.ones_like(derivs[..., :1]) * (1.0 - min_deriv)
+    d = min_deriv + xp.concatenate([edge, xp.logaddexp(derivs, 0.0), edge], axis=-1)
 
     inside = (y >= -B) & (y <= B)
-    yc = mx.clip(y, -B, B)
+    yc = xp.clip(y, -B, B)
     # Bin whose height interval holds y (last knot nudged so y == B lands in the last bin).
-    upper = mx.concatenate([cumh[..., :-1], cumh[..., -1:] + 1e-6], axis=-1)
-    idx = mx.clip(mx.sum(yc[..., None] >= upper, axis=-1, keepdims=True) - 1, 0, n - 1)
+    upper = xp.concatenate([cumh[..., :-1], cumh[..., -1:] + 1e-6], axis=-1)
+    idx = xp.clip(xp.sum(yc[..., None] >= upper, axis=-1, keepdims=True) - 1, 0, n - 1)
 
-    def pick(a: mx.array) -> mx.array:
-        return mx.take_along_axis(a, idx, axis=-1)[..., 0]
+    def pick(a: Array) -> Array:
+        return xp.take_along_axis(a, idx, axis=-1)[..., 0]
 
     x_k, w_k, y_k, h_k = pick(cumw), pick(w), pick(cumh), pick(h)
     d_k, d_k1 = pick(d[..., :-1]), pick(d[..., 1:])
@@ -449,9 +529,9 @@ def rational_quadratic_inverse(
     a = h_k * (s_k - d_k) + dy * slope_sum
     b = h_k * d_k - dy * slope_sum
     c = -s_k * dy
-    disc = mx.maximum(b * b - 4 * a * c, 0.0)
-    xi = (2 * c) / (-b - mx.sqrt(disc))
-    return mx.where(inside, xi * w_k + x_k, y)
+    disc = xp.maximum(b * b - 4 * a * c, 0.0)
+    xi = (2 * c) / (-b - xp.sqrt(disc))
+    return xp.where(inside, xi * w_k + x_k, y)  # type: ignore[no-any-return]
 
 
 class DDSConv(nn.Module):
@@ -475,6 +555,17 @@ class DDSConv(nn.Module):
             y = fast_ops.gelu(n2(c1(y)))
             x = x + y
         return x * x_mask
+
+    def native(self, x: np.ndarray, g: np.ndarray | None = None) -> np.ndarray:
+        """The same over one item, x (time, channels), with nothing masked."""
+        if g is not None:
+            x = x + g
+        for sep, c1, n1, n2 in zip(
+            self.convs_sep, self.convs_1x1, self.norms_1, self.norms_2, strict=True
+        ):
+            y = n1.native(sep.native(x), gelu=True)
+            x = x + n2.native(c1.native(y), gelu=True)
+        return x
 
 
 class ConvFlow(nn.Module):
@@ -501,6 +592,15 @@ class ConvFlow(nn.Module):
         )[..., None]
         return mx.concatenate([x0, x1], axis=-1) * x_mask
 
+    def native(self, x: np.ndarray, g: np.ndarray) -> np.ndarray:
+        """The same over one item, x (time, 2), with nothing masked."""
+        x0, x1 = x[:, :1], x[:, 1]
+        h = self.proj.native(self.convs.native(self.pre.native(x0), g))
+        n, scale = self.num_bins, math.sqrt(self.filter_channels)
+        widths, heights, derivs = h[:, :n] / scale, h[:, n : 2 * n] / scale, h[:, 2 * n :]
+        x1 = rational_quadratic_inverse(x1, widths, heights, derivs, self.tail_bound, xp=np)
+        return np.stack([x0[:, 0], x1], axis=1)
+
 
 class ElementwiseAffine(nn.Module):
     def __init__(self, channels: int) -> None:
@@ -510,6 +610,9 @@ class ElementwiseAffine(nn.Module):
 
     def __call__(self, x: mx.array, x_mask: mx.array, g: mx.array | None = None) -> mx.array:
         return (x - self.m[:, 0]) * mx.exp(-self.logs[:, 0]) * x_mask
+
+    def native(self, x: np.ndarray, g: np.ndarray) -> np.ndarray:
+        return (x - np.array(self.m[:, 0])) * np.exp(-np.array(self.logs[:, 0]))
 
 
 class Flip(nn.Module):
@@ -539,6 +642,18 @@ class DurationPredictor(nn.Module):
         for flow in [f for f in reversed(self.flows) if not isinstance(f, UnusedFlow)]:
             z = flow(z, x_mask, g)
         return z[..., :1]
+
+    def native(self, x: np.ndarray, noise: np.ndarray) -> np.ndarray:
+        """The same over one item, x (time, hidden) and noise (time, 2), through the
+        native kernels."""
+        g = self.proj.native(self.convs.native(self.pre.native(x)))
+        z = noise
+        for flow in reversed(self.flows):
+            if isinstance(flow, Flip):
+                z = z[:, ::-1]
+            elif not isinstance(flow, UnusedFlow):
+                z = flow.native(z, g)
+        return z[:, :1]
 
 
 # --- flows ---------------------------------------------------------------------------
@@ -825,8 +940,9 @@ class Model(nn.Module):
         self.dec = Generator(args)
 
     def set_conv_mode(self, mode: str, tiled: bool = True) -> None:
-        """Conv kernels: "native" (the decoder through `engine.native.vits_conv` on the
-        CPU, the rest as "taps"; what `load` picks where it builds), "taps" (one GEMM
+        """Conv kernels: "native" (on the CPU, the whole voice item by item through
+        `engine.native.vits_conv` and NumPy; elsewhere as "taps"; what `load` picks where
+        it builds), "taps" (one GEMM
         per tap, the fastest in MLX on a CPU), "polyphase", or MLX's "stock"; `tiled`
         runs the decoder's resblocks over cache-sized time tiles on the CPU."""
         if mode not in CONV_MODES:
@@ -844,12 +960,33 @@ class Model(nn.Module):
     ) -> tuple[mx.array, ...]:
         """Encoder stats and integer frame counts per phoneme ([B, L])."""
         B, L = ids.shape
+        if self._native_here():
+            noise = mx.random.normal((B, L, 2)) * noise_w[:, None, None]
+            return self._native_durations(ids, lengths, noise, length_scale)
         x_mask = (mx.arange(L)[None, :] < lengths[:, None]).astype(mx.float32)[..., None]
         x, m_p, logs_p = self.enc_p(ids, x_mask)
         noise = mx.random.normal((B, L, 2)) * noise_w[:, None, None]
         logw = self.dp(x, x_mask, noise)
         w = mx.exp(logw) * x_mask * length_scale[:, None, None]
         return m_p, logs_p, mx.ceil(w)[..., 0]
+
+    def _native_here(self) -> bool:
+        return self.dec.native and mx.default_device() == mx.cpu  # set_conv_mode("native")
+
+    def _native_durations(
+        self, ids: mx.array, lengths: mx.array, noise: mx.array, length_scale: mx.array
+    ) -> tuple[mx.array, ...]:
+        # Each item alone, cut to its own length, as the flows and the vocoder run.
+        B, L = ids.shape
+        C = self.args.inter_channels
+        m_p, logs_p = np.zeros((B, L, C), np.float32), np.zeros((B, L, C), np.float32)
+        dur = np.zeros((B, L), np.float32)
+        noise_np, ids_np = np.array(noise), np.array(ids)
+        for b, (n, scale) in enumerate(zip(np.array(lengths), np.array(length_scale), strict=True)):
+            x, m_p[b, :n], logs_p[b, :n] = self.enc_p.native(ids_np[b, :n])
+            logw = self.dp.native(x, noise_np[b, :n])
+            dur[b, :n] = np.ceil(np.exp(logw[:, 0]) * scale)
+        return mx.array(m_p), mx.array(logs_p), mx.array(dur)
 
     def context_frames(self) -> int:
         """Latent frames on each side that one output frame of `render` depends on.
@@ -895,7 +1032,7 @@ class Model(nn.Module):
 
     def flows(self, z_p: mx.array, frames: np.ndarray) -> mx.array:
         """Latents z [B, T, C] of prior latents; item b fills its first `frames[b]` frames."""
-        if self.dec.native and mx.default_device() == mx.cpu:  # set_conv_mode("native")
+        if self._native_here():
             z = np.zeros(z_p.shape, np.float32)
             for b, n in enumerate(frames):  # each item alone, cut to its own frames
                 z[b, :n] = self.flow.native(np.array(z_p[b, :n]))

@@ -36,6 +36,7 @@ struct conv {
   const float *bias, *residual; /* co, t_out x co; either may be NULL */
   float *out;                   /* t_out x co */
   long t_out;
+  long chunk; /* rows a thread takes at a time */
   int ci, co, taps, dilation;
 };
 
@@ -80,8 +81,8 @@ static inline __attribute__((always_inline)) void block(const struct conv *p, lo
  * output channels: swept over all the rows at once, a wide conv (an upsampling layer's
  * 512 channels) read its whole input from memory again for every 16 of them. */
 static void conv_rows(const struct conv *p, long from, long to) {
-  for (long chunk = from; chunk < to; chunk += CHUNK) {
-    long end = chunk + CHUNK < to ? chunk + CHUNK : to;
+  for (long chunk = from; chunk < to; chunk += p->chunk) {
+    long end = chunk + p->chunk < to ? chunk + p->chunk : to;
     for (int j = 0; j < p->co; j += 16) {
       int wide = p->co - j >= 16;
       for (long t = chunk; t < end; t += ROWS) {
@@ -129,9 +130,9 @@ static long now_ns(void) {
 /* Chunks of rows until none is left; each row comes out the same whoever takes it. */
 static void take_rows(const struct conv *p) {
   for (;;) {
-    long from = atomic_fetch_add_explicit(&next_row, CHUNK, memory_order_relaxed);
+    long from = atomic_fetch_add_explicit(&next_row, p->chunk, memory_order_relaxed);
     if (from >= p->t_out) return;
-    conv_rows(p, from, from + CHUNK < p->t_out ? from + CHUNK : p->t_out);
+    conv_rows(p, from, from + p->chunk < p->t_out ? from + p->chunk : p->t_out);
   }
 }
 
@@ -186,13 +187,23 @@ static int start_pool(void) {
   return started;
 }
 
-static void conv_split(const struct conv *p) {
+/* Chunks of CHUNK rows where there are enough for every thread (the vocoder's tiles);
+ * fewer rows (a sentence's text encoder, a few dozen rows of 768 channels) are cut
+ * evenly, so that every thread has some. */
+static long chunk_rows(long t_out, int threads) {
+  long even = (t_out + threads - 1) / threads;
+  even = (even + ROWS - 1) / ROWS * ROWS;
+  return even < CHUNK ? even : CHUNK;
+}
+
+static void conv_split(struct conv *p) {
   long macs = p->t_out * p->ci * p->co * p->taps;
   if (macs < MIN_SPLIT_MACS || pthread_mutex_trylock(&pool_busy) != 0) {
     conv_rows(p, 0, p->t_out);
     return;
   }
   if (pool_threads == 0) pool_threads = start_pool();
+  p->chunk = chunk_rows(p->t_out, pool_threads);
   job = p;
   atomic_store(&next_row, 0);
   atomic_store(&unfinished, pool_threads - 1);
@@ -266,7 +277,7 @@ int vits_conv(const float *x, long t_in, long ldx, int ci, long pad_left, long t
       to[c] = v > scaled ? v : scaled; /* maxps; fmaxf would be a call per value */
     }
   }
-  struct conv p = {xs, w, bias, residual, out, t_out, ci, co, taps, dilation};
+  struct conv p = {xs, w, bias, residual, out, t_out, CHUNK, ci, co, taps, dilation};
   conv_split(&p);
   return 0;
 }
@@ -311,6 +322,55 @@ void vits_gate(const float *a, long rows, int h, float *out) {
     const float *restrict left = a + t * 2 * h, *restrict right = left + h;
     float *restrict to = out + t * h;
     for (int c = 0; c < h; c++) to[c] = tanh_of(left[c]) * (0.5f + 0.5f * tanh_of(0.5f * right[c]));
+  }
+}
+
+/* --- layer norm, and the GELU after it ---------------------------------------------- */
+
+/* x Phi(x), with erf from Abramowitz and Stegun 7.1.26 (within 1.5e-7). */
+static inline float gelu_of(float x) {
+  float a = __builtin_fabsf(x) * 0.70710678f;
+  float t = 1.0f / (1.0f + 0.3275911f * a);
+  float p = t * (0.254829592f +
+                 t * (-0.284496736f + t * (1.421413741f + t * (-1.453152027f + t * 1.061405429f))));
+  float erf_abs = 1.0f - p * exp_nonpositive(-a * a);
+  return 0.5f * x * (1.0f + __builtin_copysignf(erf_abs, x));
+}
+
+/* The sum of v[0..c) (and of its squared distances from `mean`), in eight lanes: one
+ * running sum would make every addition wait for the one before it. */
+static inline float lane_sum(const float *v, int c, float mean, int squares) {
+  v8 acc = splat(0.0f), m = splat(mean);
+  int i = 0;
+  for (; i + 8 <= c; i += 8) {
+    v8 d = load(v + i) - m;
+    acc += squares ? d * d : d;
+  }
+  float total = 0.0f;
+  for (int k = 0; k < 8; k++) total += acc[k];
+  for (; i < c; i++) total += squares ? (v[i] - mean) * (v[i] - mean) : v[i] - mean;
+  return total;
+}
+
+/* out (rows x c) = LN(x + residual) * gamma + beta over each row's c channels, then
+ * the GELU where `gelu`; residual may be NULL, out may be x or residual. One pass per
+ * row in place of the five or six array operations it takes in NumPy or MLX. */
+void vits_layer_norm(const float *x, const float *residual, long rows, int c,
+                     const float *gamma, const float *beta, float eps, int gelu, float *out) {
+  for (long t = 0; t < rows; t++) {
+    const float *restrict xr = x + t * c;
+    const float *restrict rr = residual ? residual + t * c : NULL;
+    float *o = out + t * c;
+    if (rr)
+      for (int i = 0; i < c; i++) o[i] = xr[i] + rr[i];
+    else if (o != xr)
+      memcpy(o, xr, (size_t)c * sizeof(float));
+    float mean = lane_sum(o, c, 0.0f, 0) / (float)c;
+    float inv = 1.0f / __builtin_sqrtf(lane_sum(o, c, mean, 1) / (float)c + eps);
+    if (gelu)
+      for (int i = 0; i < c; i++) o[i] = gelu_of((o[i] - mean) * inv * gamma[i] + beta[i]);
+    else
+      for (int i = 0; i < c; i++) o[i] = (o[i] - mean) * inv * gamma[i] + beta[i];
   }
 }
 

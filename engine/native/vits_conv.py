@@ -20,7 +20,17 @@ import numpy as np
 
 from engine.native import build
 
-__all__ = ["ENV", "Conv", "conv1d", "gate", "load", "pack_taps", "resblocks"]
+__all__ = [
+    "ENV",
+    "Conv",
+    "conv1d",
+    "gate",
+    "layer_norm",
+    "load",
+    "matmul",
+    "pack_taps",
+    "resblocks",
+]
 
 SOURCE = Path(__file__).with_name("vits_conv.c")
 ENV = "DUPLEX_GATEWAY_NATIVE_CONV"
@@ -81,6 +91,18 @@ def load() -> bool:
     ]
     lib.vits_gate.restype = None
     lib.vits_gate.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
+    lib.vits_layer_norm.restype = None
+    lib.vits_layer_norm.argtypes = [
+        ctypes.c_void_p,  # x
+        ctypes.c_void_p,  # residual
+        ctypes.c_long,  # rows
+        ctypes.c_int,  # c
+        ctypes.c_void_p,  # gamma
+        ctypes.c_void_p,  # beta
+        ctypes.c_float,  # eps
+        ctypes.c_int,  # gelu
+        ctypes.c_void_p,  # out
+    ]
     _lib = lib
     return True
 
@@ -218,6 +240,50 @@ def gate(a: np.ndarray) -> np.ndarray:
         raise ValueError(f"the gate takes an even number of columns, not {width}")
     out = np.empty((rows, width // 2), np.float32)
     lib.vits_gate(a.ctypes.data, rows, width // 2, out.ctypes.data)
+    return out
+
+
+def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a (rows, k) @ b (k, n) as a one-tap conv. NumPy's own BLAS keeps its threads
+    spinning after a product unless told otherwise before it loads, and then holds a
+    core the next step wants; these products share the conv's helpers."""
+    taps = pack_taps(np.ascontiguousarray(b.T)[:, None, :])
+    y = conv1d(a, taps, length=a.shape[0], pad_left=0)
+    return y if y.shape[1] == b.shape[1] else np.ascontiguousarray(y[:, : b.shape[1]])
+
+
+def layer_norm(
+    x: np.ndarray,
+    gamma: np.ndarray,
+    beta: np.ndarray,
+    residual: np.ndarray | None = None,
+    gelu: bool = False,
+    eps: float = 1e-5,
+) -> np.ndarray:
+    """Layer norm over the last axis of x + residual (rows, c), scaled by gamma and
+    shifted by beta, then the exact GELU (erf within 1.5e-7) where `gelu`; a new array."""
+    lib = _loaded()
+    x = _plain(x)
+    rows, c = x.shape
+    gamma, beta = _plain(gamma), _plain(beta)
+    if gamma.shape != (c,) or beta.shape != (c,):
+        raise ValueError(f"gamma and beta must be of shape ({c},)")
+    if residual is not None:
+        residual = _plain(residual)
+        if residual.shape != x.shape:
+            raise ValueError(f"the residual must be of shape {x.shape}")
+    out = np.empty_like(x)
+    lib.vits_layer_norm(
+        x.ctypes.data,
+        None if residual is None else residual.ctypes.data,
+        rows,
+        c,
+        gamma.ctypes.data,
+        beta.ctypes.data,
+        eps,
+        int(gelu),
+        out.ctypes.data,
+    )
     return out
 
 

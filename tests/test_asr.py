@@ -9,9 +9,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_map
 
 from engine.llm.decoding_loops import repeated_tail
 from engine.models import whisper, whisper_ct2
+from engine.native import vits_conv
 from engine.stages.asr import (
     MIN_SECONDS,
     AsrStage,
@@ -207,6 +209,24 @@ def test_decoder_kv_cache_matches_recomputation() -> None:
     steps = [model.decoder(tokens[:, :2], kv, cache)[:, -1]]
     steps += [model.decoder(tokens[:, i : i + 1], kv, cache)[:, -1] for i in range(2, 5)]
     assert mx.allclose(full[:, [1, 2, 3, 4]], mx.stack(steps, axis=1), atol=1e-4)
+
+
+@pytest.mark.parametrize("frames", [14, 13])  # the stride-2 conv's phases, even and odd
+def test_the_native_encoder_is_the_mlx_one(frames: int) -> None:
+    assert vits_conv.load(), "the native kernels did not build (see the log)"
+    args = whisper.ModelArgs(
+        n_mels=8, n_audio_ctx=20, n_audio_state=16, n_audio_head=2, n_audio_layer=2,
+        n_vocab=50, n_text_ctx=16, n_text_state=16, n_text_head=2, n_text_layer=2,
+    )  # fmt: skip
+    mx.random.seed(1)
+    model = whisper.Model(args)
+    model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.3, model.parameters()))
+    mel = mx.random.normal((2, frames, 8))  # a batch: each item alone
+    mlx_features = np.array(model.encoder(mel))
+    model.encoder.native = True
+    native = np.array(model.encoder(mel))
+    assert native.shape == mlx_features.shape == (2, (frames + 1) // 2, 16)
+    np.testing.assert_allclose(native, mlx_features, rtol=1e-4, atol=1e-4)
 
 
 # ---------------------------------------------------------------- safeguards (unit)

@@ -2,7 +2,9 @@
 decoder with a KV cache.
 
 The encoder takes as many mel frames as the audio has (up to the 30 s window), so a short
-utterance pays for its own length only. Positional embeddings are sliced to match.
+utterance pays for its own length only. Positional embeddings are sliced to match. On the
+CPU it runs item by item through `engine.native.vits_conv`'s kernels where they build
+(`load_model`): MLX's CPU runs its norms, GELUs and softmaxes as chains of small passes.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.models import fast_ops
+from engine.native import vits_conv
 
 Attend = Callable[[mx.array, mx.array, mx.array, float, Any], mx.array]
 
@@ -157,6 +160,21 @@ class MultiHeadAttention(nn.Module):
     def project_kv(self, x: mx.array) -> tuple[mx.array, mx.array]:
         return self.split_heads(self.key(x)), self.split_heads(self.value(x))
 
+    def native(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """Unmasked attention of one item's projected rows (time, n_state), one head at a
+        time, before the output projection."""
+        width = q.shape[1] // self.n_head
+        scale = width**-0.5
+        out = np.empty_like(q)
+        for h in range(self.n_head):
+            cols = slice(h * width, (h + 1) * width)
+            p = vits_conv.matmul(q[:, cols] * scale, k[:, cols].T)
+            p -= p.max(axis=1, keepdims=True)
+            np.exp(p, out=p)
+            p /= p.sum(axis=1, keepdims=True)
+            out[:, cols] = vits_conv.matmul(p, v[:, cols])
+        return out
+
 
 class _Block(nn.Module):
     """Self-attention and an MLP, each around a residual: what every layer has.
@@ -191,6 +209,16 @@ class _Block(nn.Module):
 
     def mlp(self, x: mx.array) -> mx.array:
         return x + self.mlp2(self.gelu(self.mlp1(self.mlp_ln(x))))
+
+    def native(self, x: np.ndarray) -> np.ndarray:
+        """The layer over one item's rows x (time, n_state), unmasked, through the native
+        kernels; the query, key and value projections in one product."""
+        attn = self.attn
+        h = _layer_norm(self.attn_ln, x)
+        q, k, v = np.split(_linear(h, attn.query, attn.key, attn.value), 3, axis=1)
+        x = _linear(attn.native(q, k, v), attn.out, residual=x)
+        h = vits_conv.gelu(_linear(_layer_norm(self.mlp_ln, x), self.mlp1))
+        return _linear(h, self.mlp2, residual=x)
 
 
 class EncoderBlock(_Block):
@@ -232,15 +260,53 @@ class AudioEncoder(nn.Module):
         self.positional_embedding = mx.zeros((args.n_audio_ctx, n))
         self.blocks = [EncoderBlock(n, args.n_audio_head) for _ in range(args.n_audio_layer)]
         self.ln_post = nn.LayerNorm(n)
+        # On the CPU, item by item through `engine.native.vits_conv` (`load_model`).
+        self.native = False
 
     def __call__(self, mel: mx.array) -> mx.array:
         """mel: (B, frames, n_mels), any frame count up to the full window's 3000."""
+        if self.native and mx.default_device() == mx.cpu:
+            return mx.array(np.stack([self._native(m) for m in np.array(mel)]))
         x = fast_ops.gelu(self.conv1(mel))
         x = fast_ops.gelu(self.conv2(x))
         x = x + self.positional_embedding[: x.shape[1]]
         for block in self.blocks:
             x = block(x)
         return self.ln_post(x)
+
+    def _native(self, mel: np.ndarray) -> np.ndarray:
+        conv1, conv2 = self._native_convs()
+        x = vits_conv.gelu(
+            vits_conv.conv1d(mel, conv1[0], length=len(mel), pad_left=1, bias=conv1[1])
+        )
+        # The stride-2 conv as an undilated one over the rows' two phases side by side:
+        # output t = w0 x[2t - 1] + w1 x[2t] + w2 x[2t + 1], so two taps over the pairs
+        # [x[2t] | x[2t + 1]] (the first tap sees only the odd half).
+        T = (len(x) + 1) // 2
+        pairs = np.zeros((T, 2 * x.shape[1]), np.float32)
+        pairs[:, : x.shape[1]] = x[0::2]
+        pairs[: len(x) // 2, x.shape[1] :] = x[1::2]
+        x = vits_conv.gelu(vits_conv.conv1d(pairs, conv2[0], length=T, pad_left=1, bias=conv2[1]))
+        x += np.array(self.positional_embedding[:T])
+        for block in self.blocks:
+            x = block.native(x)
+        return _layer_norm(self.ln_post, x)
+
+    def _native_convs(self) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+        # Packed for the kernel once per weight array.
+        cached = getattr(self, "_packed", None)
+        if cached is not None and cached[0] is self.conv1.weight:
+            return cached[1]  # type: ignore[no-any-return]
+        w1, w2 = np.array(self.conv1.weight), np.array(self.conv2.weight)  # (out, taps, in)
+        phases = np.zeros((w2.shape[0], 2, 2 * w2.shape[2]), np.float32)
+        phases[:, 0, w2.shape[2] :] = w2[:, 0]
+        phases[:, 1] = np.concatenate([w2[:, 1], w2[:, 2]], axis=1)
+        convs = tuple(
+            (vits_conv.pack_taps(w), _padded(np.array(conv.bias), w.shape[0]))
+            for w, conv in ((w1, self.conv1), (phases, self.conv2))
+        )
+        object.__setattr__(self, "_packed", (self.conv1.weight, convs))
+        return convs
 
 
 class TextDecoder(nn.Module):
@@ -291,6 +357,43 @@ class TextDecoder(nn.Module):
         return self.token_embedding.as_linear(self.hidden(tokens, cross_kv, cache))
 
 
+def _layer_norm(norm: nn.LayerNorm, x: np.ndarray) -> np.ndarray:
+    return vits_conv.layer_norm(x, np.array(norm.weight), np.array(norm.bias), eps=norm.eps)
+
+
+def _linear(x: np.ndarray, *layers: nn.Linear, residual: np.ndarray | None = None) -> np.ndarray:
+    """x @ the layers' weights side by side (+ their biases, + residual) through the native
+    kernel, the weights packed once per weight array (a cache on the first layer)."""
+    first = layers[0]
+    cached = getattr(first, "_packed", None)
+    if cached is None or cached[0] is not first.weight or len(cached[1]) != len(layers):
+        weight = np.concatenate([np.array(layer.weight) for layer in layers])
+        bias = np.concatenate(
+            [
+                np.array(layer.bias) if "bias" in layer else np.zeros(len(layer.weight), np.float32)
+                for layer in layers
+            ]
+        )
+        cached = (
+            first.weight,
+            layers,
+            vits_conv.pack_taps(weight[:, None, :]),
+            _padded(bias, len(weight)),
+        )
+        object.__setattr__(first, "_packed", cached)
+    taps, bias = cached[2], cached[3]
+    y = vits_conv.conv1d(x, taps, length=len(x), pad_left=0, bias=bias, residual=residual)
+    width = sum(len(layer.weight) for layer in layers)
+    return y if y.shape[1] == width else y[:, :width]
+
+
+def _padded(bias: np.ndarray, width: int) -> np.ndarray:
+    # The kernel's bias covers its padded output channels.
+    out = np.zeros(-(-width // vits_conv.LANES) * vits_conv.LANES, np.float32)
+    out[: len(bias)] = bias
+    return out
+
+
 def _row_positions(offset: int, length: int, pads: mx.array) -> mx.array:
     # A padding slot takes position 0: its state is never attended to by a real token.
     return mx.maximum(mx.arange(offset, offset + length)[None] - pads[:, None], 0)
@@ -326,4 +429,5 @@ def load_model(model_dir: Path, dtype: mx.Dtype = mx.float32) -> tuple[Model, di
         raise ValueError(f"{model_dir}: model.safetensors holds no named weights")
     model.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=True)
     mx.eval(model.parameters())
+    model.encoder.native = dtype == mx.float32 and vits_conv.load()
     return model, config

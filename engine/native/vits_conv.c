@@ -337,6 +337,11 @@ static inline float gelu_of(float x) {
   return 0.5f * x * (1.0f + __builtin_copysignf(erf_abs, x));
 }
 
+/* out (n) = the GELU of x (n); out may be x. */
+void vits_gelu(const float *x, long n, float *out) {
+  for (long i = 0; i < n; i++) out[i] = gelu_of(x[i]);
+}
+
 /* The sum of v[0..c) (and of its squared distances from `mean`), in eight lanes: one
  * running sum would make every addition wait for the one before it. */
 static inline float lane_sum(const float *v, int c, float mean, int squares) {

@@ -173,6 +173,22 @@ def test_the_layer_norm_is_the_definition(gelu: bool, width: int) -> None:
         vits_conv.layer_norm(x, gamma[:-1], beta)
 
 
+def test_the_softmax_and_the_gelu_are_the_definitions() -> None:
+    rng = np.random.default_rng(10)
+    x = (rng.standard_normal((30, 203)) * 20).astype(np.float32)  # a tail past the vectors
+    x[0, :3] = [-1e4, 80.0, 80.0]  # a masked score, a tie at the top
+    wide = np.exp(x - x.max(axis=1, keepdims=True).astype(np.float64))
+    want = wide / wide.sum(axis=1, keepdims=True)
+    got = vits_conv.softmax(x.copy())
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
+    with pytest.raises(ValueError, match="contiguous"):
+        vits_conv.softmax(x[:, ::2])
+    erf = np.vectorize(math.erf)
+    np.testing.assert_allclose(
+        vits_conv.gelu(x / 10), 0.5 * (x / 10) * (1 + erf(x / 10 / math.sqrt(2))), rtol=0, atol=6e-7
+    )
+
+
 @pytest.mark.parametrize("shape", [(57, 96, 57), (3, 9, 96), (179, 179, 96)])
 def test_the_product_is_the_definition(shape: tuple[int, int, int]) -> None:
     rows, k, n = shape

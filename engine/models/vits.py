@@ -395,9 +395,7 @@ class MultiHeadAttention(nn.Module):
         for h in range(H):
             scores = vits_conv.matmul(q[h], k[h].T)
             scores.reshape(-1)[at] += vits_conv.matmul(q[h], rel_k.T).reshape(-1)[rel]
-            scores -= scores.max(axis=-1, keepdims=True)
-            p = np.exp(scores, out=scores)
-            p /= p.sum(axis=-1, keepdims=True)
+            p = vits_conv.softmax(scores)
             rel_p = np.zeros(L * (2 * W + 1), np.float32)
             rel_p[rel] = p.reshape(-1)[at]
             out[:, h] = vits_conv.matmul(p, v[h]) + vits_conv.matmul(rel_p.reshape(L, -1), rel_v)

@@ -168,10 +168,7 @@ class MultiHeadAttention(nn.Module):
         out = np.empty_like(q)
         for h in range(self.n_head):
             cols = slice(h * width, (h + 1) * width)
-            p = vits_conv.matmul(q[:, cols] * scale, k[:, cols].T)
-            p -= p.max(axis=1, keepdims=True)
-            np.exp(p, out=p)
-            p /= p.sum(axis=1, keepdims=True)
+            p = vits_conv.softmax(vits_conv.matmul(q[:, cols] * scale, k[:, cols].T))
             out[:, cols] = vits_conv.matmul(p, v[:, cols])
         return out
 

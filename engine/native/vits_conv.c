@@ -25,6 +25,7 @@ static const long MIN_SPLIT_MACS = 1L << 22;
 
 typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
 typedef float v8u __attribute__((vector_size(8 * sizeof(float)), aligned(4)));
+typedef int v8i __attribute__((vector_size(8 * sizeof(int))));
 
 static inline v8 load(const float *p) { return *(const v8u *)p; }
 static inline void store(float *p, v8 v) { *(v8u *)p = v; }
@@ -355,6 +356,26 @@ static inline float lane_sum(const float *v, int c, float mean, int squares) {
   for (int k = 0; k < 8; k++) total += acc[k];
   for (; i < c; i++) total += squares ? (v[i] - mean) * (v[i] - mean) : v[i] - mean;
   return total;
+}
+
+/* Each of the rows (n values each) of x replaced by its softmax, in place. */
+void vits_softmax(float *x, long rows, long n) {
+  for (long t = 0; t < rows; t++) {
+    float *restrict r = x + t * n;
+    v8 top8 = splat(r[0]);
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+      v8 v = load(r + i);
+      v8i higher = v > top8; /* all ones where v is: C has no ?: on vectors */
+      top8 = (v8)(((v8i)v & higher) | ((v8i)top8 & ~higher));
+    }
+    float top = r[0];
+    for (int k = 0; k < 8; k++) top = top8[k] > top ? top8[k] : top;
+    for (; i < n; i++) top = r[i] > top ? r[i] : top;
+    for (i = 0; i < n; i++) r[i] = exp_nonpositive(r[i] - top);
+    float inv = 1.0f / (lane_sum(r, (int)n, 0.0f, 0));
+    for (i = 0; i < n; i++) r[i] *= inv;
+  }
 }
 
 /* out (rows x c) = LN(x + residual) * gamma + beta over each row's c channels, then

@@ -25,11 +25,13 @@ __all__ = [
     "Conv",
     "conv1d",
     "gate",
+    "gelu",
     "layer_norm",
     "load",
     "matmul",
     "pack_taps",
     "resblocks",
+    "softmax",
 ]
 
 SOURCE = Path(__file__).with_name("vits_conv.c")
@@ -93,6 +95,8 @@ def load() -> bool:
     lib.vits_gate.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
     lib.vits_gelu.restype = None
     lib.vits_gelu.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+    lib.vits_softmax.restype = None
+    lib.vits_softmax.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
     lib.vits_layer_norm.restype = None
     lib.vits_layer_norm.argtypes = [
         ctypes.c_void_p,  # x
@@ -118,8 +122,10 @@ def pack_taps(weight: np.ndarray) -> np.ndarray:
     padded = -(-out_ch // LANES) * LANES
     full = np.zeros((padded, n_taps, ci), np.float32)
     full[:out_ch] = weight
-    blocks = [full[j : j + BLOCK].transpose(1, 2, 0).reshape(-1) for j in range(0, padded, BLOCK)]
-    return np.concatenate(blocks).reshape(n_taps, ci, padded)
+    whole = padded // BLOCK * BLOCK  # the blocks of 16, then the last 8 if any
+    blocks = full[:whole].reshape(-1, BLOCK, n_taps, ci).transpose(0, 2, 3, 1)
+    last = full[whole:].transpose(1, 2, 0)
+    return np.concatenate([blocks.reshape(-1), last.reshape(-1)]).reshape(n_taps, ci, padded)
 
 
 def conv1d(
@@ -261,6 +267,15 @@ def gelu(x: np.ndarray) -> np.ndarray:
     out = np.empty_like(x)
     lib.vits_gelu(x.ctypes.data, x.size, out.ctypes.data)
     return out
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """x's rows (its last axis) replaced by their softmax, in place (e^x within 2 ulp);
+    x must be a contiguous float32 array."""
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        raise ValueError("the softmax works in place on a contiguous float32 array")
+    _loaded().vits_softmax(x.ctypes.data, x.size // x.shape[-1], x.shape[-1])
+    return x
 
 
 def layer_norm(

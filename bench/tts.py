@@ -5,7 +5,7 @@
 The text is a three-sentence answer, spoken clause by clause as the TTS stage does.
 
 - `rtf`: synthesis wall time / audio time, with the voice's own convolutions
-  (`conv_mode`: "native", the vocoder through `engine.native.vits_conv`, where that
+  (`conv_mode`: "native", the vocoder through `engine.native.kernels`, where that
   builds; "taps" otherwise).
 - `rtf_native`, `rtf_taps`: the same clauses with the vocoder's convolutions native and
   in MLX (one GEMM per tap, the MLX path's fastest), alternating.

@@ -13,7 +13,7 @@ from mlx.utils import tree_map
 
 from engine.llm.decoding_loops import repeated_tail
 from engine.models import whisper, whisper_ct2
-from engine.native import vits_conv
+from engine.native import kernels
 from engine.stages.asr import (
     MIN_SECONDS,
     AsrStage,
@@ -213,7 +213,7 @@ def test_decoder_kv_cache_matches_recomputation() -> None:
 
 @pytest.mark.parametrize("frames", [14, 13])  # the stride-2 conv's phases, even and odd
 def test_the_native_encoder_is_the_mlx_one(frames: int) -> None:
-    assert vits_conv.load(), "the native kernels did not build (see the log)"
+    assert kernels.load(), "the native kernels did not build (see the log)"
     args = whisper.ModelArgs(
         n_mels=8, n_audio_ctx=20, n_audio_state=16, n_audio_head=2, n_audio_layer=2,
         n_vocab=50, n_text_ctx=16, n_text_state=16, n_text_head=2, n_text_layer=2,

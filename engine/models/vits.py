@@ -20,7 +20,7 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.models import fast_ops
-from engine.native import vits_conv
+from engine.native import kernels
 
 __all__ = ["ModelArgs", "Model", "load", "rational_quadratic_inverse"]
 
@@ -177,14 +177,14 @@ class Conv1d(nn.Module):
         slope: float = 1.0,
     ) -> np.ndarray:
         """The same conv of leaky_relu(x, slope) (1: none) for one item, x (time, in),
-        through the native kernel (`engine.native.vits_conv`); `out` may be `residual`
+        through the native kernel (`engine.native.kernels`); `out` may be `residual`
         (in place). A depthwise conv (the duration predictor's) takes x alone."""
         if self.groups > 1:
             if residual is not None or out is not None or slope != 1.0:
                 raise ValueError("a native depthwise conv takes no residual, out or slope")
             return self._native_depthwise(x)
         taps, bias = self.native_weights()
-        y = vits_conv.conv1d(
+        y = kernels.conv1d(
             x,
             taps,
             length=x.shape[0],
@@ -214,7 +214,7 @@ class Conv1d(nn.Module):
         # Packed for the kernel, rebuilt only when the weight array is replaced.
         cached = self._packed
         if cached is None or cached[0] is not self.weight:
-            taps = vits_conv.pack_taps(np.array(self.weight))
+            taps = kernels.pack_taps(np.array(self.weight))
             bias = None
             if "bias" in self:
                 bias = np.zeros(taps.shape[2], np.float32)
@@ -305,12 +305,12 @@ class ConvTranspose1d(nn.Module):
         cached = self._packed
         if cached is None or cached[0] is not per_tap:
             # per_tap: (in, stride * out) per tap; the kernel's blocks of (out, taps, in).
-            taps = vits_conv.pack_taps(np.stack([np.array(w).T for w in per_tap], axis=1))
+            taps = kernels.pack_taps(np.stack([np.array(w).T for w in per_tap], axis=1))
             bias = np.tile(np.array(self.bias), s).astype(np.float32)
             cached = (per_tap, taps, bias)
             object.__setattr__(self, "_packed", cached)
         m = -(-out_len // s)
-        y = vits_conv.conv1d(x, cached[1], length=m, pad_left=e_max, bias=cached[2], slope=slope)
+        y = kernels.conv1d(x, cached[1], length=m, pad_left=e_max, bias=cached[2], slope=slope)
         return y.reshape(m * s, -1)[:out_len]
 
 
@@ -329,7 +329,7 @@ class LayerNorm(nn.Module):
         """The norm of x + residual (time, channels), then the GELU where `gelu`, in
         one native pass."""
         gamma, beta = np.array(self.gamma), np.array(self.beta)
-        return vits_conv.layer_norm(x, gamma, beta, residual, gelu, 1e-5)
+        return kernels.layer_norm(x, gamma, beta, residual, gelu, 1e-5)
 
 
 # --- text encoder --------------------------------------------------------------------
@@ -393,12 +393,12 @@ class MultiHeadAttention(nn.Module):
         rel_k, rel_v = np.array(self.emb_rel_k[0]), np.array(self.emb_rel_v[0])
         out = np.empty((L, H, q.shape[-1]), np.float32)
         for h in range(H):
-            scores = vits_conv.matmul(q[h], k[h].T)
-            scores.reshape(-1)[at] += vits_conv.matmul(q[h], rel_k.T).reshape(-1)[rel]
-            p = vits_conv.softmax(scores)
+            scores = kernels.matmul(q[h], k[h].T)
+            scores.reshape(-1)[at] += kernels.matmul(q[h], rel_k.T).reshape(-1)[rel]
+            p = kernels.softmax(scores)
             rel_p = np.zeros(L * (2 * W + 1), np.float32)
             rel_p[rel] = p.reshape(-1)[at]
-            out[:, h] = vits_conv.matmul(p, v[h]) + vits_conv.matmul(rel_p.reshape(L, -1), rel_v)
+            out[:, h] = kernels.matmul(p, v[h]) + kernels.matmul(rel_p.reshape(L, -1), rel_v)
         return self.conv_o.native(out.reshape(L, C))
 
 
@@ -689,7 +689,7 @@ class WN(nn.Module):
         state = np.concatenate([x, np.zeros_like(x)], axis=1)  # [input | skip sum]
         last = len(self.in_layers) - 1
         for i, (cin, cres) in enumerate(zip(self.in_layers, self.res_skip_layers, strict=True)):
-            acts = vits_conv.gate(cin.native(state[:, :H]))
+            acts = kernels.gate(cin.native(state[:, :H]))
             if i < last:
                 cres.native(acts, residual=state, out=state)
             else:
@@ -774,23 +774,23 @@ class ResBlock(nn.Module):
             x = c(_masked(nn.leaky_relu(x, 0.1), mask), residual=x)
         return x
 
-    def native_convs(self) -> list[vits_conv.Conv]:
+    def native_convs(self) -> list[kernels.Conv]:
         """The block's convs as the native kernel takes them, in the order they run."""
         convs = (
             self.convs
             if self.kind == "2"
             else [c for pair in zip(self.convs1, self.convs2, strict=True) for c in pair]
         )
-        return [vits_conv.Conv(*c.native_weights(), c.dilation) for c in convs]
+        return [kernels.Conv(*c.native_weights(), c.dilation) for c in convs]
 
 
-def _stage_radius(kernels: list[int], dilations: list[list[int]], kind: str) -> int:
+def _stage_radius(sizes: list[int], dilations: list[list[int]], kind: str) -> int:
     # Samples on each side that one stage of parallel resblocks reads beyond its output.
     def radius(k: int, ds: list[int]) -> int:
         r = sum((k - 1) // 2 * d for d in ds)
         return r + (k - 1) // 2 * len(ds) if kind == "1" else r
 
-    return max(radius(k, ds) for k, ds in zip(kernels, dilations, strict=True))
+    return max(radius(k, ds) for k, ds in zip(sizes, dilations, strict=True))
 
 
 class Generator(nn.Module):
@@ -822,7 +822,7 @@ class Generator(nn.Module):
             args.resblock_kernel_sizes, args.resblock_dilation_sizes, args.resblock
         )
         self.tiled = True
-        # Run on the CPU through `engine.native.vits_conv` (`Model.set_conv_mode`).
+        # Run on the CPU through `engine.native.kernels` (`Model.set_conv_mode`).
         self.native = False
 
     def _stage(self, i: int, x: mx.array, mask: mx.array | None) -> mx.array:
@@ -922,7 +922,7 @@ class Generator(nn.Module):
     def _native_blocks(self, i: int, x: np.ndarray, work: np.ndarray) -> np.ndarray:
         blocks = self.resblocks[i * self.n_kernels : (i + 1) * self.n_kernels]
         convs = [block.native_convs() for block in blocks]
-        return vits_conv.resblocks(x, convs, blocks[0].kind == "1", 0.1, work)
+        return kernels.resblocks(x, convs, blocks[0].kind == "1", 0.1, work)
 
 
 # --- the whole voice -----------------------------------------------------------------
@@ -939,13 +939,13 @@ class Model(nn.Module):
 
     def set_conv_mode(self, mode: str, tiled: bool = True) -> None:
         """Conv kernels: "native" (on the CPU, the whole voice item by item through
-        `engine.native.vits_conv` and NumPy; elsewhere as "taps"; what `load` picks where
+        `engine.native.kernels` and NumPy; elsewhere as "taps"; what `load` picks where
         it builds), "taps" (one GEMM
         per tap, the fastest in MLX on a CPU), "polyphase", or MLX's "stock"; `tiled`
         runs the decoder's resblocks over cache-sized time tiles on the CPU."""
         if mode not in CONV_MODES:
             raise ValueError(f"conv mode must be one of {CONV_MODES}")
-        if mode == "native" and not vits_conv.load():
+        if mode == "native" and not kernels.load():
             raise RuntimeError("native convolutions need a C compiler (see the log)")
         for _, m in self.named_modules():
             if isinstance(m, (Conv1d, ConvTranspose1d)):
@@ -1093,6 +1093,6 @@ def load(model_dir: Path | str) -> tuple[Model, dict]:
     model = Model(ModelArgs.from_dict(config))
     model.load_weights(str(model_dir / "model.safetensors"), strict=True)
     mx.eval(model.parameters())
-    if vits_conv.load():
+    if kernels.load():
         model.set_conv_mode("native")
     return model, voice

@@ -3,8 +3,8 @@ decoder with a KV cache.
 
 The encoder takes as many mel frames as the audio has (up to the 30 s window), so a short
 utterance pays for its own length only. Positional embeddings are sliced to match. On the
-CPU it runs item by item through `engine.native.vits_conv`'s kernels where they build
-(`load_model`): MLX's CPU runs its norms, GELUs and softmaxes as chains of small passes.
+CPU it runs item by item through the native kernels (`engine.native.kernels`) where they
+build (`load_model`): MLX's CPU runs norms, GELUs and softmaxes as chains of small passes.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.models import fast_ops
-from engine.native import vits_conv
+from engine.native import kernels
 
 Attend = Callable[[mx.array, mx.array, mx.array, float, Any], mx.array]
 
@@ -168,8 +168,8 @@ class MultiHeadAttention(nn.Module):
         out = np.empty_like(q)
         for h in range(self.n_head):
             cols = slice(h * width, (h + 1) * width)
-            p = vits_conv.softmax(vits_conv.matmul(q[:, cols] * scale, k[:, cols].T))
-            out[:, cols] = vits_conv.matmul(p, v[:, cols])
+            p = kernels.softmax(kernels.matmul(q[:, cols] * scale, k[:, cols].T))
+            out[:, cols] = kernels.matmul(p, v[:, cols])
         return out
 
 
@@ -214,7 +214,7 @@ class _Block(nn.Module):
         h = _layer_norm(self.attn_ln, x)
         q, k, v = np.split(_linear(h, attn.query, attn.key, attn.value), 3, axis=1)
         x = _linear(attn.native(q, k, v), attn.out, residual=x)
-        h = vits_conv.gelu(_linear(_layer_norm(self.mlp_ln, x), self.mlp1))
+        h = kernels.gelu(_linear(_layer_norm(self.mlp_ln, x), self.mlp1))
         return _linear(h, self.mlp2, residual=x)
 
 
@@ -257,7 +257,7 @@ class AudioEncoder(nn.Module):
         self.positional_embedding = mx.zeros((args.n_audio_ctx, n))
         self.blocks = [EncoderBlock(n, args.n_audio_head) for _ in range(args.n_audio_layer)]
         self.ln_post = nn.LayerNorm(n)
-        # On the CPU, item by item through `engine.native.vits_conv` (`load_model`).
+        # On the CPU, item by item through `engine.native.kernels` (`load_model`).
         self.native = False
 
     def __call__(self, mel: mx.array) -> mx.array:
@@ -273,9 +273,7 @@ class AudioEncoder(nn.Module):
 
     def _native(self, mel: np.ndarray) -> np.ndarray:
         conv1, conv2 = self._native_convs()
-        x = vits_conv.gelu(
-            vits_conv.conv1d(mel, conv1[0], length=len(mel), pad_left=1, bias=conv1[1])
-        )
+        x = kernels.gelu(kernels.conv1d(mel, conv1[0], length=len(mel), pad_left=1, bias=conv1[1]))
         # The stride-2 conv as an undilated one over the rows' two phases side by side:
         # output t = w0 x[2t - 1] + w1 x[2t] + w2 x[2t + 1], so two taps over the pairs
         # [x[2t] | x[2t + 1]] (the first tap sees only the odd half).
@@ -283,7 +281,7 @@ class AudioEncoder(nn.Module):
         pairs = np.zeros((T, 2 * x.shape[1]), np.float32)
         pairs[:, : x.shape[1]] = x[0::2]
         pairs[: len(x) // 2, x.shape[1] :] = x[1::2]
-        x = vits_conv.gelu(vits_conv.conv1d(pairs, conv2[0], length=T, pad_left=1, bias=conv2[1]))
+        x = kernels.gelu(kernels.conv1d(pairs, conv2[0], length=T, pad_left=1, bias=conv2[1]))
         x += np.array(self.positional_embedding[:T])
         for block in self.blocks:
             x = block.native(x)
@@ -299,7 +297,7 @@ class AudioEncoder(nn.Module):
         phases[:, 0, w2.shape[2] :] = w2[:, 0]
         phases[:, 1] = np.concatenate([w2[:, 1], w2[:, 2]], axis=1)
         convs = tuple(
-            (vits_conv.pack_taps(w), _padded(np.array(conv.bias), w.shape[0]))
+            (kernels.pack_taps(w), _padded(np.array(conv.bias), w.shape[0]))
             for w, conv in ((w1, self.conv1), (phases, self.conv2))
         )
         object.__setattr__(self, "_packed", (self.conv1.weight, convs))
@@ -355,7 +353,7 @@ class TextDecoder(nn.Module):
 
 
 def _layer_norm(norm: nn.LayerNorm, x: np.ndarray) -> np.ndarray:
-    return vits_conv.layer_norm(x, np.array(norm.weight), np.array(norm.bias), eps=norm.eps)
+    return kernels.layer_norm(x, np.array(norm.weight), np.array(norm.bias), eps=norm.eps)
 
 
 def _linear(x: np.ndarray, *layers: nn.Linear, residual: np.ndarray | None = None) -> np.ndarray:
@@ -374,19 +372,19 @@ def _linear(x: np.ndarray, *layers: nn.Linear, residual: np.ndarray | None = Non
         cached = (
             first.weight,
             layers,
-            vits_conv.pack_taps(weight[:, None, :]),
+            kernels.pack_taps(weight[:, None, :]),
             _padded(bias, len(weight)),
         )
         object.__setattr__(first, "_packed", cached)
     taps, bias = cached[2], cached[3]
-    y = vits_conv.conv1d(x, taps, length=len(x), pad_left=0, bias=bias, residual=residual)
+    y = kernels.conv1d(x, taps, length=len(x), pad_left=0, bias=bias, residual=residual)
     width = sum(len(layer.weight) for layer in layers)
     return y if y.shape[1] == width else y[:, :width]
 
 
 def _padded(bias: np.ndarray, width: int) -> np.ndarray:
     # The kernel's bias covers its padded output channels.
-    out = np.zeros(-(-width // vits_conv.LANES) * vits_conv.LANES, np.float32)
+    out = np.zeros(-(-width // kernels.LANES) * kernels.LANES, np.float32)
     out[: len(bias)] = bias
     return out
 
@@ -426,5 +424,5 @@ def load_model(model_dir: Path, dtype: mx.Dtype = mx.float32) -> tuple[Model, di
         raise ValueError(f"{model_dir}: model.safetensors holds no named weights")
     model.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=True)
     mx.eval(model.parameters())
-    model.encoder.native = dtype == mx.float32 and vits_conv.load()
+    model.encoder.native = dtype == mx.float32 and kernels.load()
     return model, config

@@ -1,4 +1,6 @@
-/* Direct 1-D convolutions for the VITS vocoder, time-major (rows of channels).
+/* Kernels for the CPU, time-major (rows of channels): direct 1-D convolutions for the
+ * VITS voice, and the layer norm, GELU and softmax of its text encoder and Whisper's
+ * audio encoder.
  *
  * Through MLX a conv of a few dozen channels is one small GEMM per tap, each reading
  * and writing the whole output again, plus a pass each for the activation before it,
@@ -252,7 +254,7 @@ static float *scratch(size_t n) {
  * `pad_left` zero rows before it (and as many after as the taps need), and w holds the
  * weights in blocks of 16 output channels (see struct conv). co must be a multiple of
  * 8. Returns 0, or -1 when it cannot (co, or no memory). */
-int vits_conv(const float *x, long t_in, long ldx, int ci, long pad_left, long t_out, int taps,
+int native_conv(const float *x, long t_in, long ldx, int ci, long pad_left, long t_out, int taps,
               int dilation, const float *w, int co, const float *bias, const float *residual,
               float slope, float *out) {
   if (co % 8 != 0 || ci < 1 || ldx < ci || taps < 1 || dilation < 1 || t_out < 1 || pad_left < 0 ||
@@ -318,7 +320,7 @@ static inline float tanh_of(float v) {
 
 /* out (rows x h) = tanh(a[:, :h]) * sigmoid(a[:, h:]), a (rows x 2h); sigmoid(v) is
  * (1 + tanh(v / 2)) / 2, within 1e-7 of it. */
-void vits_gate(const float *a, long rows, int h, float *out) {
+void native_gate(const float *a, long rows, int h, float *out) {
   for (long t = 0; t < rows; t++) {
     const float *restrict left = a + t * 2 * h, *restrict right = left + h;
     float *restrict to = out + t * h;
@@ -339,7 +341,7 @@ static inline float gelu_of(float x) {
 }
 
 /* out (n) = the GELU of x (n); out may be x. */
-void vits_gelu(const float *x, long n, float *out) {
+void native_gelu(const float *x, long n, float *out) {
   for (long i = 0; i < n; i++) out[i] = gelu_of(x[i]);
 }
 
@@ -359,7 +361,7 @@ static inline float lane_sum(const float *v, int c, float mean, int squares) {
 }
 
 /* Each of the rows (n values each) of x replaced by its softmax, in place. */
-void vits_softmax(float *x, long rows, long n) {
+void native_softmax(float *x, long rows, long n) {
   for (long t = 0; t < rows; t++) {
     float *restrict r = x + t * n;
     v8 top8 = splat(r[0]);
@@ -381,7 +383,7 @@ void vits_softmax(float *x, long rows, long n) {
 /* out (rows x c) = LN(x + residual) * gamma + beta over each row's c channels, then
  * the GELU where `gelu`; residual may be NULL, out may be x or residual. One pass per
  * row in place of the five or six array operations it takes in NumPy or MLX. */
-void vits_layer_norm(const float *x, const float *residual, long rows, int c,
+void native_layer_norm(const float *x, const float *residual, long rows, int c,
                      const float *gamma, const float *beta, float eps, int gelu, float *out) {
   for (long t = 0; t < rows; t++) {
     const float *restrict xr = x + t * c;
@@ -408,8 +410,8 @@ void vits_layer_norm(const float *x, const float *residual, long rows, int c,
  * (pairs 1) runs each pair as t = conv_a(act(y)), y = conv_b(act(t)) + y. act is the
  * leaky ReLU of `slope`. `work` and `tmp` are rows x c of scratch. One call per tile
  * keeps the caller's language runtime out of the loop: from Python, every return took
- * the interpreter's lock back from the event loop. Returns 0, or -1 as vits_conv. */
-int vits_resblocks(const float *x, long rows, int c, int blocks, int per_block, int pairs,
+ * the interpreter's lock back from the event loop. Returns 0, or -1 as native_conv. */
+int native_resblocks(const float *x, long rows, int c, int blocks, int per_block, int pairs,
                    const float *const *taps, const float *const *bias, const int *kernel,
                    const int *dilation, float slope, float *total, float *work, float *tmp) {
   for (int b = 0; b < blocks; b++) {
@@ -419,12 +421,12 @@ int vits_resblocks(const float *x, long rows, int c, int blocks, int per_block, 
       int at = b * per_block + i, k = kernel[at], d = dilation[at];
       long pad = (long)d * (k - 1) / 2;
       if (pairs && i % 2 == 0) {
-        if (vits_conv(y, rows, c, c, pad, rows, k, d, taps[at], c, bias[at], NULL, slope, tmp))
+        if (native_conv(y, rows, c, c, pad, rows, k, d, taps[at], c, bias[at], NULL, slope, tmp))
           return -1;
         continue;
       }
       const float *in = pairs ? tmp : y;
-      if (vits_conv(in, rows, c, c, pad, rows, k, d, taps[at], c, bias[at], y, slope, acc))
+      if (native_conv(in, rows, c, c, pad, rows, k, d, taps[at], c, bias[at], y, slope, acc))
         return -1;
       y = acc;
     }

@@ -1,7 +1,7 @@
-"""The VITS voice's native kernels (`engine/native/vits_conv.c`): the convolutions
-against a NumPy reference, row for row the same whatever the rows beside them, in place,
-refusing what they cannot do; the layer norm and the products; the voice through them;
-and its fallback to MLX's convolutions without them."""
+"""The native kernels (`engine/native/kernels.c`): the convolutions against a NumPy
+reference, row for row the same whatever the rows beside them, in place, refusing what
+they cannot do; the layer norm, GELU, softmax and products; the voice through them; and
+its fallback to MLX's convolutions without them (Whisper's encoder: tests/test_asr.py)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 
 from engine.models import vits
-from engine.native import vits_conv
+from engine.native import kernels
 from tests.test_tts import SUM_ORDER_ATOL, TINY, run, tiny_model
 
 
 @pytest.fixture(autouse=True)
 def loaded() -> None:
     # The project's install has a compiler (README); without one these tests fail.
-    assert vits_conv.load(), "the native convolutions did not build (see the log)"
+    assert kernels.load(), "the native convolutions did not build (see the log)"
 
 
 def reference(
@@ -70,12 +70,12 @@ def test_the_conv_is_the_definition(
     bias = rng.standard_normal(co, dtype=np.float32)
     residual = rng.standard_normal((rows, co), dtype=np.float32)
     pad = dilation * (taps - 1) // 2
-    packed = vits_conv.pack_taps(weight)
+    packed = kernels.pack_taps(weight)
     given = dict(dilation=dilation, bias=bias, residual=residual, slope=slope)
-    got = vits_conv.conv1d(x, packed, length=rows, pad_left=pad, **given)
+    got = kernels.conv1d(x, packed, length=rows, pad_left=pad, **given)
     want = reference(x, weight, length=rows, pad_left=pad, **given)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    bare = vits_conv.conv1d(x, packed, length=rows, pad_left=pad, dilation=dilation, slope=slope)
+    bare = kernels.conv1d(x, packed, length=rows, pad_left=pad, dilation=dilation, slope=slope)
     np.testing.assert_allclose(bare, got - bias - residual, atol=1e-4)
 
 
@@ -85,7 +85,7 @@ def test_a_polyphase_window_reads_zeros_past_both_ends() -> None:
     rng = np.random.default_rng(3)
     x = rng.standard_normal((11, 8), dtype=np.float32)
     weight = rng.standard_normal((16, 3, 8)).astype(np.float32)
-    got = vits_conv.conv1d(x, vits_conv.pack_taps(weight), length=13, pad_left=2)
+    got = kernels.conv1d(x, kernels.pack_taps(weight), length=13, pad_left=2)
     np.testing.assert_allclose(got, reference(x, weight, length=13, pad_left=2), atol=1e-5)
 
 
@@ -94,10 +94,10 @@ def test_a_row_is_the_same_whatever_rows_are_computed_beside_it() -> None:
     # over the threads) equal, bit for bit, those of a short call on their neighbourhood.
     rng = np.random.default_rng(4)
     x = rng.standard_normal((6000, 32), dtype=np.float32)
-    packed = vits_conv.pack_taps(rng.standard_normal((32, 5, 32)).astype(np.float32) / 12)
-    long = vits_conv.conv1d(x, packed, length=6000, pad_left=12, dilation=6, slope=0.1)
+    packed = kernels.pack_taps(rng.standard_normal((32, 5, 32)).astype(np.float32) / 12)
+    long = kernels.conv1d(x, packed, length=6000, pad_left=12, dilation=6, slope=0.1)
     a, b = 2011, 2046  # a window that starts and ends off the kernel's blocks of rows
-    short = vits_conv.conv1d(
+    short = kernels.conv1d(
         x[a - 12 : b + 12], packed, length=b - a + 24, pad_left=12, dilation=6, slope=0.1
     )
     assert np.array_equal(short[12:-12], long[a:b])
@@ -106,39 +106,39 @@ def test_a_row_is_the_same_whatever_rows_are_computed_beside_it() -> None:
 def test_a_short_wide_call_cut_over_the_threads_gives_each_row_as_alone() -> None:
     rng = np.random.default_rng(7)
     x = rng.standard_normal((57, 192), dtype=np.float32)
-    packed = vits_conv.pack_taps(rng.standard_normal((768, 3, 192)).astype(np.float32) / 24)
-    whole = vits_conv.conv1d(x, packed, length=57, pad_left=1)
+    packed = kernels.pack_taps(rng.standard_normal((768, 3, 192)).astype(np.float32) / 24)
+    whole = kernels.conv1d(x, packed, length=57, pad_left=1)
     for row in (0, 29, 56):  # the first, one past an even cut, the last
-        alone = vits_conv.conv1d(x[max(0, row - 1) : row + 2], packed, length=3, pad_left=1)
+        alone = kernels.conv1d(x[max(0, row - 1) : row + 2], packed, length=3, pad_left=1)
         assert np.array_equal(alone[min(row, 1)], whole[row])
 
 
 def test_in_place_equals_a_fresh_output() -> None:
     rng = np.random.default_rng(5)
     x = rng.standard_normal((500, 16), dtype=np.float32)
-    packed = vits_conv.pack_taps(rng.standard_normal((16, 3, 16)).astype(np.float32) / 7)
-    fresh = vits_conv.conv1d(x, packed, length=500, pad_left=1, residual=x, slope=0.1)
+    packed = kernels.pack_taps(rng.standard_normal((16, 3, 16)).astype(np.float32) / 7)
+    fresh = kernels.conv1d(x, packed, length=500, pad_left=1, residual=x, slope=0.1)
     y = x.copy()
-    vits_conv.conv1d(y, packed, length=500, pad_left=1, residual=y, out=y, slope=0.1)
+    kernels.conv1d(y, packed, length=500, pad_left=1, residual=y, out=y, slope=0.1)
     assert np.array_equal(y, fresh)
 
 
 def test_what_it_cannot_do_is_refused() -> None:
     x = np.ones((10, 8), np.float32)
-    packed = vits_conv.pack_taps(np.ones((8, 3, 8), np.float32))
+    packed = kernels.pack_taps(np.ones((8, 3, 8), np.float32))
     with pytest.raises(ValueError, match="channels"):
-        vits_conv.conv1d(np.ones((10, 4), np.float32), packed, length=10, pad_left=1)
+        kernels.conv1d(np.ones((10, 4), np.float32), packed, length=10, pad_left=1)
     with pytest.raises(ValueError, match="refused"):
-        vits_conv.conv1d(x, packed, length=10, pad_left=1, slope=2.0)
+        kernels.conv1d(x, packed, length=10, pad_left=1, slope=2.0)
     with pytest.raises(ValueError, match="residual"):
-        vits_conv.conv1d(x, packed, length=10, pad_left=1, residual=np.ones((9, 8), np.float32))
+        kernels.conv1d(x, packed, length=10, pad_left=1, residual=np.ones((9, 8), np.float32))
     work = np.empty((3, 10, 8), np.float32)
-    strided = vits_conv.Conv(np.ones((3, 8, 16), np.float32)[:, :, ::2], None, 1)
+    strided = kernels.Conv(np.ones((3, 8, 16), np.float32)[:, :, ::2], None, 1)
     with pytest.raises(ValueError, match="contiguous"):
-        vits_conv.resblocks(x, [[strided]], False, 0.1, work)
+        kernels.resblocks(x, [[strided]], False, 0.1, work)
     with pytest.raises(ValueError, match="channels"):
-        vits_conv.resblocks(
-            np.ones((10, 16), np.float32), [[vits_conv.Conv(packed, None, 1)]], False, 0.1, work
+        kernels.resblocks(
+            np.ones((10, 16), np.float32), [[kernels.Conv(packed, None, 1)]], False, 0.1, work
         )
 
 
@@ -149,9 +149,9 @@ def test_the_gate_is_tanh_times_sigmoid() -> None:
     a[0, 24:32] = [0.0, 50.0, -50.0, 100.0, -100.0, 1e-8, 90.0, -90.0]  # sigmoid's
     wide = a.astype(np.float64)
     want = np.tanh(wide[:, :24]) / (1.0 + np.exp(-wide[:, 24:]))
-    np.testing.assert_allclose(vits_conv.gate(a), want, rtol=0, atol=2e-7)
+    np.testing.assert_allclose(kernels.gate(a), want, rtol=0, atol=2e-7)
     with pytest.raises(ValueError, match="even"):
-        vits_conv.gate(np.ones((3, 5), np.float32))
+        kernels.gate(np.ones((3, 5), np.float32))
 
 
 @pytest.mark.parametrize("gelu", [False, True])
@@ -165,12 +165,12 @@ def test_the_layer_norm_is_the_definition(gelu: bool, width: int) -> None:
     want = centred / np.sqrt((centred**2).mean(axis=1, keepdims=True) + 1e-5) * gamma + beta
     if gelu:
         want = 0.5 * want * (1.0 + np.vectorize(math.erf)(want / math.sqrt(2.0)))
-    got = vits_conv.layer_norm(x, gamma, beta, residual, gelu)
+    got = kernels.layer_norm(x, gamma, beta, residual, gelu)
     np.testing.assert_allclose(got, want, rtol=0, atol=5e-6)
-    alone = vits_conv.layer_norm(x + residual, gamma, beta, gelu=gelu)
+    alone = kernels.layer_norm(x + residual, gamma, beta, gelu=gelu)
     np.testing.assert_allclose(alone, got, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="gamma"):
-        vits_conv.layer_norm(x, gamma[:-1], beta)
+        kernels.layer_norm(x, gamma[:-1], beta)
 
 
 def test_the_softmax_and_the_gelu_are_the_definitions() -> None:
@@ -179,13 +179,13 @@ def test_the_softmax_and_the_gelu_are_the_definitions() -> None:
     x[0, :3] = [-1e4, 80.0, 80.0]  # a masked score, a tie at the top
     wide = np.exp(x - x.max(axis=1, keepdims=True).astype(np.float64))
     want = wide / wide.sum(axis=1, keepdims=True)
-    got = vits_conv.softmax(x.copy())
+    got = kernels.softmax(x.copy())
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
     with pytest.raises(ValueError, match="contiguous"):
-        vits_conv.softmax(x[:, ::2])
+        kernels.softmax(x[:, ::2])
     erf = np.vectorize(math.erf)
     np.testing.assert_allclose(
-        vits_conv.gelu(x / 10), 0.5 * (x / 10) * (1 + erf(x / 10 / math.sqrt(2))), rtol=0, atol=6e-7
+        kernels.gelu(x / 10), 0.5 * (x / 10) * (1 + erf(x / 10 / math.sqrt(2))), rtol=0, atol=6e-7
     )
 
 
@@ -195,7 +195,7 @@ def test_the_product_is_the_definition(shape: tuple[int, int, int]) -> None:
     rng = np.random.default_rng(9)
     a = rng.standard_normal((rows, k), dtype=np.float32)
     b = rng.standard_normal((k, n), dtype=np.float32)
-    got = vits_conv.matmul(a, b)
+    got = kernels.matmul(a, b)
     assert got.shape == (rows, n) and got.flags.c_contiguous
     np.testing.assert_allclose(got, a.astype(np.float64) @ b, rtol=0, atol=1e-4)
 
@@ -285,8 +285,8 @@ def test_the_native_vocoder_pauses_where_the_mlx_one_does() -> None:
 @pytest.fixture
 def unloaded(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The module as in a fresh process, with an empty engine cache."""
-    monkeypatch.setattr(vits_conv, "_lib", None)
-    monkeypatch.setattr(vits_conv, "_tried", False)
+    monkeypatch.setattr(kernels, "_lib", None)
+    monkeypatch.setattr(kernels, "_tried", False)
     monkeypatch.setenv("DUPLEX_GATEWAY_CACHE", str(tmp_path))
 
 
@@ -295,7 +295,7 @@ def test_without_a_compiler_the_voice_keeps_mlx_convolutions(
 ) -> None:
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with caplog.at_level(logging.WARNING):
-        assert not vits_conv.load()
+        assert not kernels.load()
     assert "no C compiler" in caplog.text
     model = tiny_model(9)
     with pytest.raises(RuntimeError, match="compiler"):
@@ -306,9 +306,9 @@ def test_without_a_compiler_the_voice_keeps_mlx_convolutions(
 
 
 def test_it_can_be_turned_off(unloaded: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(vits_conv.ENV, "0")
-    assert not vits_conv.load()
+    monkeypatch.setenv(kernels.ENV, "0")
+    assert not kernels.load()
     with pytest.raises(RuntimeError):
-        vits_conv.conv1d(
+        kernels.conv1d(
             np.ones((4, 8), np.float32), np.ones((1, 8, 8), np.float32), length=4, pad_left=0
         )

@@ -1,12 +1,16 @@
-"""Build and load `native/vits_conv.c`: the VITS vocoder's convolutions in one call each.
+"""Build and load `native/kernels.c`: the CPU kernels of the voice's and Whisper's
+encoder layers, each one call over NumPy arrays.
 
-Why: at the vocoder's widths (32 to 256 channels, up to 227,000 samples a second of
+Why: at the Piper voice's widths (32 to 256 channels, up to 227,000 samples a second of
 speech) MLX runs a conv as one small GEMM per tap plus a pass each for the activation,
-the padding and the residual, and the passes cost more than the multiplications. The C
-kernel pads and activates its input once and keeps each output block's sums in
-registers over every tap (see the C file). It works on NumPy arrays, outside MLX's
-graph, so it serves the CPU only; `engine.models.vits` uses it there and keeps MLX's
-convolutions on a GPU, without a compiler, or with `DUPLEX_GATEWAY_NATIVE_CONV=0`.
+the padding and the residual, and the passes cost more than the multiplications; and
+MLX's CPU runs a layer norm, a GELU or a softmax as a chain of small passes, which cost
+Piper's text encoder and Whisper's audio encoder about as much as their products. The
+conv pads and activates its input once and keeps each output block's sums in registers
+over every tap (see the C file); the norm (with the GELU after it), the GELU and the
+softmax are one pass each. The kernels work outside MLX's graph, so they serve the CPU
+only: `engine.models.vits` and `engine.models.whisper` use them there and keep MLX's
+operations on a GPU, without a compiler, or with `DUPLEX_GATEWAY_NATIVE_CONV=0`.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ __all__ = [
     "softmax",
 ]
 
-SOURCE = Path(__file__).with_name("vits_conv.c")
+SOURCE = Path(__file__).with_name("kernels.c")
 ENV = "DUPLEX_GATEWAY_NATIVE_CONV"
 # The kernel writes output channels in vectors of this many floats, two at a time.
 LANES = 8
@@ -53,12 +57,14 @@ def load() -> bool:
     _tried = True
     if os.environ.get(ENV) == "0":
         return False
-    built = build.library(SOURCE, "vits_conv", "the voice keeps MLX's convolutions")
+    built = build.library(
+        SOURCE, "kernels", "the voice and Whisper's encoder keep MLX's operations"
+    )
     if built is None:
         return False
     lib = ctypes.CDLL(str(built))
-    lib.vits_conv.restype = ctypes.c_int
-    lib.vits_conv.argtypes = [
+    lib.native_conv.restype = ctypes.c_int
+    lib.native_conv.argtypes = [
         ctypes.c_void_p,  # x
         ctypes.c_long,  # t_in
         ctypes.c_long,  # ldx
@@ -74,8 +80,8 @@ def load() -> bool:
         ctypes.c_float,  # slope
         ctypes.c_void_p,  # out
     ]
-    lib.vits_resblocks.restype = ctypes.c_int
-    lib.vits_resblocks.argtypes = [
+    lib.native_resblocks.restype = ctypes.c_int
+    lib.native_resblocks.argtypes = [
         ctypes.c_void_p,  # x
         ctypes.c_long,  # rows
         ctypes.c_int,  # c
@@ -91,14 +97,14 @@ def load() -> bool:
         ctypes.c_void_p,  # work
         ctypes.c_void_p,  # tmp
     ]
-    lib.vits_gate.restype = None
-    lib.vits_gate.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
-    lib.vits_gelu.restype = None
-    lib.vits_gelu.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
-    lib.vits_softmax.restype = None
-    lib.vits_softmax.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
-    lib.vits_layer_norm.restype = None
-    lib.vits_layer_norm.argtypes = [
+    lib.native_gate.restype = None
+    lib.native_gate.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
+    lib.native_gelu.restype = None
+    lib.native_gelu.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+    lib.native_softmax.restype = None
+    lib.native_softmax.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
+    lib.native_layer_norm.restype = None
+    lib.native_layer_norm.argtypes = [
         ctypes.c_void_p,  # x
         ctypes.c_void_p,  # residual
         ctypes.c_long,  # rows
@@ -160,7 +166,7 @@ def conv1d(
         want = (co,) if name == "bias" else (length, co)
         if a is not None and (a.shape != want or a.dtype != np.float32 or not a.flags.c_contiguous):
             raise ValueError(f"{name} must be a contiguous float32 array of shape {want}")
-    done = lib.vits_conv(
+    done = lib.native_conv(
         x.ctypes.data,
         x.shape[0],
         max(x.strides[0] // 4, ci),
@@ -219,7 +225,7 @@ def resblocks(
     bias = pointers(*[None if conv.bias is None else conv.bias.ctypes.data for conv in convs])
     kernel = np.array([conv.taps.shape[0] for conv in convs], np.int32)
     dilation = np.array([conv.dilation for conv in convs], np.int32)
-    done = lib.vits_resblocks(
+    done = lib.native_resblocks(
         x.ctypes.data,
         rows,
         c,
@@ -247,7 +253,7 @@ def gate(a: np.ndarray) -> np.ndarray:
     if width % 2:
         raise ValueError(f"the gate takes an even number of columns, not {width}")
     out = np.empty((rows, width // 2), np.float32)
-    lib.vits_gate(a.ctypes.data, rows, width // 2, out.ctypes.data)
+    lib.native_gate(a.ctypes.data, rows, width // 2, out.ctypes.data)
     return out
 
 
@@ -265,7 +271,7 @@ def gelu(x: np.ndarray) -> np.ndarray:
     lib = _loaded()
     x = _plain(x)
     out = np.empty_like(x)
-    lib.vits_gelu(x.ctypes.data, x.size, out.ctypes.data)
+    lib.native_gelu(x.ctypes.data, x.size, out.ctypes.data)
     return out
 
 
@@ -274,7 +280,7 @@ def softmax(x: np.ndarray) -> np.ndarray:
     x must be a contiguous float32 array."""
     if x.dtype != np.float32 or not x.flags.c_contiguous:
         raise ValueError("the softmax works in place on a contiguous float32 array")
-    _loaded().vits_softmax(x.ctypes.data, x.size // x.shape[-1], x.shape[-1])
+    _loaded().native_softmax(x.ctypes.data, x.size // x.shape[-1], x.shape[-1])
     return x
 
 
@@ -299,7 +305,7 @@ def layer_norm(
         if residual.shape != x.shape:
             raise ValueError(f"the residual must be of shape {x.shape}")
     out = np.empty_like(x)
-    lib.vits_layer_norm(
+    lib.native_layer_norm(
         x.ctypes.data,
         None if residual is None else residual.ctypes.data,
         rows,
@@ -315,7 +321,7 @@ def layer_norm(
 
 def _loaded() -> ctypes.CDLL:
     if _lib is None:
-        raise RuntimeError("the native convolutions are not loaded (vits_conv.load)")
+        raise RuntimeError("the native kernels are not loaded (kernels.load)")
     return _lib
 
 

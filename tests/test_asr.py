@@ -191,13 +191,15 @@ def test_log_mel_rows_do_not_depend_on_how_many_are_computed() -> None:
         assert np.array_equal(whisper.log_mel_spectrogram(audio, n_frames=n), mel[:n])
 
 
+TINY = whisper.ModelArgs(
+    n_mels=8, n_audio_ctx=20, n_audio_state=16, n_audio_head=2, n_audio_layer=2,
+    n_vocab=50, n_text_ctx=16, n_text_state=16, n_text_head=2, n_text_layer=2,
+)  # fmt: skip
+
+
 def test_decoder_kv_cache_matches_recomputation() -> None:
-    args = whisper.ModelArgs(
-        n_mels=8, n_audio_ctx=20, n_audio_state=16, n_audio_head=2, n_audio_layer=2,
-        n_vocab=50, n_text_ctx=16, n_text_state=16, n_text_head=2, n_text_layer=2,
-    )  # fmt: skip
     mx.random.seed(0)
-    model = whisper.Model(args)
+    model = whisper.Model(TINY)
     model.encoder.positional_embedding = mx.random.normal((20, 16))
     model.decoder.positional_embedding = mx.random.normal((16, 16))
     features = model.encoder(mx.random.normal((2, 14, 8)))  # any even length fits
@@ -214,12 +216,8 @@ def test_decoder_kv_cache_matches_recomputation() -> None:
 @pytest.mark.parametrize("frames", [14, 13])  # the stride-2 conv's phases, even and odd
 def test_the_native_encoder_is_the_mlx_one(frames: int) -> None:
     assert kernels.load(), "the native kernels did not build (see the log)"
-    args = whisper.ModelArgs(
-        n_mels=8, n_audio_ctx=20, n_audio_state=16, n_audio_head=2, n_audio_layer=2,
-        n_vocab=50, n_text_ctx=16, n_text_state=16, n_text_head=2, n_text_layer=2,
-    )  # fmt: skip
     mx.random.seed(1)
-    model = whisper.Model(args)
+    model = whisper.Model(TINY)
     model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.3, model.parameters()))
     mel = mx.random.normal((2, frames, 8))  # a batch: each item alone
     mlx_features = np.array(model.encoder(mel))

@@ -24,13 +24,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import engine  # noqa: E402
+
+engine.setup()  # first: the BLAS for MLX; NumPy's own then sleeps between products too
+
 import numpy as np  # noqa: E402
 import soundfile as sf  # noqa: E402
 import soxr  # noqa: E402
-
-import engine  # noqa: E402
-
-engine.setup()  # before anything imports mlx: the optimised BLAS
 
 from engine.native import gemv_forward  # noqa: E402
 from engine.stages.asr import Transcriber, load_transcriber  # noqa: E402

@@ -27,16 +27,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import soundfile as sf
-import soxr
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import engine  # noqa: E402
 
-engine.setup()  # before anything imports mlx: the optimised BLAS
+engine.setup()  # first: the BLAS for MLX; NumPy's own then sleeps between products too
+
+import numpy as np  # noqa: E402
+import soundfile as sf  # noqa: E402
+import soxr  # noqa: E402
 
 from engine.build import build_engine  # noqa: E402
 from engine.config import load_config  # noqa: E402

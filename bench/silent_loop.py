@@ -22,12 +22,12 @@ import json
 import os
 import time
 
-import numpy as np
-import psutil
-
 import engine
 
-engine.setup()  # before anything imports mlx: the optimised BLAS
+engine.setup()  # first: the BLAS for MLX; NumPy's own then sleeps between products too
+
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
 
 from duplex.manager import DuplexSessionManager  # noqa: E402
 from engine.config import parse_config  # noqa: E402

@@ -17,12 +17,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import engine  # noqa: E402
 
-engine.setup()  # before anything imports mlx: the optimised BLAS
+engine.setup()  # first: the BLAS for MLX; NumPy's own then sleeps between products too
+
+import numpy as np  # noqa: E402
+
 from engine.models import smart_turn  # noqa: E402
 from engine.stages.turn_end import TurnEndModel  # noqa: E402
 from engine.weights import registry  # noqa: E402

@@ -42,6 +42,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import engine  # noqa: E402
+
+engine.setup()  # first: the BLAS for MLX; NumPy's own then sleeps between products too
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
@@ -49,10 +53,6 @@ import soundfile as sf  # noqa: E402
 import soxr  # noqa: E402
 from _clips import ALSA, words  # noqa: E402
 from _clips import wer as plain_wer  # noqa: E402
-
-import engine  # noqa: E402
-
-engine.setup()  # before anything imports mlx: the optimised BLAS
 
 from engine.models.piper_onnx import find_voice  # noqa: E402
 from engine.stages.asr import Transcriber, load_transcriber  # noqa: E402

@@ -39,13 +39,12 @@ from typing import TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
-
 import engine  # noqa: E402
 
-engine.setup()  # before anything imports mlx: the optimised BLAS
+engine.setup()  # first: the BLAS for MLX; NumPy's own then sleeps between products too
 
 import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 
 from engine.models.piper_onnx import find_voice  # noqa: E402
 from engine.stages.clauses import split_clauses  # noqa: E402

@@ -25,17 +25,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import soxr
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import turns  # noqa: E402  (its clips)
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import engine  # noqa: E402
 
-engine.setup()  # before anything imports mlx: the optimised BLAS
+engine.setup()  # first: the BLAS for MLX; NumPy's own then sleeps between products too
+
+import numpy as np  # noqa: E402
+import soxr  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import turns  # noqa: E402  (its clips)
 
 from engine.listening.turn_words import ENDING_TOKENS, sounds_unfinished, sounds_unsure  # noqa: E402
 from engine.stages.asr import AsrRequest, Transcriber, load_transcriber  # noqa: E402

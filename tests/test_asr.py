@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 import struct
 from pathlib import Path
@@ -9,7 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 
 from engine.llm.decoding_loops import repeated_tail
 from engine.models import whisper, whisper_ct2
@@ -225,6 +227,25 @@ def test_the_native_encoder_is_the_mlx_one(frames: int) -> None:
     native = np.array(model.encoder(mel))
     assert native.shape == mlx_features.shape == (2, (frames + 1) // 2, 16)
     np.testing.assert_allclose(native, mlx_features, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernels_off", [False, True])
+def test_a_loaded_encoder_takes_the_kernels_unless_they_are_off(
+    kernels_off: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mx.random.seed(2)
+    model = whisper.Model(TINY)
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(TINY)))
+    monkeypatch.setattr(kernels, "_lib", None)  # as in a fresh process
+    monkeypatch.setattr(kernels, "_tried", False)
+    monkeypatch.setenv("DUPLEX_GATEWAY_CACHE", str(tmp_path / "cache"))
+    if kernels_off:
+        monkeypatch.setenv(kernels.ENV, "0")
+    loaded, _ = whisper.load_model(tmp_path)
+    assert loaded.encoder.native is not kernels_off
+    features = loaded.encoder(mx.random.normal((1, 14, 8)))
+    assert features.shape == (1, 7, 16)
 
 
 # ---------------------------------------------------------------- safeguards (unit)

@@ -215,10 +215,7 @@ class Conv1d(nn.Module):
         cached = self._packed
         if cached is None or cached[0] is not self.weight:
             taps = kernels.pack_taps(np.array(self.weight))
-            bias = None
-            if "bias" in self:
-                bias = np.zeros(taps.shape[2], np.float32)
-                bias[: self.weight.shape[0]] = np.array(self.bias)
+            bias = kernels.padded_bias(np.array(self.bias), taps) if "bias" in self else None
             cached = (self.weight, taps, bias)
             object.__setattr__(self, "_packed", cached)
         return cached[1], cached[2]
@@ -940,9 +937,9 @@ class Model(nn.Module):
     def set_conv_mode(self, mode: str, tiled: bool = True) -> None:
         """Conv kernels: "native" (on the CPU, the whole voice item by item through
         `engine.native.kernels` and NumPy; elsewhere as "taps"; what `load` picks where
-        it builds), "taps" (one GEMM
-        per tap, the fastest in MLX on a CPU), "polyphase", or MLX's "stock"; `tiled`
-        runs the decoder's resblocks over cache-sized time tiles on the CPU."""
+        it builds), "taps" (one GEMM per tap, the fastest in MLX on a CPU), "polyphase",
+        or MLX's "stock"; `tiled` runs the decoder's resblocks over cache-sized time
+        tiles on the CPU."""
         if mode not in CONV_MODES:
             raise ValueError(f"conv mode must be one of {CONV_MODES}")
         if mode == "native" and not kernels.load():
@@ -958,12 +955,11 @@ class Model(nn.Module):
     ) -> tuple[mx.array, ...]:
         """Encoder stats and integer frame counts per phoneme ([B, L])."""
         B, L = ids.shape
+        noise = mx.random.normal((B, L, 2)) * noise_w[:, None, None]
         if self._native_here():
-            noise = mx.random.normal((B, L, 2)) * noise_w[:, None, None]
             return self._native_durations(ids, lengths, noise, length_scale)
         x_mask = (mx.arange(L)[None, :] < lengths[:, None]).astype(mx.float32)[..., None]
         x, m_p, logs_p = self.enc_p(ids, x_mask)
-        noise = mx.random.normal((B, L, 2)) * noise_w[:, None, None]
         logw = self.dp(x, x_mask, noise)
         w = mx.exp(logw) * x_mask * length_scale[:, None, None]
         return m_p, logs_p, mx.ceil(w)[..., 0]

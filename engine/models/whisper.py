@@ -207,16 +207,6 @@ class _Block(nn.Module):
     def mlp(self, x: mx.array) -> mx.array:
         return x + self.mlp2(self.gelu(self.mlp1(self.mlp_ln(x))))
 
-    def native(self, x: np.ndarray) -> np.ndarray:
-        """The layer over one item's rows x (time, n_state), unmasked, through the native
-        kernels; the query, key and value projections in one product."""
-        attn = self.attn
-        h = _layer_norm(self.attn_ln, x)
-        q, k, v = np.split(_linear(h, attn.query, attn.key, attn.value), 3, axis=1)
-        x = _linear(attn.native(q, k, v), attn.out, residual=x)
-        h = kernels.gelu(_linear(_layer_norm(self.mlp_ln, x), self.mlp1))
-        return _linear(h, self.mlp2, residual=x)
-
 
 class EncoderBlock(_Block):
     """An encoder layer."""
@@ -226,6 +216,16 @@ class EncoderBlock(_Block):
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.mlp(self.self_attention(x, None, None))
+
+    def native(self, x: np.ndarray) -> np.ndarray:
+        """The layer over one item's rows x (time, n_state), unmasked, through the native
+        kernels; the query, key and value projections in one product."""
+        attn = self.attn
+        h = _layer_norm(self.attn_ln, x)
+        q, k, v = np.split(_linear(h, attn.query, attn.key, attn.value), 3, axis=1)
+        x = _linear(attn.native(q, k, v), attn.out, residual=x)
+        h = kernels.gelu(_linear(_layer_norm(self.mlp_ln, x), self.mlp1))
+        return _linear(h, self.mlp2, residual=x)
 
 
 class DecoderBlock(_Block):
@@ -288,19 +288,22 @@ class AudioEncoder(nn.Module):
         return _layer_norm(self.ln_post, x)
 
     def _native_convs(self) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
-        # Packed for the kernel once per weight array.
+        # Packed for the kernel once per pair of weight arrays.
         cached = getattr(self, "_packed", None)
-        if cached is not None and cached[0] is self.conv1.weight:
-            return cached[1]  # type: ignore[no-any-return]
+        if cached is not None and cached[0] is self.conv1.weight and cached[1] is self.conv2.weight:
+            return cached[2]  # type: ignore[no-any-return]
         w1, w2 = np.array(self.conv1.weight), np.array(self.conv2.weight)  # (out, taps, in)
         phases = np.zeros((w2.shape[0], 2, 2 * w2.shape[2]), np.float32)
         phases[:, 0, w2.shape[2] :] = w2[:, 0]
         phases[:, 1] = np.concatenate([w2[:, 1], w2[:, 2]], axis=1)
         convs = tuple(
-            (kernels.pack_taps(w), _padded(np.array(conv.bias), w.shape[0]))
-            for w, conv in ((w1, self.conv1), (phases, self.conv2))
+            (taps, kernels.padded_bias(np.array(conv.bias), taps))
+            for taps, conv in (
+                (kernels.pack_taps(w1), self.conv1),
+                (kernels.pack_taps(phases), self.conv2),
+            )
         )
-        object.__setattr__(self, "_packed", (self.conv1.weight, convs))
+        object.__setattr__(self, "_packed", (self.conv1.weight, self.conv2.weight, convs))
         return convs
 
 
@@ -358,35 +361,25 @@ def _layer_norm(norm: nn.LayerNorm, x: np.ndarray) -> np.ndarray:
 
 def _linear(x: np.ndarray, *layers: nn.Linear, residual: np.ndarray | None = None) -> np.ndarray:
     """x @ the layers' weights side by side (+ their biases, + residual) through the native
-    kernel, the weights packed once per weight array (a cache on the first layer)."""
-    first = layers[0]
-    cached = getattr(first, "_packed", None)
-    if cached is None or cached[0] is not first.weight or len(cached[1]) != len(layers):
-        weight = np.concatenate([np.array(layer.weight) for layer in layers])
-        bias = np.concatenate(
-            [
-                np.array(layer.bias) if "bias" in layer else np.zeros(len(layer.weight), np.float32)
-                for layer in layers
-            ]
-        )
-        cached = (
-            first.weight,
-            layers,
-            kernels.pack_taps(weight[:, None, :]),
-            _padded(bias, len(weight)),
-        )
-        object.__setattr__(first, "_packed", cached)
-    taps, bias = cached[2], cached[3]
+    kernel, the weights packed once per set of weight arrays (a cache on the first layer)."""
+    weights = [layer.weight for layer in layers]
+    cached = getattr(layers[0], "_packed", None)
+    if (
+        cached is None
+        or len(cached[0]) != len(weights)
+        or any(a is not b for a, b in zip(cached[0], weights, strict=False))
+    ):
+        taps = kernels.pack_taps(np.concatenate([np.array(w) for w in weights])[:, None, :])
+        biases = [
+            np.array(layer.bias) if "bias" in layer else np.zeros(len(layer.weight), np.float32)
+            for layer in layers
+        ]
+        cached = (weights, taps, kernels.padded_bias(np.concatenate(biases), taps))
+        object.__setattr__(layers[0], "_packed", cached)
+    _, taps, bias = cached
     y = kernels.conv1d(x, taps, length=len(x), pad_left=0, bias=bias, residual=residual)
-    width = sum(len(layer.weight) for layer in layers)
+    width = sum(len(w) for w in weights)
     return y if y.shape[1] == width else y[:, :width]
-
-
-def _padded(bias: np.ndarray, width: int) -> np.ndarray:
-    # The kernel's bias covers its padded output channels.
-    out = np.zeros(-(-width // kernels.LANES) * kernels.LANES, np.float32)
-    out[: len(bias)] = bias
-    return out
 
 
 def _row_positions(offset: int, length: int, pads: mx.array) -> mx.array:

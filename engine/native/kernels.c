@@ -255,8 +255,8 @@ static float *scratch(size_t n) {
  * weights in blocks of 16 output channels (see struct conv). co must be a multiple of
  * 8. Returns 0, or -1 when it cannot (co, or no memory). */
 int native_conv(const float *x, long t_in, long ldx, int ci, long pad_left, long t_out, int taps,
-              int dilation, const float *w, int co, const float *bias, const float *residual,
-              float slope, float *out) {
+                int dilation, const float *w, int co, const float *bias, const float *residual,
+                float slope, float *out) {
   if (co % 8 != 0 || ci < 1 || ldx < ci || taps < 1 || dilation < 1 || t_out < 1 || pad_left < 0 ||
       !(slope >= 0.0f && slope <= 1.0f))
     return -1;
@@ -285,7 +285,7 @@ int native_conv(const float *x, long t_in, long ldx, int ci, long pad_left, long
   return 0;
 }
 
-/* --- WaveNet's gate ----------------------------------------------------------------- */
+/* --- e^x, and WaveNet's gate -------------------------------------------------------- */
 
 /* Selects of floats (the clamp below) vectorize only when the compiler may ignore the
  * floating-point exception flags, which nothing here reads. */
@@ -384,10 +384,10 @@ void native_softmax(float *x, long rows, long n) {
  * the GELU where `gelu`; residual may be NULL, out may be x or residual. One pass per
  * row in place of the five or six array operations it takes in NumPy or MLX. */
 void native_layer_norm(const float *x, const float *residual, long rows, int c,
-                     const float *gamma, const float *beta, float eps, int gelu, float *out) {
+                       const float *gamma, const float *beta, float eps, int gelu, float *out) {
   for (long t = 0; t < rows; t++) {
-    const float *restrict xr = x + t * c;
-    const float *restrict rr = residual ? residual + t * c : NULL;
+    /* Not restrict: out may be x or residual. */
+    const float *xr = x + t * c, *rr = residual ? residual + t * c : NULL;
     float *o = out + t * c;
     if (rr)
       for (int i = 0; i < c; i++) o[i] = xr[i] + rr[i];
@@ -412,8 +412,8 @@ void native_layer_norm(const float *x, const float *residual, long rows, int c,
  * keeps the caller's language runtime out of the loop: from Python, every return took
  * the interpreter's lock back from the event loop. Returns 0, or -1 as native_conv. */
 int native_resblocks(const float *x, long rows, int c, int blocks, int per_block, int pairs,
-                   const float *const *taps, const float *const *bias, const int *kernel,
-                   const int *dilation, float slope, float *total, float *work, float *tmp) {
+                     const float *const *taps, const float *const *bias, const int *kernel,
+                     const int *dilation, float slope, float *total, float *work, float *tmp) {
   for (int b = 0; b < blocks; b++) {
     float *acc = b == 0 ? total : work;
     const float *y = x;

@@ -34,6 +34,7 @@ __all__ = [
     "load",
     "matmul",
     "pack_taps",
+    "padded_bias",
     "resblocks",
     "softmax",
 ]
@@ -132,6 +133,13 @@ def pack_taps(weight: np.ndarray) -> np.ndarray:
     blocks = full[:whole].reshape(-1, BLOCK, n_taps, ci).transpose(0, 2, 3, 1)
     last = full[whole:].transpose(1, 2, 0)
     return np.concatenate([blocks.reshape(-1), last.reshape(-1)]).reshape(n_taps, ci, padded)
+
+
+def padded_bias(bias: np.ndarray, taps: np.ndarray) -> np.ndarray:
+    """`bias` with zeros for the padded output channels of `pack_taps` weights."""
+    out = np.zeros(taps.shape[2], np.float32)
+    out[: len(bias)] = bias
+    return out
 
 
 def conv1d(
@@ -278,8 +286,8 @@ def gelu(x: np.ndarray) -> np.ndarray:
 def softmax(x: np.ndarray) -> np.ndarray:
     """x's rows (its last axis) replaced by their softmax, in place (e^x within 2 ulp);
     x must be a contiguous float32 array."""
-    if x.dtype != np.float32 or not x.flags.c_contiguous:
-        raise ValueError("the softmax works in place on a contiguous float32 array")
+    if x.dtype != np.float32 or not x.flags.c_contiguous or not x.size:
+        raise ValueError("the softmax works in place on a non-empty contiguous float32 array")
     _loaded().native_softmax(x.ctypes.data, x.size // x.shape[-1], x.shape[-1])
     return x
 

@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.models import vits
+from engine.models import smart_turn, vits
 from engine.native import kernels
 from tests.test_tts import SUM_ORDER_ATOL, TINY, run, tiny_model
 
@@ -198,6 +198,78 @@ def test_the_product_is_the_definition(shape: tuple[int, int, int]) -> None:
     got = kernels.matmul(a, b)
     assert got.shape == (rows, n) and got.flags.c_contiguous
     np.testing.assert_allclose(got, a.astype(np.float64) @ b, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [14, 13])  # the phases of an even and an odd length
+def test_the_strided_conv_is_mlxs(rows: int) -> None:
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((rows, 12), dtype=np.float32)
+    weight = rng.standard_normal((24, 3, 12), dtype=np.float32)
+    bias = rng.standard_normal(24, dtype=np.float32)
+    got = kernels.strided_conv1d(x, kernels.pack_strided_taps(weight), bias)
+    want = mx.conv1d(mx.array(x[None]), mx.array(weight), stride=2, padding=1) + mx.array(bias)
+    assert got.shape == ((rows + 1) // 2, 24)
+    np.testing.assert_allclose(got, np.array(want[0]), rtol=0, atol=1e-5)
+
+
+# --- quantised activations, as Smart Turn's MLX port computes them ----------------------
+
+
+def quantiser(scale: float, zero: float) -> smart_turn.FakeQuant:
+    q = smart_turn.FakeQuant()
+    q.scale = mx.array([scale], dtype=mx.float32)
+    q.zero_point = mx.array([zero], dtype=mx.float32)
+    return q
+
+
+def test_requantizing_is_the_ports_quantise_and_dequantise() -> None:
+    rng = np.random.default_rng(11)
+    # Integer sums, and halves exactly on rounding steps (ties go to even, as in MLX).
+    sums = np.concatenate([rng.integers(-40_000, 40_000, (6, 32)), np.full((1, 32), 7)])
+    sums = sums.astype(np.float32)
+    mult = rng.uniform(0.001, 0.01, 32).astype(np.float32)
+    mult[:4] = 0.5
+    bias = rng.standard_normal(32, dtype=np.float32)
+    q = quantiser(0.037, 131.0)
+    scale, zero = q.constants()
+    levels = q.level(mx.array(sums) * mx.array(mult))
+    assert 0 < (np.array(levels) == 255).mean() < 0.5  # some clip, most do not
+    np.testing.assert_array_equal(kernels.requantize(sums.copy(), mult, zero), levels)
+    codes = kernels.requantize(sums.copy(), mult, zero, out="code")
+    np.testing.assert_array_equal(codes, levels - q.zero_point)
+    values = kernels.requantize(sums.copy(), mult, zero, out="value", scale=scale, bias=bias)
+    np.testing.assert_array_equal(values, q.dequantize(levels) + mx.array(bias))
+    x = rng.standard_normal((5, 32), dtype=np.float32)
+    np.testing.assert_array_equal(q.native_codes(x.copy()), q.codes_of(mx.array(x)))
+
+
+def test_a_lookup_reads_each_columns_table() -> None:
+    rng = np.random.default_rng(12)
+    levels = rng.integers(0, 256, (9, 40)).astype(np.float32)
+    per_column = rng.standard_normal((256, 40), dtype=np.float32)
+    one = rng.standard_normal((256, 1), dtype=np.float32)
+    index = levels.astype(int)
+    np.testing.assert_array_equal(kernels.lookup(levels, per_column), per_column[index, range(40)])
+    np.testing.assert_array_equal(kernels.lookup(levels, one), one[index, 0])
+    levels[3, 5] = 256
+    with pytest.raises(ValueError, match="0 to 255"):
+        kernels.lookup(levels, one)
+
+
+def test_the_quantised_softmax_is_the_ports_bit_for_bit() -> None:
+    rng = np.random.default_rng(13)
+    spread = rng.integers(-3000, 3000, (2, 40, 400))
+    peaked = np.clip(rng.normal(100, 20, (1, 40, 400)), 0, 255) * 37
+    sums = np.concatenate([spread, peaked]).astype(np.float32)
+    levels_of, mult = quantiser(0.0473, 128.0), np.float32(0.0213)
+    softmax = smart_turn.QuantSoftmax()
+    softmax.scale = mx.array([1 / 255], dtype=mx.float32)
+    softmax.build(0.0473, 400)
+    want = softmax.codes_of_levels(levels_of.level(mx.array(sums) * mx.array(mult)))
+    got = softmax.native_codes_of_sums(sums.copy(), levels_of, mult)
+    np.testing.assert_array_equal(got, np.array(want))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        kernels.quant_softmax(sums[:, :, :396].copy(), mult, 128.0, np.ones(256), 255.0, 0.0)
 
 
 # --- the voice through it -------------------------------------------------------------

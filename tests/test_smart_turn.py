@@ -18,6 +18,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from engine.models import smart_turn
+from engine.native import kernels
 from engine.stages.turn_end import TurnEndModel, TurnEndStage
 from engine.weights import registry
 from tests.turn_clips import turn_end_clips
@@ -123,6 +124,47 @@ def test_stage_batches_sessions_as_one_pass(
     np.testing.assert_array_equal(np.array(batched, np.float32), alone)
 
 
+def test_the_native_encoder_is_the_mlx_one(
+    model: TurnEndModel, clips: dict[str, np.ndarray]
+) -> None:
+    net = model.model
+    assert net.native, "the loaded model takes the native kernels (they build here)"
+    mel = np.stack([smart_turn.features(clip) for clip in clips.values()])
+    # The convolutions and the attention compute every value as MLX does.
+    codes = net.input.codes_of(mx.array(mel[:1]))
+    levels = net.conv1.levels(codes, net.input.scale)
+    native = net.conv1.native_levels(np.array(codes[0]), net.input.constants()[0])
+    np.testing.assert_array_equal(native, levels[0])
+    x = net.conv2_gelu(net.conv2.levels(net.conv1_gelu_codes(levels), net.conv1_act.scale))
+    layer = net.layers[0]
+    attn_in = layer.attn_in.codes_of(layer.self_attn_layer_norm(x + net.embed_positions))
+    want = layer.self_attn(attn_in, layer.attn_in.scale)
+    got = layer.self_attn.native(np.array(attn_in[0]), layer.attn_in.constants()[0])
+    np.testing.assert_array_equal(got, want[0])
+    # Its layer norms sum in another order, so a value now and then lands on the other
+    # side of a quantiser's rounding step: the scores stay within onnxruntime's own
+    # spread (test_probabilities_match_onnxruntime runs this path) and so do decisions.
+    native_scores = np.array(net(mx.array(mel)))
+    net.native = False
+    try:
+        mlx_scores = np.array(net(mx.array(mel)))
+    finally:
+        net.native = True
+    assert np.abs(native_scores - mlx_scores).mean() < 0.05
+    assert ((native_scores > 0.5) == (mlx_scores > 0.5)).sum() >= 18
+
+
+def test_without_the_kernels_the_model_keeps_mlxs_operations(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(kernels, "_lib", None)  # as in a fresh process
+    monkeypatch.setattr(kernels, "_tried", False)
+    monkeypatch.setenv(kernels.ENV, "0")
+    loaded = TurnEndModel(registry.prepare("smart-turn-v3.2", progress=False))
+    assert not loaded.model.native
+    assert loaded.complete_probability([np.zeros(16000, np.float32)]).shape == (1,)
+
+
 def test_stage_refuses_what_it_cannot_score(model: TurnEndModel) -> None:
     stage = TurnEndStage(model)
     with pytest.raises(ValueError, match="1-D float"):
@@ -203,3 +245,9 @@ def test_quantised_softmax_is_onnxruntimes_bit_for_bit() -> None:
     softmax.build(float(np.float32(in_scale)), 400)
     ours = np.array(softmax.codes_of_levels(mx.array(levels.astype(np.float32))))
     np.testing.assert_array_equal(ours, theirs.astype(np.float32))
+    # The native kernel, from the levels' sums (levels of scale 1 and zero point 0).
+    assert kernels.load()
+    native = softmax.native_codes_of_sums(
+        levels.astype(np.float32), smart_turn.FakeQuant(), np.float32(1.0)
+    )
+    np.testing.assert_array_equal(native, theirs.astype(np.float32))

@@ -17,7 +17,12 @@ of the first encoder layer comes out identical.
 Speed: a quantised tensor has only 256 values (per channel where a float bias follows),
 so GELU and exp() are not computed per element but read from tables built once at load
 (`Lookup`, `QuantSoftmax`), which on MLX's CPU backend is several times faster than its
-erf and exp.
+erf and exp. On the CPU the encoder runs item by item through the native kernels
+(`engine.native.kernels`): the same float32 operations one pass each (quantising,
+requantising, the softmax from its table and its lanes, the lookups) and the integer
+sums through the conv kernel, in about half MLX's time (`bench/smart_turn.py`); the
+pooling head stays on MLX. Without a compiler, or with `DUPLEX_GATEWAY_NATIVE_CONV=0`,
+MLX's operations run it all.
 
 What still differs is LayerNormalization: onnxruntime's float kernel rounds a last bit
 differently in about half its outputs (its order of summation and operations is not
@@ -46,6 +51,7 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.models.whisper import HOP_LENGTH, N_FFT, SAMPLE_RATE, _hann, mel_filters
+from engine.native import kernels
 
 __all__ = [
     "CONVERTER_VERSION",
@@ -124,6 +130,15 @@ class FakeQuant(nn.Module):
     def dequantize_codes(self, codes: mx.array) -> mx.array:
         return codes * self.scale
 
+    def constants(self) -> tuple[np.float32, np.float32]:
+        """(scale, zero point) as float32 numbers, for the native kernels."""
+        return np.float32(np.array(self.scale)[0]), np.float32(np.array(self.zero_point)[0])
+
+    def native_codes(self, x: np.ndarray) -> np.ndarray:
+        """`codes_of` over a contiguous float32 array, in place."""
+        scale, zero = self.constants()
+        return kernels.requantize(x, scale, zero, divide=True, out="code")
+
     def np_dequantize(self, level: np.ndarray) -> np.ndarray:
         return (level - np.array(self.zero_point)) * np.array(self.scale)
 
@@ -157,6 +172,17 @@ class QuantSoftmax(FakeQuant):
         scale = (1.0 / total) * mx.floor(1.0 / self.scale)
         level = mx.minimum(mx.round(e * scale + self.zero_point), 255)
         return level - self.zero_point
+
+    def native_codes_of_sums(
+        self, sums: np.ndarray, levels: FakeQuant, mult: np.float32
+    ) -> np.ndarray:
+        """`codes_of_levels` of the levels (of quantiser `levels`) of integer sums times
+        `mult`, over a contiguous float32 array, in place."""
+        scale, zero = self.constants()
+        unit = np.floor(np.float32(1.0) / scale)
+        return kernels.quant_softmax(
+            sums, mult, levels.constants()[1], np.array(self._exp), unit, zero
+        )
 
 
 def _softmax_table(x_scale: float, reduce_len: int) -> np.ndarray:
@@ -253,6 +279,19 @@ class QuantLinear(nn.Module):
         y = self.out.dequantize(self.levels(codes, in_scale))
         return y + self.bias if "bias" in self and not self._int_bias else y
 
+    def native(self, codes: np.ndarray, in_scale: np.float32, levels: bool = False) -> np.ndarray:
+        """`__call__` (or `levels`) of one item's codes (rows, n_in) through the native
+        kernels: the same float32 operations, the sums exact as in MLX."""
+        if self._int_bias:
+            raise ValueError("the native path serves the encoder's projections")
+        taps, mult = _packed(self, in_scale)
+        acc = kernels.conv1d(codes, taps, length=len(codes), pad_left=0)
+        scale, zero = self.out.constants()
+        if levels:
+            return kernels.requantize(acc, mult, zero)
+        bias = np.array(self.bias) if "bias" in self else None
+        return kernels.requantize(acc, mult, zero, out="value", scale=scale, bias=bias)
+
 
 class QuantConv1d(nn.Module):
     """onnxruntime's QLinearConv: int8 per-channel weights (O, K, I), an int32 bias."""
@@ -268,6 +307,16 @@ class QuantConv1d(nn.Module):
     def levels(self, codes: mx.array, in_scale: mx.array) -> mx.array:
         acc = mx.conv1d(codes, self.weight, stride=self._stride, padding=1) + self.bias
         return self.out.level(acc * (in_scale * self.weight_scale / self.out.scale))
+
+    def native_levels(self, codes: np.ndarray, in_scale: np.float32) -> np.ndarray:
+        """`levels` of one item's codes (rows, n_in) through the native kernels."""
+        taps, mult = _packed(self, in_scale)
+        bias = np.array(self.bias)
+        if self._stride == 2:
+            acc = kernels.strided_conv1d(codes, taps, bias)
+        else:
+            acc = kernels.conv1d(codes, taps, length=len(codes), pad_left=1, bias=bias)
+        return kernels.requantize(acc, mult, self.out.constants()[1])
 
 
 class Lookup(nn.Module):
@@ -285,6 +334,13 @@ class Lookup(nn.Module):
         the levels 0..255 to the function's values."""
         levels = np.broadcast_to(np.arange(256, dtype=np.float32)[:, None], (256, channels))
         self._table = mx.array(np.asarray(values_of_levels(levels), np.float32))
+
+    def native(self, levels: np.ndarray) -> np.ndarray:
+        table = getattr(self, "_np_table", None)
+        if table is None or table[0] is not self._table:
+            table = (self._table, np.array(self._table))
+            object.__setattr__(self, "_np_table", table)
+        return kernels.lookup(levels, table[1])
 
     def __call__(self, levels: mx.array) -> mx.array:
         channels = self._table.shape[1]
@@ -338,6 +394,29 @@ class Attention(nn.Module):
         o = self.context.dequantize(o).transpose(0, 2, 1, 3).reshape(B, L, D_MODEL)
         return self.out_proj(self.merged.codes_of(o), self.merged.scale)
 
+    def native(self, codes: np.ndarray, in_scale: np.float32) -> np.ndarray:
+        """`__call__` over one item's codes (rows, D_MODEL), head by head."""
+        scale = np.float32((D_MODEL // N_HEADS) ** -0.25)
+        q = self.q_scaled.native_codes(self.q_proj.native(codes, in_scale) * scale)
+        k = self.k_scaled.native_codes(self.k_proj.native(codes, in_scale) * scale)
+        v = self.v_heads.native_codes(self.v_proj.native(codes, in_scale))
+        (q_scale, _), (k_scale, _) = self.q_scaled.constants(), self.k_scaled.constants()
+        (w_scale, _), (v_scale, _) = self.weights.constants(), self.v_heads.constants()
+        score_mult = q_scale * k_scale / self.scores.constants()[0]
+        context_scale, context_zero = self.context.constants()
+        context_mult = w_scale * v_scale / context_scale
+        merged = np.empty_like(q)
+        width = D_MODEL // N_HEADS
+        for h in range(N_HEADS):
+            cols = slice(h * width, (h + 1) * width)
+            sums = kernels.matmul(q[:, cols], k[:, cols].T)
+            w = self.weights.native_codes_of_sums(sums, self.scores, score_mult)
+            o = kernels.matmul(w, v[:, cols])
+            kernels.requantize(o, context_mult, context_zero, out="value", scale=context_scale)
+            merged[:, cols] = o
+        merged_scale = self.merged.constants()[0]
+        return self.out_proj.native(self.merged.native_codes(merged), merged_scale)
+
 
 class EncoderLayer(nn.Module):
     def __init__(self) -> None:
@@ -368,6 +447,16 @@ class EncoderLayer(nn.Module):
         h = self.gelu_codes(self.fc1.levels(mlp_in, self.mlp_in.scale))
         return x + self.fc2(h, self.mlp_act.scale)
 
+    def native(self, x: np.ndarray) -> np.ndarray:
+        """The layer over one item's rows (rows, D_MODEL) through the native kernels. Its
+        layer norms sum in another order than MLX's, so now and then a value lands on the
+        other side of a rounding step of the quantiser after them."""
+        attn_in = self.attn_in.native_codes(_layer_norm(self.self_attn_layer_norm, x))
+        x = x + self.self_attn.native(attn_in, self.attn_in.constants()[0])
+        mlp_in = self.mlp_in.native_codes(_layer_norm(self.final_layer_norm, x))
+        h = self.gelu_codes.native(self.fc1.native(mlp_in, self.mlp_in.constants()[0], levels=True))
+        return x + self.fc2.native(h, self.mlp_act.constants()[0])
+
 
 class Model(nn.Module):
     def __init__(self) -> None:
@@ -392,6 +481,8 @@ class Model(nn.Module):
         self.head3 = QuantLinear(HEAD_HIDDEN[1], 1, int_bias=True)
         self.conv1_gelu_codes = Lookup()  # conv1's levels -> conv1_act's codes of gelu
         self.conv2_gelu = Lookup()  # conv2's levels -> gelu of them
+        # On the CPU, the encoder item by item through `engine.native.kernels` (`load`).
+        self.native = False
 
     def build_tables(self) -> None:
         """Compute the lookup tables from the loaded weights (`load` does it)."""
@@ -405,10 +496,10 @@ class Model(nn.Module):
 
     def __call__(self, mel: mx.array) -> mx.array:
         """mel: (B, 800, 80) from `features`; returns (B,) turn-complete probabilities."""
-        x = self.conv1_gelu_codes(self.conv1.levels(self.input.codes_of(mel), self.input.scale))
-        x = self.conv2_gelu(self.conv2.levels(x, self.conv1_act.scale)) + self.embed_positions
-        for layer in self.layers:
-            x = layer(x)
+        if self.native and mx.default_device() == mx.cpu:
+            x = mx.array(np.stack([self._native(m) for m in np.array(mel)]))
+        else:
+            x = self.encode(mel)
         h = self.encoded.codes_of(self.layer_norm(x))
         # Attention pooling: a softmax over the frames weighs each frame's state.
         t = self.pool_act.codes_of(mx.tanh(self.pool1(h, self.encoded.scale)))
@@ -418,12 +509,57 @@ class Model(nn.Module):
         y = self.head2_act.codes_of(gelu(self.head2(y, self.head1_act.scale)))
         return mx.sigmoid(self.head3(y, self.head2_act.scale))[:, 0]
 
+    def encode(self, mel: mx.array) -> mx.array:
+        """The convolutions and encoder layers over mel (B, 800, 80): (B, 400, D_MODEL)."""
+        x = self.conv1_gelu_codes(self.conv1.levels(self.input.codes_of(mel), self.input.scale))
+        x = self.conv2_gelu(self.conv2.levels(x, self.conv1_act.scale)) + self.embed_positions
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def _native(self, mel: np.ndarray) -> np.ndarray:
+        """`encode` of one item's mel (800, 80) through the native kernels."""
+        codes = self.input.native_codes(np.array(mel, np.float32))
+        x = self.conv1_gelu_codes.native(self.conv1.native_levels(codes, self.input.constants()[0]))
+        x = self.conv2_gelu.native(self.conv2.native_levels(x, self.conv1_act.constants()[0]))
+        x = x + np.array(self.embed_positions)
+        for layer in self.layers:
+            x = layer.native(x)
+        return x
+
+
+def _packed(
+    layer: QuantLinear | QuantConv1d, in_scale: np.float32
+) -> tuple[np.ndarray, np.ndarray]:
+    """A layer's weights packed for the native kernels, and the float32 multiplier from
+    its integer sums to its output quantiser's levels (as `levels` computes it), made
+    once per weight array and input scale."""
+    cached = getattr(layer, "_packed", None)
+    if cached is not None and cached[0] is layer.weight and cached[1] == in_scale:
+        return cached[2]  # type: ignore[no-any-return]
+    weight = np.array(layer.weight)
+    if weight.ndim == 2:  # a product: a one-tap conv
+        taps = kernels.pack_taps(weight[:, None, :])
+    elif layer._stride == 2:  # type: ignore[union-attr]
+        taps = kernels.pack_strided_taps(weight)
+    else:
+        taps = kernels.pack_taps(weight)
+    mult = in_scale * np.array(layer.weight_scale) / layer.out.constants()[0]
+    packed = (taps, mult.astype(np.float32))
+    object.__setattr__(layer, "_packed", (layer.weight, in_scale, packed))
+    return packed
+
+
+def _layer_norm(norm: nn.LayerNorm, x: np.ndarray) -> np.ndarray:
+    return kernels.layer_norm(x, np.array(norm.weight), np.array(norm.bias), eps=norm.eps)
+
 
 def load(model_dir: Path) -> Model:
     model = Model()
     model.load_weights(str(Path(model_dir) / "model.safetensors"), strict=True)
     model.build_tables()
     mx.eval(model.parameters())
+    model.native = kernels.load()
     return model
 
 

@@ -274,15 +274,8 @@ class AudioEncoder(nn.Module):
     def _native(self, mel: np.ndarray) -> np.ndarray:
         conv1, conv2 = self._native_convs()
         x = kernels.gelu(kernels.conv1d(mel, conv1[0], length=len(mel), pad_left=1, bias=conv1[1]))
-        # The stride-2 conv as an undilated one over the rows' two phases side by side:
-        # output t = w0 x[2t - 1] + w1 x[2t] + w2 x[2t + 1], so two taps over the pairs
-        # [x[2t] | x[2t + 1]] (the first tap sees only the odd half).
-        T = (len(x) + 1) // 2
-        pairs = np.zeros((T, 2 * x.shape[1]), np.float32)
-        pairs[:, : x.shape[1]] = x[0::2]
-        pairs[: len(x) // 2, x.shape[1] :] = x[1::2]
-        x = kernels.gelu(kernels.conv1d(pairs, conv2[0], length=T, pad_left=1, bias=conv2[1]))
-        x += np.array(self.positional_embedding[:T])
+        x = kernels.gelu(kernels.strided_conv1d(x, *conv2))
+        x += np.array(self.positional_embedding[: len(x)])
         for block in self.blocks:
             x = block.native(x)
         return _layer_norm(self.ln_post, x)
@@ -292,15 +285,11 @@ class AudioEncoder(nn.Module):
         cached = getattr(self, "_packed", None)
         if cached is not None and cached[0] is self.conv1.weight and cached[1] is self.conv2.weight:
             return cached[2]  # type: ignore[no-any-return]
-        w1, w2 = np.array(self.conv1.weight), np.array(self.conv2.weight)  # (out, taps, in)
-        phases = np.zeros((w2.shape[0], 2, 2 * w2.shape[2]), np.float32)
-        phases[:, 0, w2.shape[2] :] = w2[:, 0]
-        phases[:, 1] = np.concatenate([w2[:, 1], w2[:, 2]], axis=1)
         convs = tuple(
             (taps, kernels.padded_bias(np.array(conv.bias), taps))
             for taps, conv in (
-                (kernels.pack_taps(w1), self.conv1),
-                (kernels.pack_taps(phases), self.conv2),
+                (kernels.pack_taps(np.array(self.conv1.weight)), self.conv1),
+                (kernels.pack_strided_taps(np.array(self.conv2.weight)), self.conv2),
             )
         )
         object.__setattr__(self, "_packed", (self.conv1.weight, self.conv2.weight, convs))

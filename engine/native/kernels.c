@@ -1,6 +1,6 @@
 /* Kernels for the CPU, time-major (rows of channels): direct 1-D convolutions for the
- * VITS voice, and the layer norm, GELU and softmax of its text encoder and Whisper's
- * audio encoder.
+ * VITS voice, the layer norm, GELU and softmax of its text encoder and Whisper's audio
+ * encoder, and the quantising steps of Smart Turn's int8 encoder.
  *
  * Through MLX a conv of a few dozen channels is one small GEMM per tap, each reading
  * and writing the whole output again, plus a pass each for the activation before it,
@@ -436,3 +436,87 @@ int native_resblocks(const float *x, long rows, int c, int blocks, int per_block
   for (long i = 0; i < rows * c; i++) total[i] /= (float)blocks;
   return 0;
 }
+
+/* --- quantised activations (Smart Turn's int8 graph) --------------------------------- */
+
+/* As onnxruntime's kernels and the MLX port compute them: one float32 rounding per
+ * operation, so no multiply and add may be fused into one instruction here. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+/* The uint8 level of a value already divided by its quantiser's scale. */
+static inline float level_of(float scaled, float zero) {
+  float v = __builtin_rintf(scaled) + zero;
+  return v < 0.0f ? 0.0f : v > 255.0f ? 255.0f : v;
+}
+
+/* x (rows x cols) in place: the level of x * mult[col] (x / mult[col] where `divide`),
+ * then as `mode` says: 0 the level, 1 its code (level - zero), 2 its value (code * scale,
+ * + bias[col] where bias is not NULL). */
+void native_requantize(float *x, long rows, int cols, const float *mult, int divide,
+                       float zero, int mode, float scale, const float *bias) {
+  for (long t = 0; t < rows; t++) {
+    float *restrict r = x + t * cols;
+    if (divide)
+      for (int c = 0; c < cols; c++) r[c] = level_of(r[c] / mult[c], zero);
+    else
+      for (int c = 0; c < cols; c++) r[c] = level_of(r[c] * mult[c], zero);
+    if (mode >= 1)
+      for (int c = 0; c < cols; c++) r[c] = r[c] - zero;
+    if (mode == 2)
+      for (int c = 0; c < cols; c++) r[c] = r[c] * scale;
+    if (mode == 2 && bias)
+      for (int c = 0; c < cols; c++) r[c] = r[c] + bias[c];
+  }
+}
+
+/* out (rows x cols) = table[level, col] for the levels (rows x cols), the table (256 x
+ * channels) having one column per channel, or one column for all (channels 1). */
+void native_lookup(const float *levels, long rows, int cols, const float *table, int channels,
+                   float *out) {
+  for (long t = 0; t < rows; t++) {
+    const float *restrict l = levels + t * cols;
+    float *restrict o = out + t * cols;
+    if (channels == 1)
+      for (int c = 0; c < cols; c++) o[c] = table[(int)l[c]];
+    else
+      for (int c = 0; c < cols; c++) o[c] = table[(int)l[c] * channels + c];
+  }
+}
+
+/* onnxruntime's QLinearSoftmax over each row of n integer sums x, in place: the row's
+ * levels (x * mult, zero `zero_in`); e^ read from `table`, shifted so that the row's
+ * largest level reads entry 255; summed in eight interleaved lanes, each one element
+ * after another, then the lanes in order (its AVX2 kernel's order); scaled by `unit` (the
+ * floor of 1 / the output scale) over the sum and rounded: the codes of the output
+ * quantiser (zero `zero_out`). n must be a multiple of 8. Returns 0, or -1 when not. */
+int native_quant_softmax(float *x, long rows, long n, float mult, float zero_in,
+                         const float *table, float unit, float zero_out) {
+  if (n % 8 != 0) return -1;
+  for (long t = 0; t < rows; t++) {
+    float *restrict r = x + t * n;
+    float top = 0.0f;
+    for (long i = 0; i < n; i++) {
+      r[i] = level_of(r[i] * mult, zero_in);
+      top = r[i] > top ? r[i] : top;
+    }
+    float shift = 255.0f - top;
+    v8 lanes = splat(0.0f);
+    for (long i = 0; i < n; i += 8) {
+      v8 e;
+      for (int k = 0; k < 8; k++) e[k] = table[(int)(r[i + k] + shift)];
+      store(r + i, e);
+      lanes += e;
+    }
+    float total = lanes[0];
+    for (int k = 1; k < 8; k++) total = total + lanes[k];
+    float s = (1.0f / total) * unit;
+    for (long i = 0; i < n; i++) {
+      float v = __builtin_rintf(r[i] * s + zero_out);
+      r[i] = (v < 255.0f ? v : 255.0f) - zero_out;
+    }
+  }
+  return 0;
+}
+
+#pragma GCC pop_options

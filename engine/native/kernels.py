@@ -1,5 +1,5 @@
-"""Build and load `native/kernels.c`: the CPU kernels of the voice's and Whisper's
-encoder layers, each one call over NumPy arrays.
+"""Build and load `native/kernels.c`: the CPU kernels of the voice's, Whisper's and
+Smart Turn's encoder layers, each one call over NumPy arrays.
 
 Why: at the Piper voice's widths (32 to 256 channels, up to 227,000 samples a second of
 speech) MLX runs a conv as one small GEMM per tap plus a pass each for the activation,
@@ -8,9 +8,11 @@ MLX's CPU runs a layer norm, a GELU or a softmax as a chain of small passes, whi
 Piper's text encoder and Whisper's audio encoder about as much as their products. The
 conv pads and activates its input once and keeps each output block's sums in registers
 over every tap (see the C file); the norm (with the GELU after it), the GELU and the
-softmax are one pass each. The kernels work outside MLX's graph, so they serve the CPU
-only: `engine.models.vits` and `engine.models.whisper` use them there and keep MLX's
-operations on a GPU, without a compiler, or with `DUPLEX_GATEWAY_NATIVE_CONV=0`.
+softmax are one pass each, and so are Smart Turn's quantising steps (each rounded as
+its MLX port rounds it). The kernels work outside MLX's graph, so they serve the CPU
+only: `engine.models.vits`, `engine.models.whisper` and `engine.models.smart_turn` use
+them there and keep MLX's operations on a GPU, without a compiler, or with
+`DUPLEX_GATEWAY_NATIVE_CONV=0`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import ctypes
 import os
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -32,11 +34,16 @@ __all__ = [
     "gelu",
     "layer_norm",
     "load",
+    "lookup",
     "matmul",
+    "pack_strided_taps",
     "pack_taps",
     "padded_bias",
+    "quant_softmax",
+    "requantize",
     "resblocks",
     "softmax",
+    "strided_conv1d",
 ]
 
 SOURCE = Path(__file__).with_name("kernels.c")
@@ -116,6 +123,38 @@ def load() -> bool:
         ctypes.c_int,  # gelu
         ctypes.c_void_p,  # out
     ]
+    lib.native_requantize.restype = None
+    lib.native_requantize.argtypes = [
+        ctypes.c_void_p,  # x
+        ctypes.c_long,  # rows
+        ctypes.c_int,  # cols
+        ctypes.c_void_p,  # mult
+        ctypes.c_int,  # divide
+        ctypes.c_float,  # zero
+        ctypes.c_int,  # mode
+        ctypes.c_float,  # scale
+        ctypes.c_void_p,  # bias
+    ]
+    lib.native_lookup.restype = None
+    lib.native_lookup.argtypes = [
+        ctypes.c_void_p,  # levels
+        ctypes.c_long,  # rows
+        ctypes.c_int,  # cols
+        ctypes.c_void_p,  # table
+        ctypes.c_int,  # channels
+        ctypes.c_void_p,  # out
+    ]
+    lib.native_quant_softmax.restype = ctypes.c_int
+    lib.native_quant_softmax.argtypes = [
+        ctypes.c_void_p,  # x
+        ctypes.c_long,  # rows
+        ctypes.c_long,  # n
+        ctypes.c_float,  # mult
+        ctypes.c_float,  # zero_in
+        ctypes.c_void_p,  # table
+        ctypes.c_float,  # unit
+        ctypes.c_float,  # zero_out
+    ]
     _lib = lib
     return True
 
@@ -133,6 +172,31 @@ def pack_taps(weight: np.ndarray) -> np.ndarray:
     blocks = full[:whole].reshape(-1, BLOCK, n_taps, ci).transpose(0, 2, 3, 1)
     last = full[whole:].transpose(1, 2, 0)
     return np.concatenate([blocks.reshape(-1), last.reshape(-1)]).reshape(n_taps, ci, padded)
+
+
+def pack_strided_taps(weight: np.ndarray) -> np.ndarray:
+    """A 3-tap conv weight of stride 2 and padding 1 (out, 3, in) as the `pack_taps`
+    weights of the undilated 2-tap conv that `strided_conv1d` runs over the rows' two
+    phases side by side: output t = w0 x[2t - 1] + w1 x[2t] + w2 x[2t + 1], so two taps
+    over the pairs [x[2t] | x[2t + 1]], the first seeing only the odd half."""
+    out_ch, n_taps, ci = weight.shape
+    if n_taps != 3:
+        raise ValueError(f"a strided conv of 3 taps, not {n_taps}")
+    phases = np.zeros((out_ch, 2, 2 * ci), np.float32)
+    phases[:, 0, ci:] = weight[:, 0]
+    phases[:, 1] = np.concatenate([weight[:, 1], weight[:, 2]], axis=1)
+    return pack_taps(phases)
+
+
+def strided_conv1d(x: np.ndarray, taps: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """The conv of stride 2 and padding 1 over x (rows, in) whose weights
+    `pack_strided_taps` packed, + bias: (ceil(rows / 2), padded out channels)."""
+    rows, ci = x.shape
+    t = (rows + 1) // 2
+    pairs = np.zeros((t, 2 * ci), np.float32)
+    pairs[:, :ci] = x[0::2]
+    pairs[: rows // 2, ci:] = x[1::2]
+    return conv1d(pairs, taps, length=t, pad_left=1, bias=bias)
 
 
 def padded_bias(bias: np.ndarray, taps: np.ndarray) -> np.ndarray:
@@ -325,6 +389,93 @@ def layer_norm(
         out.ctypes.data,
     )
     return out
+
+
+# A float32 constant of a quantised graph, as NumPy or Python holds it.
+Scalar = float | np.floating[Any]
+
+# What `requantize` gives for each level: the level, its code, or its value.
+REQUANTIZED = {"level": 0, "code": 1, "value": 2}
+
+
+def requantize(
+    x: np.ndarray,
+    mult: np.ndarray | Scalar,
+    zero: Scalar,
+    *,
+    divide: bool = False,
+    out: str = "level",
+    scale: Scalar = 1.0,
+    bias: np.ndarray | None = None,
+) -> np.ndarray:
+    """x (rows, cols), a contiguous float32 array, quantised in place as an ONNX
+    QuantizeLinear does: the uint8 level round(x * mult) + zero, clipped to 0..255 (x /
+    mult where `divide`), mult per column. `out` "level" keeps the level, "code" gives
+    level - zero, "value" gives the code * scale (+ bias per column): a DequantizeLinear.
+    One float32 rounding per operation, as the MLX port computes it."""
+    cols = x.shape[-1]
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        raise ValueError("requantize works in place on a contiguous float32 array")
+    mult = np.ascontiguousarray(np.broadcast_to(mult, (cols,)), np.float32)
+    if bias is not None:
+        bias = _plain(bias)
+        if bias.shape != (cols,):
+            raise ValueError(f"the bias must be of shape ({cols},)")
+    _loaded().native_requantize(
+        x.ctypes.data,
+        x.size // cols,
+        cols,
+        mult.ctypes.data,
+        int(divide),
+        zero,
+        REQUANTIZED[out],
+        scale,
+        None if bias is None else bias.ctypes.data,
+    )
+    return x
+
+
+def lookup(levels: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """table[level, column] for each of the levels (rows, cols); the table is (256,
+    cols), one column per column of levels, or (256, 1), one for all."""
+    levels, table = _plain(levels), _plain(table)
+    cols = levels.shape[-1]
+    if table.shape not in ((256, cols), (256, 1)):
+        raise ValueError(f"the table must be of shape (256, {cols}) or (256, 1)")
+    if levels.size and not (levels.min() >= 0 and levels.max() <= 255):
+        raise ValueError("levels run from 0 to 255")
+    out = np.empty_like(levels)
+    _loaded().native_lookup(
+        levels.ctypes.data,
+        levels.size // cols,
+        cols,
+        table.ctypes.data,
+        table.shape[1],
+        out.ctypes.data,
+    )
+    return out
+
+
+def quant_softmax(
+    x: np.ndarray, mult: Scalar, zero_in: Scalar, table: np.ndarray, unit: Scalar, zero_out: Scalar
+) -> np.ndarray:
+    """onnxruntime's QLinearSoftmax over the rows (last axis) of integer sums x, a
+    contiguous float32 array, in place: their levels (x * mult, zero `zero_in`), e^ read
+    from the 256-entry `table` shifted so that a row's largest level reads its last
+    entry, summed in eight interleaved lanes as its AVX2 kernel does, scaled by `unit`
+    (floor(1 / output scale)) over the sum: the output quantiser's codes (zero `zero_out`)."""
+    if x.dtype != np.float32 or not x.flags.c_contiguous or not x.size:
+        raise ValueError("the softmax works in place on a non-empty contiguous float32 array")
+    table = _plain(table)
+    if table.shape != (256,):
+        raise ValueError("the table has one entry per level: 256")
+    n = x.shape[-1]
+    done = _loaded().native_quant_softmax(
+        x.ctypes.data, x.size // n, n, mult, zero_in, table.ctypes.data, unit, zero_out
+    )
+    if done != 0:
+        raise ValueError(f"rows of {n} values: the lanes need a multiple of 8")
+    return x
 
 
 def _loaded() -> ctypes.CDLL:

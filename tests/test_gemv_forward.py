@@ -373,7 +373,7 @@ TWINS = """
     equal, error, alone = {}, {}, {}
     before = gemv_forward.twin_products()
     for name, w in {"4": W4, "8": W8, "big": Wbig}.items():
-        for rows in range(1, 9):
+        for rows in range(1, 15):  # from 9, in blocks of 8 (MAX_BLOCKED_ROWS: 14)
             x = mx.array(rng.standard_normal((rows, w.shape[1])).astype(np.float32))
             gemv_forward.exact_twins(True)
             twin = np.array(x @ w.T)
@@ -383,7 +383,11 @@ TWINS = """
             gemv_forward.use_twins(False)
             fp32 = np.array(x @ w.T)
             gemv_forward.use_twins(True)
-            equal[f"{name} x{rows}"] = bool(np.array_equal(twin, fp32))
+            # Past 8 rows the fp32 product (no twin) is sgemm's, summed in its own order.
+            same = np.array_equal(twin, fp32) or (
+                rows > 8 and float(np.abs(twin - fp32).max() / np.abs(fp32).max()) < 1e-6
+            )
+            equal[f"{name} x{rows}"] = bool(same)
             error[f"{name} x{rows}"] = float(np.abs(integer - fp32).max() / np.abs(fp32).max())
             alone[f"{name} x{rows}"] = bool(np.array_equal(integer[-1:], last_alone))
     used = gemv_forward.twin_products() - before
@@ -406,14 +410,17 @@ def test_compact_twins_give_the_same_products_and_go_with_their_matrix() -> None
         return
     assert result["bits"] == [4, 8, 4, None]
     assert result["live"] == 3
-    assert all(result["equal"].values()), result["equal"]  # exact: bit for bit
+    # Exact: bit for bit (past 8 rows, within sgemm's order of sums).
+    assert all(result["equal"].values()), result["equal"]
     error = result["error"]
     assert max(error.values()) < INTEGER_TOLERANCE, error
     # 4-bit twins run in integers (they round); 8-bit ones too where the CPU has 512-bit
     # VNNI, and are rebuilt in floats otherwise.
     assert all(e > 0 for name, e in error.items() if not name.startswith("8")), error
     assert all(result["alone"].values()), result["alone"]  # a row's result is its own
-    assert result["used"] == 3 * 8 * 3  # every product above read its twin
+    # Every product above read its twin: up to 8 rows once, 9 to 14 in two blocks (the
+    # exact and the integer product), the last row alone once.
+    assert result["used"] == 3 * (8 * 3 + 6 * (2 + 2 + 1))
     assert result["after_free"] == 0
 
 

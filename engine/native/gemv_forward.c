@@ -11,6 +11,8 @@
  *     rows, split over a small pool of threads when the product is large;
  *   - up to 8 rows times a small plain matrix (attention's scores . V) go to
  *     `few_rows_plain`;
+ *   - up to MAX_BLOCKED_ROWS rows times a weight with a compact twin (a short prompt's
+ *     prefill) go to `few_rows` in blocks of 8, each block reading the twin once;
  *   - other products with one row (or one column) of output go to the bound library's
  *     cblas_sgemv, and everything else to its cblas_sgemm unchanged.
  * Each output row is summed in the same order whatever the number of rows, so a
@@ -38,6 +40,10 @@ enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 enum { MAX_ROWS = 8, MAX_THREADS = 8, LANES = 16 };
 /* Products with fewer weights run on the calling thread alone. */
 enum { MIN_SPLIT_WEIGHTS = 1 << 16 };
+/* Up to this many rows, a product over a weight's compact twin runs as blocks of MAX_ROWS
+ * rows, each block reading the twin once: below it that costs less than sgemm over the
+ * float32 weights (a short prompt's prefill, such as the new words of a spoken turn). */
+enum { MAX_BLOCKED_ROWS = 14 };
 /* How far ahead of the weight row being read to prefetch (4 KiB). With 8 rows the loop
  * spends long enough on each cache line that the hardware prefetcher falls behind and
  * the loads stall on memory; asking for the weights this far ahead keeps them coming. */
@@ -918,6 +924,16 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha,
   int few = usable && m >= 1 && m <= MAX_ROWS &&
             (tb == TRANS || (long)n * k < MIN_SPLIT_WEIGHTS);
   if (few && few_rows_product(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)) return;
+  if (usable && m > MAX_ROWS && m <= MAX_BLOCKED_ROWS && ta == NO_TRANS && tb == TRANS &&
+      twin_of(b, n, k, ldb) != NULL) {
+    /* Each row is summed as it is alone (see the top of the file), whatever its block. */
+    for (int r = 0; r < m; r += MAX_ROWS) {
+      int rows = m - r < MAX_ROWS ? m - r : MAX_ROWS;
+      few_rows_product(ta, tb, rows, n, k, alpha, a + (size_t)r * lda, lda, b, ldb, beta,
+                       c + (size_t)r * ldc, ldc);
+    }
+    return;
+  }
   if (usable && m == 1 && n > 1) {
     /* c (1 x n) = alpha * op(a) (1 x k) . b (k x n) + beta * c */
     int incx = ta == NO_TRANS ? 1 : lda;

@@ -27,6 +27,11 @@ is llama.cpp decoding the same prompt tokens greedily from the GGUF the model wa
 converted from (the embedded model's, or `--gguf`), on as many threads as the process may
 use, in the same run; `llama_cpp_ratio` is ours over it.
 
+`short_turn_prefill_ms` is one prefill forward of a spoken turn's 13 new tokens after 42
+cached ones, as the engine runs it (products over the compact twins in blocks of up to
+8 rows), and `short_turn_prefill_ms_sgemm` the same with the weights read by sgemm in
+float32 (the twins off), alternating; medians.
+
 `step_ms` is where one decode step of one sequence goes (the model alone, 136 prompt
 tokens in the KV): `build`, Python making the step's graph; `eval`, MLX computing it;
 `products`, the same step's weight products alone (every Linear and the LM head, one
@@ -40,6 +45,7 @@ import io
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,6 +70,8 @@ from engine.runtime.request import SamplingParams  # noqa: E402
 from engine.weights import registry  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
+# A spoken turn's new tokens (its words in the chat template) after the cached prompt.
+SHORT_TURN, SHORT_TURN_PREFIX = 13, 42
 MESSAGES = [
     {
         "role": "user",
@@ -196,6 +204,34 @@ def step_profile(stage: LlmStage, steps: int = 30) -> dict[str, Any]:
     }
 
 
+def short_turn_prefill_ms(stage: LlmStage, rounds: int = 7) -> dict[str, float]:
+    """One prefill forward of SHORT_TURN new tokens after SHORT_TURN_PREFIX cached ones
+    (a spoken turn's words after the system prompt), as the engine runs it and with the
+    weights read by sgemm in float32 (the twins off), alternating; medians in ms."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    body = stage.model.model
+
+    def forward() -> float:
+        cache = make_prompt_cache(stage.model)
+        mx.eval(body(mx.array([list(range(100, 100 + SHORT_TURN_PREFIX))]), cache=cache))
+        start = time.perf_counter()
+        hidden = body(mx.array([list(range(300, 300 + SHORT_TURN))]), cache=cache)
+        mx.eval(hidden, [c.state for c in cache])
+        return (time.perf_counter() - start) * 1e3
+
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(rounds + 1):
+        for twins in (True, False):
+            gemv_forward.use_twins(twins)
+            times[twins].append(forward())
+    gemv_forward.use_twins(True)
+    return {
+        "short_turn_prefill_ms": round(statistics.median(times[True][1:]), 1),
+        "short_turn_prefill_ms_sgemm": round(statistics.median(times[False][1:]), 1),
+    }
+
+
 def graph_ops(out: mx.array) -> dict[str, int]:
     """The operations in the unevaluated graph behind `out`, counted by kind."""
     dot = io.StringIO()
@@ -244,6 +280,7 @@ def measure(
             if anchor is not None:
                 llama_cpp.append(run_llama_cpp(anchor, prompt, max_tokens))
         profile = step_profile(stage)
+        short_turn = short_turn_prefill_ms(stage) if twins else {}
     decode = best(ours, "decode_tok_s")
     exact_decode = best(exact, "decode_tok_s") if exact else decode
     fp32_decode = best(fp32, "decode_tok_s") if fp32 else decode
@@ -270,6 +307,7 @@ def measure(
         "twin_speedup": round(decode / fp32_decode, 3),
         "integer_speedup": round(decode / exact_decode, 3),
         "step_ms": profile,
+        **short_turn,
         "load_s_cold": None if load_cold is None else round(load_cold, 2),
         "load_s_cached": round(load_cached, 3),
         "process_start_s_cached": round(start_cached, 2),

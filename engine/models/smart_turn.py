@@ -284,7 +284,7 @@ class QuantLinear(nn.Module):
         kernels: the same float32 operations, the sums exact as in MLX."""
         if self._int_bias:
             raise ValueError("the native path serves the encoder's projections")
-        taps, mult = _packed(self, in_scale)
+        taps, mult = _packed(self, in_scale, lambda w: kernels.pack_taps(w[:, None, :]))
         acc = kernels.conv1d(codes, taps, length=len(codes), pad_left=0)
         scale, zero = self.out.constants()
         if levels:
@@ -310,7 +310,8 @@ class QuantConv1d(nn.Module):
 
     def native_levels(self, codes: np.ndarray, in_scale: np.float32) -> np.ndarray:
         """`levels` of one item's codes (rows, n_in) through the native kernels."""
-        taps, mult = _packed(self, in_scale)
+        pack = kernels.pack_strided_taps if self._stride == 2 else kernels.pack_taps
+        taps, mult = _packed(self, in_scale, pack)
         bias = np.array(self.bias)
         if self._stride == 2:
             acc = kernels.strided_conv1d(codes, taps, bias)
@@ -529,23 +530,18 @@ class Model(nn.Module):
 
 
 def _packed(
-    layer: QuantLinear | QuantConv1d, in_scale: np.float32
+    layer: QuantLinear | QuantConv1d,
+    in_scale: np.float32,
+    pack: Callable[[np.ndarray], np.ndarray],
 ) -> tuple[np.ndarray, np.ndarray]:
-    """A layer's weights packed for the native kernels, and the float32 multiplier from
-    its integer sums to its output quantiser's levels (as `levels` computes it), made
-    once per weight array and input scale."""
+    """A layer's weights as `pack` lays them out for the native kernels, and the float32
+    multiplier from its integer sums to its output quantiser's levels (as `levels`
+    computes it), made once per weight array and input scale."""
     cached = getattr(layer, "_packed", None)
     if cached is not None and cached[0] is layer.weight and cached[1] == in_scale:
         return cached[2]  # type: ignore[no-any-return]
-    weight = np.array(layer.weight)
-    if weight.ndim == 2:  # a product: a one-tap conv
-        taps = kernels.pack_taps(weight[:, None, :])
-    elif layer._stride == 2:  # type: ignore[union-attr]
-        taps = kernels.pack_strided_taps(weight)
-    else:
-        taps = kernels.pack_taps(weight)
     mult = in_scale * np.array(layer.weight_scale) / layer.out.constants()[0]
-    packed = (taps, mult.astype(np.float32))
+    packed = (pack(np.array(layer.weight)), mult.astype(np.float32))
     object.__setattr__(layer, "_packed", (layer.weight, in_scale, packed))
     return packed
 

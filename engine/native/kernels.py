@@ -20,7 +20,7 @@ from __future__ import annotations
 import ctypes
 import os
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -395,7 +395,8 @@ def layer_norm(
 Scalar = float | np.floating[Any]
 
 # What `requantize` gives for each level: the level, its code, or its value.
-REQUANTIZED = {"level": 0, "code": 1, "value": 2}
+Requantized = Literal["level", "code", "value"]
+REQUANTIZED: dict[Requantized, int] = {"level": 0, "code": 1, "value": 2}
 
 
 def requantize(
@@ -404,7 +405,7 @@ def requantize(
     zero: Scalar,
     *,
     divide: bool = False,
-    out: str = "level",
+    out: Requantized = "level",
     scale: Scalar = 1.0,
     bias: np.ndarray | None = None,
 ) -> np.ndarray:

@@ -50,7 +50,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engine.models.whisper import HOP_LENGTH, N_FFT, SAMPLE_RATE, _hann, mel_filters
+from engine.models.whisper import (
+    HOP_LENGTH,
+    N_FFT,
+    SAMPLE_RATE,
+    _hann,
+    _layer_norm,
+    mel_filters,
+)
 from engine.native import kernels
 
 __all__ = [
@@ -544,10 +551,6 @@ def _packed(
     packed = (pack(np.array(layer.weight)), mult.astype(np.float32))
     object.__setattr__(layer, "_packed", (layer.weight, in_scale, packed))
     return packed
-
-
-def _layer_norm(norm: nn.LayerNorm, x: np.ndarray) -> np.ndarray:
-    return kernels.layer_norm(x, np.array(norm.weight), np.array(norm.bias), eps=norm.eps)
 
 
 def load(model_dir: Path) -> Model:

@@ -52,6 +52,33 @@ ENV = "DUPLEX_GATEWAY_NATIVE_CONV"
 LANES = 8
 BLOCK = 2 * LANES
 
+# Each kernel's return type and parameters, as "name:type" (p a pointer, l a long, i an
+# int, f a float), in the C file's order.
+_C_TYPES = {"p": ctypes.c_void_p, "l": ctypes.c_long, "i": ctypes.c_int, "f": ctypes.c_float}
+_SIGNATURES: dict[str, tuple[type[ctypes.c_int] | None, str]] = {
+    "native_conv": (
+        ctypes.c_int,
+        "x:p t_in:l ldx:l ci:i pad_left:l t_out:l taps:i dilation:i w:p co:i bias:p "
+        "residual:p slope:f out:p",
+    ),
+    "native_resblocks": (
+        ctypes.c_int,
+        "x:p rows:l c:i blocks:i per_block:i pairs:i taps:p bias:p kernel:p dilation:p "
+        "slope:f total:p work:p tmp:p",
+    ),
+    "native_gate": (None, "a:p rows:l h:i out:p"),
+    "native_gelu": (None, "x:p n:l out:p"),
+    "native_softmax": (None, "x:p rows:l n:l"),
+    "native_layer_norm": (None, "x:p residual:p rows:l c:i gamma:p beta:p eps:f gelu:i out:p"),
+    "native_requantize": (None, "x:p rows:l cols:i mult:p divide:i zero:f mode:i scale:f bias:p"),
+    "native_lookup": (None, "levels:p rows:l cols:i table:p channels:i out:p"),
+    "native_quant_softmax": (
+        ctypes.c_int,
+        "x:p rows:l n:l mult:f zero_in:f table:p unit:f zero_out:f",
+    ),
+}
+
+
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -71,90 +98,10 @@ def load() -> bool:
     if built is None:
         return False
     lib = ctypes.CDLL(str(built))
-    lib.native_conv.restype = ctypes.c_int
-    lib.native_conv.argtypes = [
-        ctypes.c_void_p,  # x
-        ctypes.c_long,  # t_in
-        ctypes.c_long,  # ldx
-        ctypes.c_int,  # ci
-        ctypes.c_long,  # pad_left
-        ctypes.c_long,  # t_out
-        ctypes.c_int,  # taps
-        ctypes.c_int,  # dilation
-        ctypes.c_void_p,  # w
-        ctypes.c_int,  # co
-        ctypes.c_void_p,  # bias
-        ctypes.c_void_p,  # residual
-        ctypes.c_float,  # slope
-        ctypes.c_void_p,  # out
-    ]
-    lib.native_resblocks.restype = ctypes.c_int
-    lib.native_resblocks.argtypes = [
-        ctypes.c_void_p,  # x
-        ctypes.c_long,  # rows
-        ctypes.c_int,  # c
-        ctypes.c_int,  # blocks
-        ctypes.c_int,  # per_block
-        ctypes.c_int,  # pairs
-        ctypes.c_void_p,  # taps (pointers)
-        ctypes.c_void_p,  # bias (pointers)
-        ctypes.c_void_p,  # kernel
-        ctypes.c_void_p,  # dilation
-        ctypes.c_float,  # slope
-        ctypes.c_void_p,  # total
-        ctypes.c_void_p,  # work
-        ctypes.c_void_p,  # tmp
-    ]
-    lib.native_gate.restype = None
-    lib.native_gate.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
-    lib.native_gelu.restype = None
-    lib.native_gelu.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
-    lib.native_softmax.restype = None
-    lib.native_softmax.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
-    lib.native_layer_norm.restype = None
-    lib.native_layer_norm.argtypes = [
-        ctypes.c_void_p,  # x
-        ctypes.c_void_p,  # residual
-        ctypes.c_long,  # rows
-        ctypes.c_int,  # c
-        ctypes.c_void_p,  # gamma
-        ctypes.c_void_p,  # beta
-        ctypes.c_float,  # eps
-        ctypes.c_int,  # gelu
-        ctypes.c_void_p,  # out
-    ]
-    lib.native_requantize.restype = None
-    lib.native_requantize.argtypes = [
-        ctypes.c_void_p,  # x
-        ctypes.c_long,  # rows
-        ctypes.c_int,  # cols
-        ctypes.c_void_p,  # mult
-        ctypes.c_int,  # divide
-        ctypes.c_float,  # zero
-        ctypes.c_int,  # mode
-        ctypes.c_float,  # scale
-        ctypes.c_void_p,  # bias
-    ]
-    lib.native_lookup.restype = None
-    lib.native_lookup.argtypes = [
-        ctypes.c_void_p,  # levels
-        ctypes.c_long,  # rows
-        ctypes.c_int,  # cols
-        ctypes.c_void_p,  # table
-        ctypes.c_int,  # channels
-        ctypes.c_void_p,  # out
-    ]
-    lib.native_quant_softmax.restype = ctypes.c_int
-    lib.native_quant_softmax.argtypes = [
-        ctypes.c_void_p,  # x
-        ctypes.c_long,  # rows
-        ctypes.c_long,  # n
-        ctypes.c_float,  # mult
-        ctypes.c_float,  # zero_in
-        ctypes.c_void_p,  # table
-        ctypes.c_float,  # unit
-        ctypes.c_float,  # zero_out
-    ]
+    for name, (restype, params) in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.restype = restype
+        function.argtypes = [_C_TYPES[param.split(":")[1]] for param in params.split()]
     _lib = lib
     return True
 

@@ -272,6 +272,44 @@ def test_the_quantised_softmax_is_the_ports_bit_for_bit() -> None:
         kernels.quant_softmax(sums[:, :, :396].copy(), mult, 128.0, np.ones(256), 255.0, 0.0)
 
 
+def test_the_quantised_softmax_over_the_helpers_gives_each_row_as_alone() -> None:
+    # Smart Turn's 400 x 400 scores go to the helper threads; 40 rows stay on the caller.
+    rng = np.random.default_rng(14)
+    sums = rng.integers(-3000, 3000, (400, 400)).astype(np.float32)
+    table = np.exp(np.arange(256, dtype=np.float32) - 255.0).astype(np.float32)
+    args = (np.float32(0.0213), 128.0, table, 255.0, 0.0)
+    whole = kernels.quant_softmax(sums.copy(), *args)
+    alone = np.concatenate(
+        [kernels.quant_softmax(part.copy(), *args) for part in np.split(sums, 10)]
+    )
+    np.testing.assert_array_equal(whole, alone)
+
+
+@pytest.mark.parametrize("rows,ci,co,taps,dilation", [(57, 96, 56, 3, 1), (13, 80, 392, 3, 2)])
+def test_integer_taps_give_the_float_taps_sums(
+    rows: int, ci: int, co: int, taps: int, dilation: int
+) -> None:
+    # A quantised model's codes: exact sums either way (16-bit products with AVX2).
+    rng = np.random.default_rng(15)
+    weight = rng.integers(-128, 128, (co, taps, ci)).astype(np.float32)
+    x = rng.integers(-255, 256, (rows, ci)).astype(np.float32)
+    floats, integers = kernels.pack_taps(weight), kernels.pack_taps(weight, integers=True)
+    assert integers.dtype == np.int16 and integers.shape == floats.shape
+    bias = kernels.padded_bias(rng.integers(-999, 999, co).astype(np.float32), floats)
+    given: dict[str, Any] = {"length": rows, "pad_left": 1, "dilation": dilation, "bias": bias}
+    want = kernels.conv1d(x, floats, **given)
+    np.testing.assert_array_equal(want[:, :co], reference(x, weight, **given)[:, :co])
+    if kernels.integer_products():
+        np.testing.assert_array_equal(kernels.conv1d(x, integers, **given), want)
+    else:  # no AVX2: refused, and the models keep the float taps
+        with pytest.raises(ValueError, match="refused"):
+            kernels.conv1d(x, integers, **given)
+    with pytest.raises(ValueError, match="even number of inputs"):
+        kernels.pack_taps(weight[:, :, 1:], integers=True)
+    with pytest.raises(ValueError, match="int16 values"):
+        kernels.pack_taps(weight + 0.5, integers=True)
+
+
 # --- the voice through it -------------------------------------------------------------
 
 

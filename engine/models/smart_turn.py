@@ -291,7 +291,8 @@ class QuantLinear(nn.Module):
         kernels: the same float32 operations, the sums exact as in MLX."""
         if self._int_bias:
             raise ValueError("the native path serves the encoder's projections")
-        taps, mult = _packed(self, in_scale, lambda w: kernels.pack_taps(w[:, None, :]))
+        integers = kernels.integer_products()  # 16-bit products where the CPU has them
+        taps, mult = _packed(self, in_scale, lambda w: kernels.pack_taps(w[:, None, :], integers))
         acc = kernels.conv1d(codes, taps, length=len(codes), pad_left=0)
         scale, zero = self.out.constants()
         if levels:
@@ -318,7 +319,7 @@ class QuantConv1d(nn.Module):
     def native_levels(self, codes: np.ndarray, in_scale: np.float32) -> np.ndarray:
         """`levels` of one item's codes (rows, n_in) through the native kernels."""
         pack = kernels.pack_strided_taps if self._stride == 2 else kernels.pack_taps
-        taps, mult = _packed(self, in_scale, pack)
+        taps, mult = _packed(self, in_scale, lambda w: pack(w, kernels.integer_products()))
         bias = np.array(self.bias)
         if self._stride == 2:
             acc = kernels.strided_conv1d(codes, taps, bias)
@@ -417,9 +418,10 @@ class Attention(nn.Module):
         width = D_MODEL // N_HEADS
         for h in range(N_HEADS):
             cols = slice(h * width, (h + 1) * width)
-            sums = kernels.matmul(q[:, cols], k[:, cols].T)
+            integers = kernels.integer_products()
+            sums = kernels.matmul(q[:, cols], k[:, cols].T, integers)
             w = self.weights.native_codes_of_sums(sums, self.scores, score_mult)
-            o = kernels.matmul(w, v[:, cols])
+            o = kernels.matmul(w, v[:, cols], integers)
             kernels.requantize(o, context_mult, context_zero, out="value", scale=context_scale)
             merged[:, cols] = o
         merged_scale = self.merged.constants()[0]

@@ -9,7 +9,9 @@ Piper's text encoder and Whisper's audio encoder about as much as their products
 conv pads and activates its input once and keeps each output block's sums in registers
 over every tap (see the C file); the norm (with the GELU after it), the GELU and the
 softmax are one pass each, and so are Smart Turn's quantising steps (each rounded as
-its MLX port rounds it). The kernels work outside MLX's graph, so they serve the CPU
+its MLX port rounds it). Smart Turn's integer codes are multiplied as 16-bit integers
+where the CPU has AVX2 (`integer_products`): twice the products an instruction of the
+float path, the same exact sums. The kernels work outside MLX's graph, so they serve the CPU
 only: `engine.models.vits`, `engine.models.whisper` and `engine.models.smart_turn` use
 them there and keep MLX's operations on a GPU, without a compiler, or with
 `DUPLEX_GATEWAY_NATIVE_CONV=0`.
@@ -31,6 +33,7 @@ __all__ = [
     "Conv",
     "conv1d",
     "gate",
+    "integer_products",
     "gelu",
     "layer_norm",
     "load",
@@ -61,6 +64,12 @@ _SIGNATURES: dict[str, tuple[type[ctypes.c_int] | None, str]] = {
         "x:p t_in:l ldx:l ci:i pad_left:l t_out:l taps:i dilation:i w:p co:i bias:p "
         "residual:p slope:f out:p",
     ),
+    "native_int_conv": (
+        ctypes.c_int,
+        "x:p t_in:l ldx:l ci:i pad_left:l t_out:l taps:i dilation:i wi:p co:i bias:p "
+        "residual:p out:p",
+    ),
+    "native_integer_products": (ctypes.c_int, ""),
     "native_resblocks": (
         ctypes.c_int,
         "x:p rows:l c:i blocks:i per_block:i pairs:i taps:p bias:p kernel:p dilation:p "
@@ -106,22 +115,37 @@ def load() -> bool:
     return True
 
 
-def pack_taps(weight: np.ndarray) -> np.ndarray:
+def integer_products() -> bool:
+    """Whether `pack_taps(..., integers=True)` weights run here (AVX2's 16-bit
+    multiply-adds); False also when the kernels are not loaded."""
+    return _lib is not None and bool(_lib.native_integer_products())
+
+
+def pack_taps(weight: np.ndarray, integers: bool = False) -> np.ndarray:
     """A conv weight stored as (out, taps, in) as the kernel reads it: the out channels
     padded with zeros to whole vectors, then cut in blocks of 16 (the last may be 8),
     each block's (taps, in, 16) weights in one run. Returned as (taps, in, padded out)
-    in shape, for the checks; its bytes are the blocks."""
+    in shape, for the checks; its bytes are the blocks. With `integers` (weights that
+    are integers of 16 bits or fewer, an even number of inputs; see `integer_products`)
+    as int16, each output channel's inputs in pairs: a block's (taps, in / 2, 16, 2)."""
     out_ch, n_taps, ci = weight.shape
     padded = -(-out_ch // LANES) * LANES
-    full = np.zeros((padded, n_taps, ci), np.float32)
+    dtype = np.int16 if integers else np.float32
+    if integers and (ci % 2 or not np.array_equal(weight, weight.astype(dtype))):
+        raise ValueError("integer taps take int16 values over an even number of inputs")
+    full = np.zeros((padded, n_taps, ci), dtype)
     full[:out_ch] = weight
+    # Per block (taps, in, channels) floats, or (taps, in / 2, channels, 2) integers.
+    order, split = (
+        ((0, 2, 3, 1, 4), (n_taps, ci // 2, 2)) if integers else ((0, 2, 3, 1), (n_taps, ci))
+    )
     whole = padded // BLOCK * BLOCK  # the blocks of 16, then the last 8 if any
-    blocks = full[:whole].reshape(-1, BLOCK, n_taps, ci).transpose(0, 2, 3, 1)
-    last = full[whole:].transpose(1, 2, 0)
+    blocks = full[:whole].reshape(-1, BLOCK, *split).transpose(order)
+    last = full[whole:].reshape(-1, *split).transpose(tuple(i - 1 for i in order[1:]))
     return np.concatenate([blocks.reshape(-1), last.reshape(-1)]).reshape(n_taps, ci, padded)
 
 
-def pack_strided_taps(weight: np.ndarray) -> np.ndarray:
+def pack_strided_taps(weight: np.ndarray, integers: bool = False) -> np.ndarray:
     """A 3-tap conv weight of stride 2 and padding 1 (out, 3, in) as the `pack_taps`
     weights of the undilated 2-tap conv that `strided_conv1d` runs over the rows' two
     phases side by side: output t = w0 x[2t - 1] + w1 x[2t] + w2 x[2t + 1], so two taps
@@ -132,7 +156,7 @@ def pack_strided_taps(weight: np.ndarray) -> np.ndarray:
     phases = np.zeros((out_ch, 2, 2 * ci), np.float32)
     phases[:, 0, ci:] = weight[:, 0]
     phases[:, 1] = np.concatenate([weight[:, 1], weight[:, 2]], axis=1)
-    return pack_taps(phases)
+    return pack_taps(phases, integers)
 
 
 def strided_conv1d(x: np.ndarray, taps: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
@@ -170,10 +194,11 @@ def conv1d(
     after as the taps need; `taps` comes from `pack_taps`; `bias` has the padded width.
     The result is (length, padded out channels): `out` if given, which may be
     `residual` itself (the conv then runs in place). x's rows may lie apart (a slice
-    of a wider array's columns)."""
+    of a wider array's columns). Integer taps take x's values as int16 (truncated)
+    and no activation."""
     lib = _loaded()
     n_taps, ci, co = taps.shape
-    taps = _plain(taps)
+    taps = np.ascontiguousarray(taps) if taps.dtype == np.int16 else _plain(taps)
     rows_apart = x.ndim == 2 and x.strides[1] == 4 and x.strides[0] >= 4 * x.shape[1]
     if x.dtype != np.float32 or not rows_apart or x.strides[0] % 4:
         x = _plain(x)
@@ -185,22 +210,22 @@ def conv1d(
         want = (co,) if name == "bias" else (length, co)
         if a is not None and (a.shape != want or a.dtype != np.float32 or not a.flags.c_contiguous):
             raise ValueError(f"{name} must be a contiguous float32 array of shape {want}")
-    done = lib.native_conv(
-        x.ctypes.data,
-        x.shape[0],
-        max(x.strides[0] // 4, ci),
-        ci,
-        pad_left,
-        length,
-        n_taps,
-        dilation,
-        taps.ctypes.data,
+    rows_of_x = (x.ctypes.data, x.shape[0], max(x.strides[0] // 4, ci), ci, pad_left, length)
+    rest = (
         co,
         None if bias is None else bias.ctypes.data,
         None if residual is None else residual.ctypes.data,
-        slope,
-        out.ctypes.data,
     )
+    if taps.dtype == np.int16 and slope == 1.0:
+        done = lib.native_int_conv(
+            *rows_of_x, n_taps, dilation, taps.ctypes.data, *rest, out.ctypes.data
+        )
+    elif taps.dtype == np.float32:
+        done = lib.native_conv(
+            *rows_of_x, n_taps, dilation, taps.ctypes.data, *rest, slope, out.ctypes.data
+        )
+    else:
+        done = -1
     if done != 0:
         raise ValueError("the native conv refused its arguments (or is out of memory)")
     return out
@@ -276,11 +301,12 @@ def gate(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def matmul(a: np.ndarray, b: np.ndarray, integers: bool = False) -> np.ndarray:
     """a (rows, k) @ b (k, n) as a one-tap conv. NumPy's own BLAS keeps its threads
     spinning after a product unless told otherwise before it loads, and then holds a
-    core the next step wants; these products share the conv's helpers."""
-    taps = pack_taps(np.ascontiguousarray(b.T)[:, None, :])
+    core the next step wants; these products share the conv's helpers. `integers`: both
+    hold int16 values, k is even (`pack_taps`)."""
+    taps = pack_taps(np.ascontiguousarray(b.T)[:, None, :], integers)
     y = conv1d(a, taps, length=a.shape[0], pad_left=0)
     return y if y.shape[1] == b.shape[1] else np.ascontiguousarray(y[:, : b.shape[1]])
 

@@ -135,14 +135,12 @@ def pack_taps(weight: np.ndarray, integers: bool = False) -> np.ndarray:
         raise ValueError("integer taps take int16 values over an even number of inputs")
     full = np.zeros((padded, n_taps, ci), dtype)
     full[:out_ch] = weight
-    # Per block (taps, in, channels) floats, or (taps, in / 2, channels, 2) integers.
-    order, split = (
-        ((0, 2, 3, 1, 4), (n_taps, ci // 2, 2)) if integers else ((0, 2, 3, 1), (n_taps, ci))
-    )
+    units = full.view(np.int32) if integers else full  # a pair of 16-bit inputs: one unit
     whole = padded // BLOCK * BLOCK  # the blocks of 16, then the last 8 if any
-    blocks = full[:whole].reshape(-1, BLOCK, *split).transpose(order)
-    last = full[whole:].reshape(-1, *split).transpose(tuple(i - 1 for i in order[1:]))
-    return np.concatenate([blocks.reshape(-1), last.reshape(-1)]).reshape(n_taps, ci, padded)
+    blocks = units[:whole].reshape(-1, BLOCK, n_taps, units.shape[2]).transpose(0, 2, 3, 1)
+    last = units[whole:].transpose(1, 2, 0)
+    packed = np.concatenate([blocks.reshape(-1), last.reshape(-1)])
+    return packed.view(dtype).reshape(n_taps, ci, padded)
 
 
 def pack_strided_taps(weight: np.ndarray, integers: bool = False) -> np.ndarray:

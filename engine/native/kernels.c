@@ -123,24 +123,15 @@ static inline void int_block(const struct conv *p, long t, int j, int rows, int 
 }
 #endif
 
-#define INT_BLOCK_CASES(width)                                                               \
+/* `kernel` (block or int_block) over `rows` rows, each count its own unrolled copy. */
+#define BLOCK_CASES(kernel, width)                                                           \
   switch (rows) {                                                                          \
-  case 1: int_block(p, t, j, 1, width); break;                                             \
-  case 2: int_block(p, t, j, 2, width); break;                                             \
-  case 3: int_block(p, t, j, 3, width); break;                                             \
-  case 4: int_block(p, t, j, 4, width); break;                                             \
-  case 5: int_block(p, t, j, 5, width); break;                                             \
-  default: int_block(p, t, j, 6, width); break;                                            \
-  }
-
-#define BLOCK_CASES(width)                                                                   \
-  switch (rows) {                                                                          \
-  case 1: block(p, t, j, 1, width); break;                                                 \
-  case 2: block(p, t, j, 2, width); break;                                                 \
-  case 3: block(p, t, j, 3, width); break;                                                 \
-  case 4: block(p, t, j, 4, width); break;                                                 \
-  case 5: block(p, t, j, 5, width); break;                                                 \
-  default: block(p, t, j, 6, width); break;                                                \
+  case 1: kernel(p, t, j, 1, width); break;                                                \
+  case 2: kernel(p, t, j, 2, width); break;                                                \
+  case 3: kernel(p, t, j, 3, width); break;                                                \
+  case 4: kernel(p, t, j, 4, width); break;                                                \
+  case 5: kernel(p, t, j, 5, width); break;                                                \
+  default: kernel(p, t, j, 6, width); break;                                               \
   }
 
 /* Rows in chunks of CHUNK, each chunk's input read from cache for every block of
@@ -154,13 +145,13 @@ static void conv_rows(const struct conv *p, long from, long to) {
       for (long t = chunk; t < end; t += ROWS) {
         int rows = end - t < ROWS ? (int)(end - t) : ROWS;
         if (p->wi != NULL && wide) {
-          INT_BLOCK_CASES(2)
+          BLOCK_CASES(int_block, 2)
         } else if (p->wi != NULL) {
-          INT_BLOCK_CASES(1)
+          BLOCK_CASES(int_block, 1)
         } else if (wide) {
-          BLOCK_CASES(2)
+          BLOCK_CASES(block, 2)
         } else {
-          BLOCK_CASES(1)
+          BLOCK_CASES(block, 1)
         }
       }
     }

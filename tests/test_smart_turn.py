@@ -154,6 +154,23 @@ def test_the_native_encoder_is_the_mlx_one(
     assert ((native_scores > 0.5) == (mlx_scores > 0.5)).sum() >= 18
 
 
+def test_float_taps_give_the_encoder_the_integer_taps_do(
+    model: TurnEndModel, clips: dict[str, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Where the CPU has AVX2 the products run in 16-bit integers; elsewhere the same
+    # codes go through the float taps, with the same exact sums.
+    net = model.model
+    mel = smart_turn.features(next(iter(clips.values())))
+    with_integers = net._native(mel)
+    projection = net.layers[0].self_attn.q_proj
+    taps = projection._packed[2][0]  # type: ignore[attr-defined]
+    assert taps.dtype == (np.int16 if kernels.integer_products() else np.float32)
+    monkeypatch.setattr(kernels, "integer_products", lambda: False)
+    floats = TurnEndModel(registry.prepare("smart-turn-v3.2", progress=False)).model
+    np.testing.assert_array_equal(floats._native(mel), with_integers)
+    assert floats.layers[0].self_attn.q_proj._packed[2][0].dtype == np.float32  # type: ignore[attr-defined]
+
+
 def test_without_the_kernels_the_model_keeps_mlxs_operations(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -304,6 +304,8 @@ def test_integer_taps_give_the_float_taps_sums(
     else:  # no AVX2: refused, and the models keep the float taps
         with pytest.raises(ValueError, match="refused"):
             kernels.conv1d(x, integers, **given)
+    with pytest.raises(ValueError, match="no activation"):
+        kernels.conv1d(x, integers, **given, slope=0.5)
     with pytest.raises(ValueError, match="even number of inputs"):
         kernels.pack_taps(weight[:, :, 1:], integers=True)
     with pytest.raises(ValueError, match="int16 values"):

@@ -291,8 +291,7 @@ class QuantLinear(nn.Module):
         kernels: the same float32 operations, the sums exact as in MLX."""
         if self._int_bias:
             raise ValueError("the native path serves the encoder's projections")
-        integers = kernels.integer_products()  # 16-bit products where the CPU has them
-        taps, mult = _packed(self, in_scale, lambda w: kernels.pack_taps(w[:, None, :], integers))
+        taps, mult = _packed(self, in_scale, lambda w, ints: kernels.pack_taps(w[:, None, :], ints))
         acc = kernels.conv1d(codes, taps, length=len(codes), pad_left=0)
         scale, zero = self.out.constants()
         if levels:
@@ -319,7 +318,7 @@ class QuantConv1d(nn.Module):
     def native_levels(self, codes: np.ndarray, in_scale: np.float32) -> np.ndarray:
         """`levels` of one item's codes (rows, n_in) through the native kernels."""
         pack = kernels.pack_strided_taps if self._stride == 2 else kernels.pack_taps
-        taps, mult = _packed(self, in_scale, lambda w: pack(w, kernels.integer_products()))
+        taps, mult = _packed(self, in_scale, pack)
         bias = np.array(self.bias)
         if self._stride == 2:
             acc = kernels.strided_conv1d(codes, taps, bias)
@@ -416,9 +415,9 @@ class Attention(nn.Module):
         context_mult = w_scale * v_scale / context_scale
         merged = np.empty_like(q)
         width = D_MODEL // N_HEADS
+        integers = kernels.integer_products()
         for h in range(N_HEADS):
             cols = slice(h * width, (h + 1) * width)
-            integers = kernels.integer_products()
             sums = kernels.matmul(q[:, cols], k[:, cols].T, integers)
             w = self.weights.native_codes_of_sums(sums, self.scores, score_mult)
             o = kernels.matmul(w, v[:, cols], integers)
@@ -541,16 +540,17 @@ class Model(nn.Module):
 def _packed(
     layer: QuantLinear | QuantConv1d,
     in_scale: np.float32,
-    pack: Callable[[np.ndarray], np.ndarray],
+    pack: Callable[[np.ndarray, bool], np.ndarray],
 ) -> tuple[np.ndarray, np.ndarray]:
-    """A layer's weights as `pack` lays them out for the native kernels, and the float32
+    """A layer's weights as `pack` lays them out for the native kernels (in 16-bit
+    integers where the CPU multiplies those, `kernels.integer_products`), and the float32
     multiplier from its integer sums to its output quantiser's levels (as `levels`
     computes it), made once per weight array and input scale."""
     cached = getattr(layer, "_packed", None)
     if cached is not None and cached[0] is layer.weight and cached[1] == in_scale:
         return cached[2]  # type: ignore[no-any-return]
     mult = in_scale * np.array(layer.weight_scale) / layer.out.constants()[0]
-    packed = (pack(np.array(layer.weight)), mult.astype(np.float32))
+    packed = (pack(np.array(layer.weight), kernels.integer_products()), mult.astype(np.float32))
     object.__setattr__(layer, "_packed", (layer.weight, in_scale, packed))
     return packed
 

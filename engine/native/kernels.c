@@ -298,8 +298,8 @@ static void conv_split(struct conv *p) {
 static void split_rows(long rows, long per_row, void (*run)(const struct conv *, long, long),
                        const void *args) {
   struct conv p = {0};
-  p.t_out = rows, p.ci = 1, p.co = 1, p.taps = 1, p.run = run, p.args = args;
-  p.ci = per_row < (1L << 30) ? (int)per_row : 1 << 30;
+  p.t_out = rows, p.co = 1, p.taps = 1, p.run = run, p.args = args;
+  p.ci = per_row < (1L << 30) ? (int)per_row : 1 << 30; /* the work a row, for conv_split */
   conv_split(&p);
 }
 

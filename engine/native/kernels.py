@@ -33,8 +33,8 @@ __all__ = [
     "Conv",
     "conv1d",
     "gate",
-    "integer_products",
     "gelu",
+    "integer_products",
     "layer_norm",
     "load",
     "lookup",
@@ -214,16 +214,16 @@ def conv1d(
         None if bias is None else bias.ctypes.data,
         None if residual is None else residual.ctypes.data,
     )
-    if taps.dtype == np.int16 and slope == 1.0:
+    if taps.dtype == np.int16 and slope != 1.0:
+        raise ValueError("integer taps take no activation")
+    if taps.dtype == np.int16:
         done = lib.native_int_conv(
             *rows_of_x, n_taps, dilation, taps.ctypes.data, *rest, out.ctypes.data
         )
-    elif taps.dtype == np.float32:
+    else:
         done = lib.native_conv(
             *rows_of_x, n_taps, dilation, taps.ctypes.data, *rest, slope, out.ctypes.data
         )
-    else:
-        done = -1
     if done != 0:
         raise ValueError("the native conv refused its arguments (or is out of memory)")
     return out

@@ -33,9 +33,12 @@ cached ones, as the engine runs it (products over the compact twins in blocks of
 float32 (the twins off), alternating; medians.
 
 `step_ms` is where one decode step of one sequence goes (the model alone, 136 prompt
-tokens in the KV): `build`, Python making the step's graph; `eval`, MLX computing it;
-`products`, the same step's weight products alone (every Linear and the LM head, one
-graph); `ops` is the graph's operation count.
+tokens in the KV): `build`, Python making the step's graph of MLX operations; `eval`,
+MLX computing it; `products`, the same step's weight products alone (every Linear and
+the LM head, one graph); `native`, the whole step as one native call
+(`engine.native.llama_step`), as the stage runs it; `ops` is the MLX graph's operation
+count. `decode_tok_s_mlx_step` is the stage with its decode steps as MLX operations,
+alternating with the native ones.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -65,6 +68,7 @@ import mlx.nn as nn  # noqa: E402
 import mlx_lm  # noqa: E402
 
 from engine.llm.stage import LlmInput, LlmStage  # noqa: E402
+from engine.models import llama  # noqa: E402
 from engine.native import gemv_forward  # noqa: E402
 from engine.runtime.request import SamplingParams  # noqa: E402
 from engine.weights import registry  # noqa: E402
@@ -196,12 +200,32 @@ def step_profile(stage: LlmStage, steps: int = 30) -> dict[str, Any]:
     start = time.perf_counter()
     for _ in range(steps):
         products()
+    product_s = time.perf_counter() - start
     return {
         "build": round(build / steps * 1e3, 2),
         "eval": round(evaluate / steps * 1e3, 2),
-        "products": round((time.perf_counter() - start) / steps * 1e3, 2),
+        "products": round(product_s / steps * 1e3, 2),
+        "native": native_step_ms(stage, cache, steps),
         "ops": graph_ops(mx.argmax(model(token, cache=cache)[:, -1, :], axis=-1)),
     }
+
+
+def native_step_ms(stage: LlmStage, cache: list[Any], steps: int) -> float | None:
+    """One native decode step (`engine.native.llama_step`) over a copy of `cache`, in ms;
+    None where the model has none."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    native = stage.model.native_step() if isinstance(stage.model, llama.Model) else None
+    if native is None:
+        return None
+    batch = [BatchKVCache.merge([layer]) for layer in cache]
+    token, took = [42], 0.0
+    for i in range(steps + 3):
+        start = time.perf_counter()
+        token = cast("list[int]", mx.argmax(native.logits(token, batch), axis=-1).tolist())
+        if i >= 3:
+            took += time.perf_counter() - start
+    return round(took / steps * 1e3, 2)
 
 
 def short_turn_prefill_ms(stage: LlmStage, rounds: int = 7) -> dict[str, float]:
@@ -260,8 +284,9 @@ def measure(
         anchor = gguf if has_llama_cpp() else None
         run_stage(stage, 8)  # warm-up: first calls compile and allocate
         run_mlx_lm(plain_model, tokenizer, 8)
-        ours, giving_way, exact, fp32, plain, llama_cpp = [], [], [], [], [], []
+        ours, giving_way, exact, fp32, plain, llama_cpp, steps = [], [], [], [], [], [], []
         twins = gemv_forward.live_twins() > 0
+        native = stage.use_native_step(True)
         for _ in range(rounds):
             ours.append(run_stage(stage, max_tokens))
             # As the engine runs it: prefill forwards evaluated layer by layer, each
@@ -269,6 +294,10 @@ def measure(
             stage.give_way_with(lambda: None)
             giving_way.append(run_stage(stage, max_tokens))
             stage.give_way_with(None)
+            if native:
+                stage.use_native_step(False)
+                steps.append(run_stage(stage, max_tokens))
+                stage.use_native_step(True)
             if twins:
                 gemv_forward.exact_twins(True)
                 exact.append(run_stage(stage, max_tokens))
@@ -284,6 +313,7 @@ def measure(
     decode = best(ours, "decode_tok_s")
     exact_decode = best(exact, "decode_tok_s") if exact else decode
     fp32_decode = best(fp32, "decode_tok_s") if fp32 else decode
+    step_decode = best(steps, "decode_tok_s") if steps else None
     mlx_decode = best(plain, "decode_tok_s")
     anchor_decode = best(llama_cpp, "decode_tok_s") if llama_cpp else None
     return {
@@ -302,6 +332,7 @@ def measure(
         "llama_cpp_decode_tok_s": None if anchor_decode is None else round(anchor_decode, 2),
         "llama_cpp_ratio": None if anchor_decode is None else round(decode / anchor_decode, 3),
         "compact_twins": gemv_forward.live_twins(),
+        "decode_tok_s_mlx_step": None if step_decode is None else round(step_decode, 2),
         "decode_tok_s_exact_twins": round(exact_decode, 2),
         "decode_tok_s_fp32_weights": round(fp32_decode, 2),
         "twin_speedup": round(decode / fp32_decode, 3),

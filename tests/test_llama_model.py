@@ -179,3 +179,9 @@ def test_smollm2_greedy_text_matches_mlx_lms_llama(
     texts = [mlx_lm.generate(m, tokenizer, prompt, max_tokens=24) for m in (ours, theirs)]
     assert texts[0] == texts[1]
     assert texts[0].strip()
+
+
+def test_softmax_of_a_single_score_is_one() -> None:
+    # MLX 0.32's shapeless compile crashes on this shape (attention's first key).
+    scores = mx.array([[[[3.0]], [[-2.0]], [[0.5]]]])
+    assert np.array(llama.softmax(scores)).tolist() == [[[[1.0]], [[1.0]], [[1.0]]]]

@@ -1,4 +1,5 @@
-"""The LLM stage's scheduler and batch, on a tiny random llama and a byte tokenizer."""
+"""The LLM stage's scheduler and batch, on a tiny random llama and a byte tokenizer: as
+mlx-lm's class, and as the engine's own, whose decode steps run natively."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
 from engine.llm.stage import LlmInput, LlmStage
+from engine.models import llama as engine_llama
 from engine.runtime.request import RequestOutput, RequestStatus, SamplingParams
 
 EOS = 256
@@ -47,9 +50,22 @@ def tiny_model() -> llama.Model:
     return model
 
 
-@pytest.fixture(scope="module")
-def model() -> llama.Model:
-    return tiny_model()
+def engine_model(source: llama.Model) -> engine_llama.Model:
+    """`source` as the engine's llama class: the same weights, projections joined."""
+    model = engine_llama.Model(source.args)
+    weights = dict(tree_flatten(source.parameters()))
+    model.load_weights(list(model.sanitize(weights).items()))
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture(scope="module", params=["mlx-lm", "native-step"])
+def model(request: pytest.FixtureRequest) -> llama.Model:
+    if request.param == "mlx-lm":
+        return tiny_model()
+    model = engine_model(tiny_model())
+    assert model.native_step() is not None  # a C compiler and the forwarder are here
+    return model
 
 
 def make_stage(model: llama.Model, **kw: Any) -> LlmStage:

@@ -20,6 +20,10 @@ Rules of this file:
    `pause` between its layers: on a CPU such a forward of a large model takes seconds,
    and an urgent request of another lane must not wait for it
    (`engine.runtime.urgency`). Decode steps are short and run whole.
+5. Where the model is this project's llama class and the native step builds
+   (`engine.native.llama_step`), a decode step is one C call over the same batched KV
+   cache; it needs the step's input tokens on the host, so it waits for the step before
+   to finish drawing them, where MLX's step would chain onto that draw.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from engine.llm.sampling import sample_batch
 from engine.llm.sequence import LlmSequence
-from engine.models.llama import LlamaModel
+from engine.models.llama import LlamaModel, Model
 
 __all__ = ["ModelRunner", "SampledToken"]
 
@@ -48,6 +52,9 @@ class ModelRunner:
         self.model = model
         self.pause: Callable[[], None] | None = None  # rule 4
         self._check_plain_kv()
+        # The decode step as one native call where it can run (rule 5).
+        self._native = model.native_step() if isinstance(model, Model) else None
+        self.native_step = self._native
         self.batch: list[BatchKVCache] | None = None
         self.pending: mx.array | None = None  # (running,) next decode inputs
         # Tokens computed so far (read by /metrics from another thread: values only change).
@@ -56,6 +63,11 @@ class ModelRunner:
     def _check_plain_kv(self) -> None:
         if not all(type(c) is KVCache for c in self.new_kv()):
             raise ValueError("LlmStage supports models whose every layer uses a plain KVCache")
+
+    def use_native_step(self, on: bool) -> None:
+        """Decode steps as one native call where the model has one (True), or as MLX
+        operations (for side-by-side timing and checks)."""
+        self.native_step = self._native if on else None
 
     def new_kv(self) -> list[Any]:
         """An empty per-layer KV cache for one prompt."""
@@ -180,11 +192,14 @@ class ModelRunner:
         for seq in rows:
             seq.rewind_key = seq.sampler.key
         pending = [inputs[i : i + 1] if u else None for i, u in enumerate(unread)]
-        logits = self.model(inputs[:, None], cache=self.batch)[:, -1, :]
+        tokens = _ints(inputs) if any(unread) or self.native_step is not None else []
+        if self.native_step is not None:
+            logits = self.native_step.logits(tokens, self.batch)
+        else:
+            logits = self.model(inputs[:, None], cache=self.batch)[:, -1, :]
         self.token_counts["decode"] += len(rows)
         drawn = sample_batch(logits, [seq.sampler for seq in rows], pending)
         mx.async_eval(drawn, [seq.sampler.key for seq in rows])
-        tokens = _ints(inputs) if any(unread) else []
         self.pending = drawn
         for seq in rows:
             seq.unread = True
@@ -203,6 +218,8 @@ class ModelRunner:
         assert self.batch is not None
         if not keep:
             self.batch = self.pending = None
+            if self.native_step is not None:
+                self.native_step.forget()
             mx.clear_cache()
             return
         for batch in self.batch:

@@ -245,6 +245,13 @@ class LlmStage:
         hold this one (`engine.runtime.urgency.Urgency.pause`); None: forwards run whole."""
         self._runner.pause = pause
 
+    def use_native_step(self, on: bool) -> bool:
+        """Decode steps as one native call where the model has one (True, the default),
+        or as MLX operations (`engine.llm.model_runner` rule 5); returns whether the
+        native step runs now."""
+        self._runner.use_native_step(on)
+        return self._runner.native_step is not None
+
     def set_runway(self, request_id: str, seconds: float) -> None:
         """`request_id`'s listener has `seconds` of speech queued (audio not yet played
         and text not yet spoken; `engine.llm.scheduler` rule 3). Unknown ids (finished a

@@ -40,6 +40,7 @@ from mlx_lm.models.llama import ModelArgs
 from mlx_lm.utils import load_model, load_tokenizer
 
 from engine.models import fast_ops
+from engine.native import llama_step
 
 __all__ = [
     "Model",
@@ -69,8 +70,15 @@ def silu(x: mx.array) -> mx.array:
     return x / (1.0 + exp(-x))
 
 
-@partial(mx.compile, shapeless=True)
 def softmax(x: mx.array) -> mx.array:
+    # MLX 0.32's shapeless compile crashes the process on the broadcast below when the
+    # axis has length 1 (attention's first key, a one-token prompt); one score's
+    # softmax is 1 anyway.
+    return mx.ones_like(x) if x.shape[-1] == 1 else _softmax(x)
+
+
+@partial(mx.compile, shapeless=True)
+def _softmax(x: mx.array) -> mx.array:
     e = exp(x - mx.max(x, axis=-1, keepdims=True))
     return e / mx.sum(e, axis=-1, keepdims=True)
 
@@ -243,11 +251,45 @@ class Model(nn.Module):
     def layers(self) -> list[TransformerBlock]:
         return self.model.layers
 
+    def native_step(self) -> llama_step.LlamaStep | None:
+        """This model's decode step as one native call (`engine.native.llama_step`), or
+        None where that cannot run."""
+        args, body = self.args, self.model
+        attention, mlp = self.layers[0].self_attn, self.layers[0].mlp
+        shape = llama_step.LlamaShape(
+            layers=len(self.layers),
+            dim=args.hidden_size,
+            heads=attention.n_heads,
+            kv_heads=attention.n_kv_heads,
+            head_dim=attention.head_dim,
+            hidden=mlp.down_proj.weight.shape[1],
+            vocab=args.vocab_size,
+            eps=args.rms_norm_eps,
+        )
+        weights: list[mx.array | None] = []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            weights += [layer.input_layernorm.weight, *_weight_and_bias(a.qkv_proj)]
+            weights += [*_weight_and_bias(a.o_proj), layer.post_attention_layernorm.weight]
+            weights += [*_weight_and_bias(m.gate_up_proj), *_weight_and_bias(m.down_proj)]
+        tied = args.tie_word_embeddings
+        head = body.embed_tokens.weight if tied else self.lm_head.weight
+        weights += [body.embed_tokens.weight, body.norm.weight, head]
+
+        def angles(count: int) -> tuple[mx.array, mx.array]:
+            return rotary_angles(0, count, attention.head_dim, args.rope_theta)
+
+        return llama_step.load(shape, weights, angles)
+
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
         if self.args.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
         return join_projections(weights)
+
+
+def _weight_and_bias(linear: nn.Linear) -> tuple[mx.array, mx.array | None]:
+    return linear.weight, linear.get("bias")
 
 
 # Products that read the same input, each joined into one at load: (module, parts, joined).

@@ -777,7 +777,10 @@ static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t wake_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 static int pool_threads; /* 0: not started (again, after a fork) */
-static const struct product *job;
+/* The work the pool's threads share: run(context, part, parts) for each part. */
+typedef void (*slice_fn)(const void *context, int part, int parts);
+static slice_fn job;
+static const void *job_context;
 static atomic_uint generation;
 static atomic_int unfinished;
 static unsigned born_at;
@@ -788,7 +791,8 @@ static long now_ns(void) {
   return t.tv_sec * 1000000000L + t.tv_nsec;
 }
 
-static void run_slice(const struct product *p, int part, int parts) {
+static void product_slice(const void *context, int part, int parts) {
+  const struct product *p = context;
   few_rows(p, (int)((long)p->n * part / parts), (int)((long)p->n * (part + 1) / parts));
 }
 
@@ -806,7 +810,7 @@ static void *helper_main(void *arg) {
   int index = (int)(size_t)arg;
   for (unsigned seen = born_at;; seen++) { /* the product that started the pool is next */
     wait_for_job(seen);
-    run_slice(job, index, pool_threads);
+    job(job_context, index, pool_threads);
     atomic_fetch_sub_explicit(&unfinished, 1, memory_order_release);
   }
   return NULL;
@@ -842,25 +846,39 @@ static int start_pool(void) {
   return started;
 }
 
-static void few_rows_split(const struct product *p) {
-  if ((long)p->n * p->k < MIN_SPLIT_WEIGHTS || pthread_mutex_trylock(&pool_busy) != 0) {
-    few_rows(p, 0, p->n); /* small, or another caller holds the pool: all of it here */
+/* run(context, part, parts) for every part, the caller's thread taking part 0 and each of
+ * the pool's threads one more; all of it here (one part) while another caller holds the
+ * pool. */
+static void split(slice_fn run, const void *context) {
+  if (pthread_mutex_trylock(&pool_busy) != 0) {
+    run(context, 0, 1);
     return;
   }
   if (pool_threads == 0) pool_threads = start_pool();
-  job = p;
+  job = run, job_context = context;
   atomic_store(&unfinished, pool_threads - 1);
   pthread_mutex_lock(&wake_lock);
   atomic_fetch_add_explicit(&generation, 1, memory_order_release);
   pthread_cond_broadcast(&wake);
   pthread_mutex_unlock(&wake_lock);
-  run_slice(p, 0, pool_threads);
+  run(context, 0, pool_threads);
   /* A helper still at work may share this core with us: after a short spin, let it run. */
   long start = now_ns();
   while (atomic_load_explicit(&unfinished, memory_order_acquire) > 0)
     if (now_ns() - start > SPIN_NS) sched_yield();
   pthread_mutex_unlock(&pool_busy);
 }
+
+static void few_rows_split(const struct product *p) {
+  if ((long)p->n * p->k < MIN_SPLIT_WEIGHTS)
+    few_rows(p, 0, p->n); /* small: all of it here */
+  else
+    split(product_slice, p);
+}
+
+/* The pool for other native code in the process (`llama_step.c`'s attention), so that
+ * its threads, awake between products, are the ones that share it. */
+void gemv_forward_split(slice_fn run, const void *context) { split(run, context); }
 
 /* --- the entry point MLX calls ---------------------------------------------------- */
 

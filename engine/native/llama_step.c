@@ -6,8 +6,9 @@
  * `cblas_sgemm`, which in the process's global scope is the few-row forwarder's
  * (`gemv_forward.c`: compact twins, helper threads), and everything between them (the
  * norms, rotary embedding, attention over the cache, SwiGLU, the residuals) is plain
- * loops over a few rows. The step writes each row's new key and value into the batch's
- * cache in place, at position `idx`, and returns the logits.
+ * loops over a few rows, the attention's split over the forwarder's threads by row and
+ * key/value head. The step writes each row's new key and value into the batch's cache
+ * in place, at position `idx`, and returns the logits.
  *
  * Every row is computed alone: its norms, rotation and attention read only its own
  * values, and the forwarder sums each product row the same whatever the rows beside it,
@@ -20,6 +21,9 @@
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a,
                  int lda, const float *b, int ldb, float beta, float *c, int ldc);
+/* The forwarder's thread pool: run(context, part, parts) for each part. */
+void gemv_forward_split(void (*run)(const void *context, int part, int parts),
+                        const void *context);
 
 /* A layer's weights, in this order in `weights` (a bias may be NULL). */
 enum {
@@ -108,17 +112,16 @@ static void attend(const float *q, const float *keys, const float *values, int f
 static float silu(float x) { return x / (1.0f + expf(-x)); }
 
 struct buffers {
-  float *x, *normed, *qkv, *heads, *mixed, *gate_up, *act, *scores;
+  float *x, *normed, *qkv, *heads, *mixed, *gate_up, *act;
 };
 
-static int allocate(struct buffers *b, const struct model *m, int rows, int positions) {
+static int allocate(struct buffers *b, const struct model *m, int rows) {
   int qkv = (m->heads + 2 * m->kv_heads) * m->head_dim;
-  size_t sizes[] = {(size_t)rows * m->dim,          (size_t)rows * m->dim,
-                    (size_t)rows * qkv,             (size_t)rows * m->heads * m->head_dim,
-                    (size_t)rows * m->dim,          (size_t)rows * 2 * m->hidden,
-                    (size_t)rows * m->hidden,       (size_t)positions};
-  float **slots[] = {&b->x, &b->normed, &b->qkv, &b->heads, &b->mixed, &b->gate_up, &b->act,
-                     &b->scores};
+  size_t sizes[] = {(size_t)rows * m->dim, (size_t)rows * m->dim,
+                    (size_t)rows * qkv,    (size_t)rows * m->heads * m->head_dim,
+                    (size_t)rows * m->dim, (size_t)rows * 2 * m->hidden,
+                    (size_t)rows * m->hidden};
+  float **slots[] = {&b->x, &b->normed, &b->qkv, &b->heads, &b->mixed, &b->gate_up, &b->act};
   size_t total = 0;
   for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) total += sizes[i];
   float *all = malloc(total * sizeof(float));
@@ -127,29 +130,42 @@ static int allocate(struct buffers *b, const struct model *m, int rows, int posi
   return 1;
 }
 
-/* Attention of every row's query heads, after writing its new key and value at `idx`. */
-static void attention(const struct model *m, const struct buffers *b, int rows, float *keys,
-                      float *values, int capacity, int idx, const int *first, const float *cos,
-                      const float *sin) {
+/* One layer's attention over the batch; its parts are (row, key/value head) pairs. */
+struct attention {
+  const struct model *m;
+  const struct buffers *b;
+  int rows, capacity, idx;
+  float *keys, *values;
+  const int *first;
+  const float *cos, *sin;
+};
+
+/* Row r's key/value head g: rotate its key and its group of queries, write the key and
+ * value at idx, and attend each query head of the group. */
+static void attend_group(const struct attention *a, int r, int g, float *scores) {
+  const struct model *m = a->m;
   int d = m->head_dim, group = m->heads / m->kv_heads;
-  int width = (m->heads + 2 * m->kv_heads) * d;
+  float *row = a->b->qkv + (size_t)r * (m->heads + 2 * m->kv_heads) * d;
+  const float *cos = a->cos + (size_t)r * d, *sin = a->sin + (size_t)r * d;
+  float *key = row + (m->heads + g) * d, *value = row + (m->heads + m->kv_heads + g) * d;
+  rotate(key, cos, sin, d);
+  size_t at = ((size_t)r * m->kv_heads + g) * a->capacity * d;
+  memcpy(a->keys + at + (size_t)a->idx * d, key, d * sizeof(float));
+  memcpy(a->values + at + (size_t)a->idx * d, value, d * sizeof(float));
   float scale = 1.0f / sqrtf((float)d);
-  for (int r = 0; r < rows; r++) {
-    float *row = b->qkv + (size_t)r * width;
-    for (int h = 0; h < m->heads + m->kv_heads; h++)
-      rotate(row + h * d, cos + (size_t)r * d, sin + (size_t)r * d, d);
-    for (int g = 0; g < m->kv_heads; g++) {
-      size_t at = ((size_t)r * m->kv_heads + g) * capacity * d;
-      memcpy(keys + at + (size_t)idx * d, row + (m->heads + g) * d, d * sizeof(float));
-      memcpy(values + at + (size_t)idx * d, row + (m->heads + m->kv_heads + g) * d,
-             d * sizeof(float));
-    }
-    for (int h = 0; h < m->heads; h++) {
-      size_t at = ((size_t)r * m->kv_heads + h / group) * capacity * d;
-      attend(row + h * d, keys + at, values + at, first[r], idx, d, scale, b->scores,
-             b->heads + ((size_t)r * m->heads + h) * d);
-    }
+  for (int h = g * group; h < (g + 1) * group; h++) {
+    rotate(row + h * d, cos, sin, d);
+    attend(row + h * d, a->keys + at, a->values + at, a->first[r], a->idx, d, scale, scores,
+           a->b->heads + ((size_t)r * m->heads + h) * d);
   }
+}
+
+static void attention_slice(const void *context, int part, int parts) {
+  const struct attention *a = context;
+  int pairs = a->rows * a->m->kv_heads;
+  float scores[a->idx + 1];
+  for (int p = pairs * part / parts; p < pairs * (part + 1) / parts; p++)
+    attend_group(a, p / a->m->kv_heads, p % a->m->kv_heads, scores);
 }
 
 static void add(float *x, const float *y, size_t n) {
@@ -166,7 +182,7 @@ int llama_step(const int *shape, float eps, const float *const *weights, float *
   struct model m = {shape[LAYERS],   shape[DIM],    shape[HEADS], shape[KV_HEADS],
                     shape[HEAD_DIM], shape[HIDDEN], shape[VOCAB], eps};
   struct buffers b;
-  if (!allocate(&b, &m, rows, idx + 1)) return -1;
+  if (!allocate(&b, &m, rows)) return -1;
   const float *const *model_weights = weights + (size_t)m.layers * LAYER_WEIGHTS;
   size_t width = (size_t)rows * m.dim;
   for (int r = 0; r < rows; r++)
@@ -178,7 +194,9 @@ int llama_step(const int *shape, float eps, const float *const *weights, float *
     for (int r = 0; r < rows; r++)
       rms_norm(b.x + (size_t)r * m.dim, w[IN_NORM], b.normed + (size_t)r * m.dim, m.dim, eps);
     linear(b.normed, rows, w[QKV], w[QKV_BIAS], qkv, m.dim, b.qkv);
-    attention(&m, &b, rows, cache[2 * l], cache[2 * l + 1], capacity, idx, first, cos, sin);
+    struct attention a = {&m, &b, rows, capacity, idx, cache[2 * l], cache[2 * l + 1],
+                          first, cos, sin};
+    gemv_forward_split(attention_slice, &a);
     linear(b.heads, rows, w[OUT], w[OUT_BIAS], m.dim, attended, b.mixed);
     add(b.x, b.mixed, width);
     for (int r = 0; r < rows; r++)

@@ -164,9 +164,10 @@ def _reference_kept(x: list[float], top_k: int, top_p: float, min_p: float) -> s
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("spread", [0.05, 2.0, 8.0])  # near-flat to sharply peaked
-def test_filters_keep_what_a_plain_reference_keeps(seed: int, spread: float) -> None:
+# Past NUCLEUS_CANDIDATES tokens, near-flat rows look for the nucleus among all of them.
+@pytest.mark.parametrize("V", [64, 3000])
+def test_filters_keep_what_a_plain_reference_keeps(seed: int, spread: float, V: int) -> None:
     rng = random.Random(seed)
-    V = 64
     cases = [
         (0, 0.9, 0.0),
         (5, 1.0, 0.0),

@@ -166,11 +166,16 @@ def _weights(scaled: mx.array, rows: Sequence[RowSampler]) -> mx.array:
     return mx.where(weights >= cut, weights, 0.0)
 
 
-@partial(mx.compile, shapeless=True)
 def _relative(scaled: mx.array) -> mx.array:
     """e^(x - max x) along the last axis, in one pass after the max: MLX's CPU `exp`
     costs about 12 ns an element, `power` with a constant base a third of that at the
     same accuracy (`engine.models.llama`), and a step samples from the whole vocabulary."""
+    # MLX 0.32's shapeless compile crashes on this broadcast over an axis of length 1.
+    return mx.ones_like(scaled) if scaled.shape[-1] == 1 else _relative_compiled(scaled)
+
+
+@partial(mx.compile, shapeless=True)
+def _relative_compiled(scaled: mx.array) -> mx.array:
     return mx.power(math.e, scaled - mx.max(scaled, axis=-1, keepdims=True))
 
 
@@ -186,7 +191,9 @@ def _top_p_cut(weights: mx.array, cut_k: mx.array, params: list[SamplingParams])
     kept = mx.where(in_k >= floor, in_k, 0.0)
     # The nucleus is looked for among the best NUCLEUS_CANDIDATES tokens first (`topk`
     # finds them in one pass), and among all of them only where those hold less than
-    # top_p: the ranks and sums up to the cut are the same either way.
+    # top_p: the ranks and sums up to the cut are the same either way. Telling which
+    # waits for the logits (MLX's own decode step then stops overlapping the host's
+    # work; the native step already waits for each draw).
     candidates = min(V, NUCLEUS_CANDIDATES)
     desc = -mx.sort(-mx.topk(kept, candidates, axis=-1), axis=-1)
     probs = desc / total

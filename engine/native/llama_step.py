@@ -105,6 +105,8 @@ class LlamaStep:
         would."""
         batch = self._current(cache)
         rows = len(tokens)
+        if rows != len(batch.first):
+            raise ValueError(f"{rows} tokens for a batch of {len(batch.first)} rows")
         cos, sin = self._rotations(batch.positions)
         logits = np.empty((rows, self.shape.vocab), np.float32)
         failed = self._lib.llama_step(

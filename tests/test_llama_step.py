@@ -4,10 +4,6 @@ result whatever the rows beside it, and MLX's step where the native one cannot r
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -18,30 +14,18 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from engine.models import llama
 from engine.native import build, gemv_forward, llama_step
+from tests.test_gemv_forward import run_python
+from tests.test_llm_stage import engine_model
+from tests.test_llm_stage import tiny_model as mlx_lm_tiny_model
 
-ROOT = Path(__file__).resolve().parent.parent
 # Float rounding only: the norms' sums run in another order, expf stands for power(e, x).
 TOLERANCE = 1e-4
 
 
 def tiny_model(bias: bool = False, tied: bool = True) -> llama.Model:
-    mx.random.seed(1)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=300,
-        attention_bias=bias,
-        mlp_bias=bias,
-        tie_word_embeddings=tied,
-    )
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
+    """The LLM stage tests' tiny random llama as the engine's class."""
+    source = mlx_lm_tiny_model(attention_bias=bias, mlp_bias=bias, tie_word_embeddings=tied)
+    return engine_model(source)
 
 
 def prompts() -> list[list[int]]:
@@ -159,22 +143,10 @@ def test_weights_it_cannot_read_keep_mlxs_step() -> None:
     assert model.native_step() is None
 
 
-def run_python(code: str, **env: str) -> str:
-    out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip().splitlines()[-1]
-
-
 def test_without_an_optimised_blas_the_stage_decodes_with_mlx() -> None:
     # No BLAS to put the forwarder in front of: no native step, and the stage still runs.
     code = """
+        import json
         import engine
         engine.setup()
         from tests.test_llama_step import tiny_model
@@ -185,9 +157,9 @@ def test_without_an_optimised_blas_the_stage_decodes_with_mlx() -> None:
         params = SamplingParams(temperature=0.0, max_tokens=5)
         stage.add("r", LlmInput(prompt_token_ids=[5, 6, 7], sampling_params=params))
         out = run(stage)["r"][-1]
-        print(stage.use_native_step(True), len(out.output_token_ids))
+        print(json.dumps([stage.use_native_step(True), len(out.output_token_ids)]))
     """
-    assert run_python(code, DUPLEX_GATEWAY_BLAS="none") == "False 5"
+    assert run_python(code, DUPLEX_GATEWAY_BLAS="none") == [False, 5]
 
 
 @pytest.fixture(scope="module")

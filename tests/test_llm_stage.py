@@ -30,19 +30,20 @@ class ByteTokenizer:
         return list(text.encode())
 
 
-def tiny_model() -> llama.Model:
+def tiny_model(**overrides: Any) -> llama.Model:
     mx.random.seed(0)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=300,
-        tie_word_embeddings=True,
-    )
+    shape: dict[str, Any] = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 300,
+        "tie_word_embeddings": True,
+    }
+    args = llama.ModelArgs(**{**shape, **overrides})
     model = llama.Model(args)
     # Larger weights give peaked, tie-free logits so greedy runs are stable.
     model.update({"model": {"embed_tokens": {"weight": model.model.embed_tokens.weight * 20}}})

@@ -40,9 +40,9 @@ enum {
   LAYER_WEIGHTS
 };
 /* After the layers' weights: the embedding table, the final norm and the LM head. */
-enum { EMBED, FINAL_NORM, HEAD, MODEL_WEIGHTS };
+enum { EMBED, FINAL_NORM, HEAD };
 /* The model's sizes, in this order in `shape`. */
-enum { LAYERS, DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, VOCAB, SHAPE };
+enum { LAYERS, DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, VOCAB };
 
 struct model {
   int layers, dim, heads, kv_heads, head_dim, hidden, vocab;

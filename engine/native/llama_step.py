@@ -92,7 +92,8 @@ class LlamaStep:
         self._lib = lib
         self.shape = shape
         self._weights = list(weights)  # kept alive with their addresses
-        self._sizes = (ctypes.c_int * 7)(*shape.sizes())
+        sizes = shape.sizes()
+        self._sizes = (ctypes.c_int * len(sizes))(*sizes)
         addresses = [None if w is None else _address(w) for w in self._weights]
         self._addresses = (ctypes.c_void_p * len(addresses))(*addresses)
         self._angles = angles

@@ -7,8 +7,16 @@ import numpy as np
 import pytest
 
 from gateway.protocol.audio import ENGINE_RATE
-from gateway.session.double_talk import ECHO_SHARE, MAX_DELAY, answer_said, echo_share
-from tests.test_input_processing import OTHER, recording, room
+from gateway.session.double_talk import (
+    ECHO_SHARE,
+    MAX_DELAY,
+    Coupling,
+    answer_said,
+    echo_share,
+)
+from gateway.session.input_processing import PERSON_EXCESS_DB
+from tests.helpers import espeak
+from tests.test_input_processing import OTHER, processed, recording, room
 
 HALF_S = ENGINE_RATE // 2
 
@@ -49,6 +57,78 @@ def test_nothing_played_explains_nothing() -> None:
 def test_the_far_end_must_cover_the_delay() -> None:
     with pytest.raises(ValueError, match="MAX_DELAY"):
         echo_share(np.zeros(HALF_S, np.float32), np.zeros(HALF_S, np.float32))
+
+
+ANSWER_SPOKEN = (
+    "Once upon a time there was a brave little dog named Max who lived by the sea "
+    "and every morning he ran along the beach looking for shells and crabs"
+)
+
+
+def answer_audio() -> np.ndarray:
+    """An answer's far end: continuous speech, as a voice reads a story."""
+    return espeak(ANSWER_SPOKEN, ENGINE_RATE, "-v", "en-us")
+
+
+@pytest.mark.parametrize(("delay_ms", "gain_db"), [(20, -4), (120, -10), (300, -20)])
+def test_a_rooms_echo_stays_as_loud_as_it_was_learnt(delay_ms: int, gain_db: float) -> None:
+    far = answer_audio()
+    echo = room(far, delay_ms=delay_ms, gain_db=gain_db)
+    second = ENGINE_RATE
+    coupling = Coupling.learn(*clip_and_far(echo, far, second // 2, 2 * second))
+    assert coupling is not None
+    # Within a couple of dB as the words change (this room's reverberation holds four
+    # times the direct path's energy): never as loud as a person (`PERSON_EXCESS_DB`).
+    for at in range(second, len(far) - second, second // 2):
+        excess = coupling.excess_db(*clip_and_far(echo, far, at, second))
+        assert abs(excess) < 2.5 < PERSON_EXCESS_DB, (at, excess)
+
+
+@pytest.mark.parametrize(("delay_ms", "gain_db"), [(20, -4), (120, -10), (300, -20)])
+def test_a_person_is_louder_than_the_rooms_echo(delay_ms: int, gain_db: float) -> None:
+    far = answer_audio()
+    second = ENGINE_RATE
+    mic = room(far, delay_ms=delay_ms, gain_db=gain_db)
+    coupling = Coupling.learn(*clip_and_far(mic, far, second // 2, 2 * second))
+    assert coupling is not None
+    person = recording(OTHER)  # at about the echo's level at -4 dB, above it otherwise
+    mic[3 * second : 3 * second + len(person)] += person
+    assert coupling.excess_db(*clip_and_far(mic, far, 3 * second, second)) >= PERSON_EXCESS_DB
+
+
+def test_no_coupling_is_learnt_from_a_person_or_across_a_pause() -> None:
+    far = answer_audio()
+    second = ENGINE_RATE
+    echo = room(far, delay_ms=120, gain_db=-10)
+    person = echo.copy()
+    person[second : second + len(recording(OTHER))] += recording(OTHER)
+    assert Coupling.learn(*clip_and_far(person, far, second // 2, 2 * second)) is None
+    # The far end's sound stops half a second before the clip ends: its last stretch
+    # of sound is too short to learn from (what came before the pause is not used).
+    paused = far.copy()
+    paused[2 * second :] = 0.0
+    echo = room(paused, delay_ms=120, gain_db=-10)
+    assert Coupling.learn(*clip_and_far(echo, paused, second // 2, 2 * second)) is None
+
+
+def test_a_person_6_db_over_a_speakerphones_echo_interrupts() -> None:
+    # The canceller takes a lot off (AEC3's suppressor takes the person down with the
+    # echo) and the far end explains a third of what the microphone heard: weak signs
+    # of an echo that agree (`is_echo`). The room's learnt loudness says a person.
+    far = answer_audio()
+    second = ENGINE_RATE
+    noise = 1e-4 * np.random.default_rng(0).standard_normal(len(far)).astype(np.float32)
+    mic = room(far, delay_ms=120, gain_db=-10) + noise
+    person = recording(OTHER)
+    voiced = person[np.abs(person) > 1e-3]
+    level = np.sqrt(np.mean(mic[3 * second : 4 * second] ** 2) / np.mean(voiced**2))
+    mic[4 * second : 4 * second + len(person)] += person * level * 10 ** (6 / 20)
+    _, processing = processed(mic[: 5 * second], far)
+    assert processing.heard_echo(3900, 5000) is False
+    _, processing = processed(
+        room(far, delay_ms=120, gain_db=-10)[: 5 * second] + noise[: 5 * second], far
+    )
+    assert processing.heard_echo(3900, 5000) is True
 
 
 ANSWER = (

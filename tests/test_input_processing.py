@@ -486,6 +486,26 @@ def test_the_answers_own_words_are_its_echo_and_other_words_prove_nothing(
     assert input_processing.is_echo(share, cancelled_db, said) is echo
 
 
+@pytest.mark.parametrize(
+    ("share", "cancelled_db", "said", "excess_db", "echo"),
+    [
+        # Live, a speakerphone's echo 6 dB below the voice (tests/test_echo_real.py,
+        # bench/RESULTS.md, "How loud the room's echo is"): persons whose pauses let
+        # the echo through and whom AEC3's suppressor took down with it.
+        (0.54, 12.4, False, 5.5, False),
+        (0.33, 3.9, False, 5.8, False),
+        (0.98, 12.8, False, -1.2, True),  # the echo alone
+        (0.35, 3.2, False, 1.1, True),  # not louder than the echo: the other signs decide
+        (0.22, 3.3, False, 1.0, False),
+        (0.34, 1.6, True, 6.0, True),  # the answer's words
+    ],
+)
+def test_speech_louder_than_the_rooms_echo_is_a_person(
+    share: float, cancelled_db: float, said: bool, excess_db: float, echo: bool
+) -> None:
+    assert input_processing.is_echo(share, cancelled_db, said, excess_db) is echo
+
+
 def test_without_echo_cancellation_a_confirmation_stands() -> None:
     far = np.tile(recording(), 3)
     rt = session(echo_cancellation=False, turns={"min_interruption_ms": 1000})

@@ -31,7 +31,11 @@ Rules of this module:
    the far end (`gateway.session.double_talk`); once it has learnt the room, what is left of the
    echo is far below what the microphone picked up (`CANCELLED_DB`), while a person's
    voice comes through within a few dB. And the words that confirmed the speech may be
-   the answer's own (`is_echo`): then it is the echo, whatever the energy says.
+   the answer's own (`is_echo`): then it is the echo, whatever the energy says. Where
+   the microphone heard the echo alone before the span a check looks at, that stretch
+   (up to `LEARNT_MS`) teaches how loud the room's echo is (`double_talk.Coupling`,
+   kept for the speech once learnt), and speech `PERSON_EXCESS_DB` or more above that
+   echo is a person.
 7. AEC3 costs Whisper words even where there is no echo: on a headset, speech over a
    playing answer came out of it within 1 dB of its level, yet transcribed with twice
    the word errors (bench/RESULTS.md, "Clean speech through the canceller"). So until
@@ -61,7 +65,7 @@ import numpy as np
 
 from gateway.protocol.audio import ENGINE_RATE, Samples
 from gateway.server.priority import lower_this_thread
-from gateway.session.double_talk import ECHO_SHARE, MAX_DELAY, echo_share
+from gateway.session.double_talk import ECHO_SHARE, MAX_DELAY, Coupling, echo_share
 from gateway.session.far_end import FarEnd
 
 if TYPE_CHECKING:  # livekit's library starts threads of its own: loaded only when used
@@ -77,6 +81,8 @@ __all__ = [
     "PARTLY_ECHO_SHARE",
     "FRAME",
     "HISTORY_S",
+    "LEARNT_MS",
+    "PERSON_EXCESS_DB",
     "WARM_S",
     "InputProcessing",
     "NoiseReduction",
@@ -92,7 +98,7 @@ FRAME = ENGINE_RATE // 100  # the module's 10 ms frame, in samples
 ECHO_TAIL_MS = 1500
 _TAIL = ECHO_TAIL_MS * ENGINE_RATE // 1000
 WARM_S = 6  # rule 5
-HISTORY_S = 4  # rule 6: longer than the speech a check looks at, and its far end's delay
+HISTORY_S = 4  # rule 6: a check's second, the `LEARNT_MS` before it and the far end's delay
 CHECKED_MS = 1000  # the most recent speech `heard_echo` looks at
 COUPLING_WINDOW_MS = 500  # rule 7: the span over which the canceller's work is weighed
 _COUPLING_WINDOW = COUPLING_WINDOW_MS * ENGINE_RATE // 1000
@@ -115,6 +121,14 @@ PARTLY_CANCELLED_DB = 3.0
 # say a word the answer just said ("Stop. What is..." over "what a day"). The echo
 # whose words were heard scored 0.34 and more live.
 ANSWER_HEARD_SHARE = 0.15
+# Rule 6: the echo before a check's span that the room's coupling is learnt on, at most
+# (the history holds a check's second and this much before it).
+LEARNT_MS = 2000
+# A person adds this much or more to the echo the learnt coupling expects. Live, the
+# echo alone came within 1.3 dB of it, and persons up to 18 dB above it
+# (`bench/echo.py`'s rooms and `tests/test_echo_real.py`'s speakerphone; bench/RESULTS.md,
+# "How loud the room's echo is").
+PERSON_EXCESS_DB = 3.0
 _WARM_LEVEL = 0.05  # the synthetic far end's RMS (-26 dBFS), about a voice's level
 _INT16 = 32767.0
 _NO_SAMPLES: Samples = np.zeros(0, np.float32)
@@ -124,15 +138,24 @@ _WARM_UPS = ThreadPoolExecutor(
 )
 
 
-def is_echo(share: float, cancelled_db: float, answer_said: bool) -> bool:
+def is_echo(
+    share: float, cancelled_db: float, answer_said: bool, excess_db: float | None = None
+) -> bool:
     """Rule 6's verdict on speech over an answer: the share of the microphone's energy
     the far end explains (`double_talk.echo_share`), how much the canceller took off,
-    and whether its words were the answer's own."""
+    whether its words were the answer's own, and how far it lay above the echo the
+    room's learnt coupling expects (None: no coupling learnt)."""
     if answer_said and share >= ANSWER_HEARD_SHARE:
         # However little of it the far end explains (a reverberant hall's echo). Words
         # that are not the answer's prove nothing: Whisper garbles the echo's residue
         # ("Girl not me") as it garbles a person talking over it.
         return True
+    if excess_db is not None and excess_db >= PERSON_EXCESS_DB:
+        # Louder than the room makes the far end: a person. The share and the
+        # cancellation blur where the person pauses and where AEC3's suppressor takes
+        # them down with the echo (persons over a speakerphone's echo scored shares up
+        # to 0.63 and up to 15 dB cancelled); the room's loudness does not.
+        return False
     # Partly the far end's, and much of it taken off: two weak signs that agree.
     partly = share >= PARTLY_ECHO_SHARE and cancelled_db >= PARTLY_CANCELLED_DB
     return share >= ECHO_SHARE or cancelled_db >= CANCELLED_DB or partly
@@ -179,6 +202,7 @@ class InputProcessing:
         self.echo_heard = False  # rule 7: the microphone carries the far end's echo
         self._weighed = _Weighing()  # rule 7: the current window's energy, in and out
         self._coupled_windows = 0  # rule 7: windows in a row the canceller took it off
+        self._learnt: tuple[int, Coupling | None] | None = None  # rule 6: (speech, coupling)
 
     def configure(self, *, echo_cancellation: bool, noise_reduction: NoiseReduction | None) -> None:
         """New settings: a fresh module if they changed (the held frame is kept)."""
@@ -245,18 +269,38 @@ class InputProcessing:
         cleaned = self._cleaned.read(start, end - start)
         cancelled_db = 10 * np.log10((_energy(mic) + 1e-12) / (_energy(cleaned) + 1e-12))
         share = echo_share(mic, far)
+        coupling = self._coupling(round(start_ms * ENGINE_RATE / 1000), start)
+        excess_db = None if coupling is None else coupling.excess_db(mic, far)
         logger.debug(
-            "speech over the answer: %.2f echo, %.1f dB cancelled in %d ms, the answer's words: %s",
+            "speech over the answer: %.2f echo, %.1f dB cancelled, %s dB above the echo "
+            "in %d ms, the answer's words: %s",
             share,
             cancelled_db,
+            "unknown" if excess_db is None else f"{excess_db:.1f}",
             (end - start) * 1000 // ENGINE_RATE,
             answer_said,
         )
-        echo = is_echo(share, cancelled_db, answer_said)
+        echo = is_echo(share, cancelled_db, answer_said, excess_db)
         if echo and not self.echo_heard:
             logger.debug("echo heard in a check: the detectors hear the canceller from now on")
         self.echo_heard = self.echo_heard or echo  # rule 7
         return echo
+
+    def _coupling(self, speech: int, checked: int) -> Coupling | None:
+        """Rule 6: the room's coupling for the speech that began at clock index `speech`,
+        learnt on the `LEARNT_MS` before the span a check looks at (from `checked` on),
+        and kept for the speech once learnt. Until then each check tries again: a
+        speech that began on the echo teaches it once a person joins in."""
+        if self._learnt is None or self._learnt[0] != speech:
+            self._learnt = (speech, None)
+        if self._learnt[1] is None:
+            start = max(checked - LEARNT_MS * ENGINE_RATE // 1000, self._heard.oldest)
+            start = max(start, self._played.oldest + MAX_DELAY)
+            if checked > start:
+                echo = self._heard.read(start, checked - start)
+                far = self._played.read(start - MAX_DELAY, checked - start + MAX_DELAY)
+                self._learnt = (speech, Coupling.learn(echo, far))
+        return self._learnt[1]
 
     def restart(self, at_ms: float) -> None:
         """The next input sample is at session time `at_ms` (after a flush, rule 4)."""

@@ -59,6 +59,7 @@ __all__ = [
     "Coupling",
     "answer_said",
     "echo_share",
+    "energy",
 ]
 
 # A clip whose energy the far end explains this much or more is the echo alone.
@@ -90,12 +91,16 @@ def echo_share(mic: Samples, far: Samples) -> float:
     clock (silence where nothing played)."""
     if len(far) != len(mic) + MAX_DELAY:
         raise ValueError("far must start MAX_DELAY samples before mic and end with it")
-    if len(mic) < _WINDOW + TAPS * _HOP:
-        return 0.0
     mic64, far64 = mic.astype(np.float64), far.astype(np.float64)
     if not np.any(mic64) or not np.any(far64):
         return 0.0
-    lag = _direct_path(mic64, far64)
+    return _explained(mic64, far64, _direct_path(mic64, far64))
+
+
+def _explained(mic64: np.ndarray, far64: np.ndarray, lag: int) -> float:
+    """`echo_share` with the direct path's index in `far64` found."""
+    if len(mic64) < _WINDOW + TAPS * _HOP:
+        return 0.0
     # The far end aligned with the microphone at the direct path, with the TAPS - 1
     # hops before it in front (what reflections bring later).
     front = (TAPS - 1) * _HOP
@@ -134,26 +139,31 @@ class Coupling:
         """The coupling of a clip of the echo alone (`far` as for `echo_share`), learnt
         on its last stretch of far-end sound; None where that is too short or the far
         end does not explain it (`ECHO_SHARE`): then it was not the echo alone."""
-        if not np.any(far):
+        echo64, far64 = echo.astype(np.float64), far.astype(np.float64)
+        if not np.any(echo64) or not np.any(far64):
             return None
-        lag = _direct_path(echo.astype(np.float64), far.astype(np.float64))
-        start = lag + _last_sound(far[lag : lag + len(echo)])
-        clip, clip_far = echo[start - lag :], far[start - lag :]
-        if len(clip) < LEARNT_MIN or echo_share(clip, clip_far) < ECHO_SHARE:
+        lag = _direct_path(echo64, far64)
+        # The clip from its last stretch of sound on, and its far end: the same lag.
+        skip = _last_sound(far[lag : lag + len(echo)])
+        clip, clip_far = echo64[skip:], far64[skip:]
+        if len(clip) < LEARNT_MIN or _explained(clip, clip_far, lag) < ECHO_SHARE:
             return None
-        coupling = cls(1.0, MAX_DELAY - lag)
-        made = coupling._far_energy(len(clip), clip_far)
-        return cls(_energy(clip) / made, coupling.delay) if made > 0 else None
+        delay = MAX_DELAY - lag
+        made = _far_energy(clip_far, len(clip), delay)
+        return cls(energy(clip) / made, delay) if made > 0 else None
 
     def excess_db(self, mic: Samples, far: Samples) -> float:
         """How far `mic`'s energy lies above the echo this coupling makes of the far end
         (`far` as for `echo_share`): about 0 for the echo alone, more with a person."""
-        echo = self.gain * self._far_energy(len(mic), far)
-        return float(10 * np.log10((_energy(mic) + 1e-12) / (echo + 1e-12)))
+        echo = self.gain * _far_energy(far, len(mic), self.delay)
+        return float(10 * np.log10((energy(mic) + 1e-12) / (echo + 1e-12)))
 
-    def _far_energy(self, length: int, far: Samples) -> float:
-        end = len(far) - self.delay
-        return _energy(far[max(end - length - REVERB, 0) : end])
+
+def _far_energy(far: Samples | np.ndarray, length: int, delay: int) -> float:
+    """The energy of the far end that makes the echo in the `length` samples `far` ends
+    with (`far` as for `echo_share`), `delay` samples late, and the `REVERB` before it."""
+    end = len(far) - delay
+    return energy(far[max(end - length - REVERB, 0) : end])
 
 
 def _last_sound(far: Samples) -> int:
@@ -169,7 +179,8 @@ def _last_sound(far: Samples) -> int:
     return 0
 
 
-def _energy(samples: Samples) -> float:
+def energy(samples: Samples | np.ndarray) -> float:
+    """The sum of the squared samples, in float64."""
     return float(np.sum(samples.astype(np.float64) ** 2))
 
 

@@ -65,7 +65,7 @@ import numpy as np
 
 from gateway.protocol.audio import ENGINE_RATE, Samples
 from gateway.server.priority import lower_this_thread
-from gateway.session.double_talk import ECHO_SHARE, MAX_DELAY, Coupling, echo_share
+from gateway.session.double_talk import ECHO_SHARE, MAX_DELAY, Coupling, echo_share, energy
 from gateway.session.far_end import FarEnd
 
 if TYPE_CHECKING:  # livekit's library starts threads of its own: loaded only when used
@@ -267,7 +267,7 @@ class InputProcessing:
             return None
         mic = self._heard.read(start, end - start)
         cleaned = self._cleaned.read(start, end - start)
-        cancelled_db = 10 * np.log10((_energy(mic) + 1e-12) / (_energy(cleaned) + 1e-12))
+        cancelled_db = 10 * np.log10((energy(mic) + 1e-12) / (energy(cleaned) + 1e-12))
         share = echo_share(mic, far)
         coupling = self._coupling(round(start_ms * ENGINE_RATE / 1000), start)
         excess_db = None if coupling is None else coupling.excess_db(mic, far)
@@ -340,8 +340,8 @@ class InputProcessing:
         canceller took `CANCELLED_DB` or more off a microphone that heard something."""
         window = self._weighed
         window.samples += len(frame)
-        window.heard += _energy(frame)
-        window.left += _energy(cleaned)
+        window.heard += energy(frame)
+        window.left += energy(cleaned)
         if window.samples < _COUPLING_WINDOW:
             return
         self._weighed = _Weighing()
@@ -427,10 +427,6 @@ class _History:
         if hi > lo:
             out[lo - start : hi - start] = self._ring[np.arange(lo, hi) % self._SIZE]
         return out
-
-
-def _energy(samples: Samples) -> float:
-    return float(np.sum(samples.astype(np.float64) ** 2))
 
 
 def _warm_up(apm: AudioProcessingModule) -> None:

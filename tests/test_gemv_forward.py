@@ -176,6 +176,34 @@ def test_rows_are_batch_invariant_and_concurrent_products_are_right() -> None:
         assert result["invariant"]
 
 
+# Thousands of small products split over the pool, back to back, while another process
+# takes a core: a helper that wakes late (its core taken) finds a later product under
+# way, and must take no part of one that ended nor leave one unfinished.
+LATE_HELPERS = """
+    import json
+    import engine
+    engine.setup()
+    import mlx.core as mx
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    W = mx.array(rng.standard_normal((4000, 576)).astype(np.float32))
+    xs = [mx.array(rng.standard_normal((1 + i % 3, 576)).astype(np.float32)) for i in range(8)]
+    want = [np.array(x @ W.T) for x in xs]
+    same = all(np.array_equal(np.array(xs[i % 8] @ W.T), want[i % 8]) for i in range(3000))
+    print(json.dumps({"same": same}))
+"""
+
+
+def test_products_stay_right_while_helpers_lose_their_core() -> None:
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        assert run_python(LATE_HELPERS)["same"]
+    finally:
+        busy.kill()
+        busy.wait()
+
+
 def test_the_forwarder_answers_first_and_can_be_turned_off(tmp_path: Path) -> None:
     if not LINUX:
         active = """

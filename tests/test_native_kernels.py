@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import math
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +113,24 @@ def test_a_short_wide_call_cut_over_the_threads_gives_each_row_as_alone() -> Non
     for row in (0, 29, 56):  # the first, one past an even cut, the last
         alone = kernels.conv1d(x[max(0, row - 1) : row + 2], packed, length=3, pad_left=1)
         assert np.array_equal(alone[min(row, 1)], whole[row])
+
+
+def test_calls_stay_right_while_helpers_lose_their_core() -> None:
+    # Many calls cut over the threads, back to back, while another process takes a core:
+    # a helper that wakes late finds a later call under way and must take no rows of one
+    # that ended, nor leave one unfinished.
+    rng = np.random.default_rng(8)
+    xs = [rng.standard_normal((90 + 7 * i, 128), dtype=np.float32) for i in range(4)]
+    packed = kernels.pack_taps(rng.standard_normal((128, 3, 128)).astype(np.float32) / 20)
+    want = [kernels.conv1d(x, packed, length=len(x), pad_left=1) for x in xs]
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        for i in range(1000):
+            got = kernels.conv1d(xs[i % 4], packed, length=len(xs[i % 4]), pad_left=1)
+            assert np.array_equal(got, want[i % 4])
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 def test_in_place_equals_a_fresh_output() -> None:

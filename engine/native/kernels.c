@@ -174,12 +174,16 @@ static const long SPIN_NS = 50 * 1000;
 static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t wake_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
-static pthread_cond_t finished = PTHREAD_COND_INITIALIZER; /* the last helper is done */
+static pthread_cond_t finished = PTHREAD_COND_INITIALIZER; /* the job's last chunk is done */
 static int pool_threads; /* 0: not started (again, after a fork) */
-static const struct conv *job;
-static atomic_long next_row; /* the first row of the job no thread has taken */
+static _Atomic(const struct conv *) job;
+/* The job's serial (32 bits), its number of chunks (16) and the next chunk to take (16)
+ * in one word: a thread takes a chunk by moving the word on, so a helper that woke late
+ * takes no chunk of a job that ended, and the caller never waits for one that has not
+ * woken: it takes that helper's chunks itself. */
+static _Atomic uint64_t ticket;
+static atomic_long chunks_done;
 static atomic_uint generation;
-static atomic_int unfinished;
 static unsigned born_at; /* the generation before the helpers' first call */
 
 static long now_ns(void) {
@@ -196,11 +200,24 @@ static void run_rows(const struct conv *p, long from, long to) {
 }
 
 /* Chunks of rows until none is left; each row comes out the same whoever takes it. */
-static void take_rows(const struct conv *p) {
+static void take_rows(void) {
+  uint64_t t = atomic_load_explicit(&ticket, memory_order_acquire);
   for (;;) {
-    long from = atomic_fetch_add_explicit(&next_row, p->chunk, memory_order_relaxed);
-    if (from >= p->t_out) return;
+    long chunks = (long)(t >> 16 & 0xffff), chunk = (long)(t & 0xffff);
+    if (chunk >= chunks) return;
+    if (!atomic_compare_exchange_weak_explicit(&ticket, &t, t + 1, memory_order_acq_rel,
+                                               memory_order_acquire))
+      continue; /* t now holds the word's new value */
+    /* The chunk is ours, so its job cannot end (and be replaced) before we are done. */
+    const struct conv *p = atomic_load_explicit(&job, memory_order_relaxed);
+    long from = chunk * p->chunk;
     run_rows(p, from, from + p->chunk < p->t_out ? from + p->chunk : p->t_out);
+    if (atomic_fetch_add_explicit(&chunks_done, 1, memory_order_acq_rel) + 1 == chunks) {
+      pthread_mutex_lock(&wake_lock);
+      pthread_cond_signal(&finished);
+      pthread_mutex_unlock(&wake_lock);
+    }
+    t = atomic_load_explicit(&ticket, memory_order_acquire);
   }
 }
 
@@ -216,12 +233,7 @@ static void *helper_main(void *arg) {
     while (atomic_load(&generation) == seen) pthread_cond_wait(&wake, &wake_lock);
     pthread_mutex_unlock(&wake_lock);
     seen = atomic_load(&generation);
-    take_rows(job);
-    if (atomic_fetch_sub_explicit(&unfinished, 1, memory_order_release) == 1) {
-      pthread_mutex_lock(&wake_lock);
-      pthread_cond_signal(&finished);
-      pthread_mutex_unlock(&wake_lock);
-    }
+    take_rows();
   }
   return NULL;
 }
@@ -272,22 +284,25 @@ static void conv_split(struct conv *p) {
   }
   if (pool_threads == 0) pool_threads = start_pool();
   p->chunk = chunk_rows(p->t_out, pool_threads);
-  job = p;
-  atomic_store(&next_row, 0);
-  atomic_store(&unfinished, pool_threads - 1);
+  while ((p->t_out + p->chunk - 1) / p->chunk > 0xffff) p->chunk *= 2; /* the ticket's 16 bits */
+  long chunks = (p->t_out + p->chunk - 1) / p->chunk;
+  atomic_store_explicit(&job, p, memory_order_relaxed);
+  atomic_store_explicit(&chunks_done, 0, memory_order_relaxed);
+  uint64_t serial = (atomic_load_explicit(&ticket, memory_order_relaxed) >> 32) + 1;
+  atomic_store_explicit(&ticket, serial << 32 | (uint64_t)chunks << 16, memory_order_release);
   pthread_mutex_lock(&wake_lock);
   atomic_fetch_add_explicit(&generation, 1, memory_order_release);
   pthread_cond_broadcast(&wake);
   pthread_mutex_unlock(&wake_lock);
-  take_rows(p);
+  take_rows();
   /* A helper may still be on its last chunk, behind threads of higher priority: after
    * a short spin, sleep until it is done rather than hold a core they want. */
   long start = now_ns();
-  while (atomic_load_explicit(&unfinished, memory_order_acquire) > 0 &&
+  while (atomic_load_explicit(&chunks_done, memory_order_acquire) < chunks &&
          now_ns() - start < SPIN_NS)
     ;
   pthread_mutex_lock(&wake_lock);
-  while (atomic_load_explicit(&unfinished, memory_order_acquire) > 0)
+  while (atomic_load_explicit(&chunks_done, memory_order_acquire) < chunks)
     pthread_cond_wait(&finished, &wake_lock);
   pthread_mutex_unlock(&wake_lock);
   pthread_mutex_unlock(&pool_busy);

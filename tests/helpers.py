@@ -186,6 +186,19 @@ def lock_contention_code(marker: Path, lock: str) -> str:
     )
 
 
+@contextlib.contextmanager
+def busy_core() -> Iterator[None]:
+    """Another process spinning on one core while the block runs; it ends with its parent,
+    should a crash skip the block's exit."""
+    spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
+    busy = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        yield
+    finally:
+        busy.kill()
+        busy.wait()
+
+
 def read_audio(path: Path | str, rate: int) -> np.ndarray:
     """The recording at `path` as mono float32 samples at `rate` Hz."""
     audio, source_rate = sf.read(str(path), dtype="float32")

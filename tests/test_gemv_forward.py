@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from engine.native import gemv_forward
+from tests.helpers import busy_core
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -196,12 +197,8 @@ LATE_HELPERS = """
 
 
 def test_products_stay_right_while_helpers_lose_their_core() -> None:
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
+    with busy_core():
         assert run_python(LATE_HELPERS)["same"]
-    finally:
-        busy.kill()
-        busy.wait()
 
 
 def test_the_forwarder_answers_first_and_can_be_turned_off(tmp_path: Path) -> None:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import logging
 import math
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +17,7 @@ import pytest
 
 from engine.models import smart_turn, vits
 from engine.native import kernels
+from tests.helpers import busy_core
 from tests.test_tts import SUM_ORDER_ATOL, TINY, run, tiny_model
 
 
@@ -123,14 +122,10 @@ def test_calls_stay_right_while_helpers_lose_their_core() -> None:
     xs = [rng.standard_normal((90 + 7 * i, 128), dtype=np.float32) for i in range(4)]
     packed = kernels.pack_taps(rng.standard_normal((128, 3, 128)).astype(np.float32) / 20)
     want = [kernels.conv1d(x, packed, length=len(x), pad_left=1) for x in xs]
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
+    with busy_core():
         for i in range(1000):
             got = kernels.conv1d(xs[i % 4], packed, length=len(xs[i % 4]), pad_left=1)
             assert np.array_equal(got, want[i % 4])
-    finally:
-        busy.kill()
-        busy.wait()
 
 
 def test_in_place_equals_a_fresh_output() -> None:

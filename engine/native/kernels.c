@@ -166,8 +166,9 @@ static void conv_rows(const struct conv *p, long from, long to) {
  * priority of the thread that starts them (the gateway runs the engine's threads below
  * its event loop: gateway/server/priority.py), and the rows are taken a chunk at a
  * time by whichever thread is free: where a thread of higher priority takes a helper's
- * core, the caller takes the helper's rows itself. One call at a time uses them; a
- * call that finds them busy runs on its own thread. */
+ * core, the caller takes the helper's rows itself and waits only for a chunk already
+ * begun. One call at a time uses them; a call that finds them busy runs on its own
+ * thread. */
 
 static const long SPIN_NS = 50 * 1000;
 

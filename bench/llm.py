@@ -36,7 +36,8 @@ float32 (the twins off), alternating; medians.
 tokens in the KV): `build`, Python making the step's graph of MLX operations; `eval`,
 MLX computing it; `products`, the same step's weight products alone (every Linear and
 the LM head, one graph); `native`, the whole step as one native call
-(`engine.native.llama_step`), as the stage runs it; `ops` is the MLX graph's operation
+(`engine.native.llama_step`), as the stage runs it, and `native_one_core_busy` the same
+while another process spins on one of the cores; `ops` is the MLX graph's operation
 count. `decode_tok_s_mlx_step` is the stage with its decode steps as MLX operations,
 alternating with the native ones.
 """
@@ -206,6 +207,7 @@ def step_profile(stage: LlmStage, steps: int = 30) -> dict[str, Any]:
         "eval": round(evaluate / steps * 1e3, 2),
         "products": round(product_s / steps * 1e3, 2),
         "native": native_step_ms(stage, cache, steps),
+        "native_one_core_busy": native_step_ms_one_core_busy(stage, cache, steps),
         "ops": graph_ops(mx.argmax(model(token, cache=cache)[:, -1, :], axis=-1)),
     }
 
@@ -226,6 +228,18 @@ def native_step_ms(stage: LlmStage, cache: list[Any], steps: int) -> float | Non
         if i >= 3:
             took += time.perf_counter() - start
     return round(took / steps * 1e3, 2)
+
+
+def native_step_ms_one_core_busy(stage: LlmStage, cache: list[Any], steps: int) -> float | None:
+    """`native_step_ms` while another process spins on one core, as the gateway's other
+    lanes and sessions take one: the step's pool must not wait for the thread that lost it."""
+    spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
+    busy = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        return native_step_ms(stage, cache, steps)
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 def short_turn_prefill_ms(stage: LlmStage, rounds: int = 7) -> dict[str, float]:

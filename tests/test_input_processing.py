@@ -495,13 +495,17 @@ def test_the_answers_own_words_are_its_echo_and_other_words_prove_nothing(
         (0.54, 12.4, False, 5.5, False),
         (0.33, 3.9, False, 5.8, False),
         (0.98, 12.8, False, -1.2, True),  # the echo alone
-        (0.35, 3.2, False, 1.1, True),  # not louder than the echo: the other signs decide
+        (0.35, 3.2, False, 1.1, True),  # not clearly louder: the other signs decide
         (0.22, 3.3, False, 1.0, False),
+        # Live, a kiosk's echo while AEC3 learnt the room (bench/RESULTS.md, "Speech no
+        # louder than the room's echo"): too little explained or taken off to tell.
+        (0.46, 1.1, False, -0.6, True),
+        (0.46, 1.1, False, None, False),
         (0.34, 1.6, True, 6.0, True),  # the answer's words
     ],
 )
-def test_speech_louder_than_the_rooms_echo_is_a_person(
-    share: float, cancelled_db: float, said: bool, excess_db: float, echo: bool
+def test_the_rooms_learnt_echo_tells_a_person_from_the_echo(
+    share: float, cancelled_db: float, said: bool, excess_db: float | None, echo: bool
 ) -> None:
     assert input_processing.is_echo(share, cancelled_db, said, excess_db) is echo
 

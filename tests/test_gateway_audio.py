@@ -170,6 +170,44 @@ def test_trim_and_clear_drop_both_forms_of_the_audio() -> None:
     assert clip.duration_ms == 100 and len(clip.samples) == 100 * 16
 
 
+def test_a_trimmed_buffer_keeps_the_newest_audio_exactly_as_its_ring_wraps() -> None:
+    # Ten seconds through a buffer that keeps 1.5 s: its rings (sized for a second at
+    # first) wrap many times; it holds the newest audio in both forms, as a buffer that
+    # kept everything holds it.
+    rng = np.random.default_rng(0)
+    audio = PCM16.encode(0.3 * rng.uniform(-1, 1, PCM16.rate * 10))
+    trimmed, whole = InputBuffer(PCM16), InputBuffer(PCM16)
+    step = 960  # 20 ms of 24 kHz PCM16
+    for at in range(0, len(audio), step):
+        for buffer in (trimmed, whole):
+            buffer.append(audio[at : at + step])
+        trimmed.trim(1500)
+        if at % (37 * step) == 0:
+            clip = trimmed.peek(trimmed.start_ms, trimmed.now_ms)
+            assert clip.data == audio[at + step - len(clip.data) : at + step]
+            kept = whole.peek(trimmed.start_ms, trimmed.now_ms)
+            assert np.array_equal(clip.samples, kept.samples)
+    clip = trimmed.peek(0, trimmed.now_ms)
+    assert clip.duration_ms == 1500 and clip.data == audio[-len(clip.data) :]
+    assert np.array_equal(clip.samples, whole.peek(8500, 10000).samples)
+
+
+def test_a_ring_holds_what_was_added_and_not_dropped() -> None:
+    ring = input_buffer._Ring(np.int64, 4)
+    held: list[int] = []
+    counter = 0
+    for add, drop in [(3, 1), (3, 2), (5, 0), (2, 6), (9, 3), (1, 7), (0, 0)]:
+        values = np.arange(counter, counter + add)
+        counter += add
+        ring.extend(values)
+        held += values.tolist()
+        ring.drop(drop)
+        held = held[drop:]
+        assert len(ring) == len(held)
+        assert ring.copy(0, len(ring)).tolist() == held
+        assert ring.copy(1, len(ring) - 1).tolist() == held[1:-1]
+
+
 def test_append_refuses_bad_audio_and_a_full_buffer_leaving_it_as_it_was() -> None:
     buffer = InputBuffer(PCM16)
     buffer.append(tone(100))

@@ -58,13 +58,20 @@ class InputBuffer:
     """Uncommitted input audio from `start_ms` to `now_ms`."""
 
     def __init__(
-        self, fmt: AudioFormat, now_ms: float = 0.0, processing: InputProcessing | None = None
+        self,
+        fmt: AudioFormat,
+        now_ms: float = 0.0,
+        processing: InputProcessing | None = None,
+        held_ms: int = 1000,
     ) -> None:
+        """`held_ms`: how much audio the buffer usually holds at most. Its rings are made
+        that large at once (memory is touched only as audio fills it); they grow only
+        past it, so sessions opened together do not all copy their audio at once."""
         self.fmt = fmt
         self.now_ms = now_ms
         self.start_ms = now_ms  # session time of the first buffered wire byte
-        self._data = bytearray()
-        self._samples = _SampleStore()
+        self._data = _Ring(np.uint8, round(held_ms * fmt.bytes_per_ms))
+        self._samples = _Ring(np.float32, round(held_ms * _PER_MS))
         self._samples_start_ms = now_ms  # session time of the first kept 16 kHz sample
         self._resampler = StreamResampler(fmt.rate, ENGINE_RATE)
         self._processing = processing
@@ -72,7 +79,7 @@ class InputBuffer:
 
     @property
     def empty(self) -> bool:
-        return not self._data
+        return not len(self._data)
 
     def append(self, data: bytes, *, limit_ms: float | None = None) -> None:
         """Add one frame of wire bytes. Raises AudioFormatError, or BufferFullError if the
@@ -80,7 +87,7 @@ class InputBuffer:
         samples = self.fmt.decode(data)
         if limit_ms is not None and self.fmt.duration_ms(len(self._data) + len(data)) > limit_ms:
             raise BufferFullError(f"the buffer holds at most {limit_ms} ms")
-        self._data.extend(data)
+        self._data.extend(np.frombuffer(data, np.uint8))
         self.now_ms += self.fmt.duration_ms(len(data))
         self._keep(self._to_engine(samples))
 
@@ -145,7 +152,7 @@ class InputBuffer:
         if self._samples_end_ms < last_ms - 0.5 / _PER_MS:
             self.settle()
         samples = self._samples.copy(self._sample_index(first_ms), self._sample_index(last_ms))
-        return Clip(bytes(self._data[lo:hi]), self.fmt, samples)
+        return Clip(self._data.copy(lo, hi).tobytes(), self.fmt, samples)
 
     def _keep(self, samples: Samples) -> None:
         if samples.size:
@@ -169,37 +176,55 @@ class InputBuffer:
     def _drop_before(self, at_ms: float) -> None:
         """Forget the audio before session time `at_ms` in both forms."""
         drop = min(int(round((at_ms - self.start_ms) * self.fmt.bytes_per_ms)), len(self._data))
-        del self._data[:drop]
-        self.start_ms = at_ms if self._data else self.now_ms
+        self._data.drop(drop)
+        self.start_ms = at_ms if len(self._data) else self.now_ms
         count = self._sample_index(at_ms)
         self._samples.drop(count)
         self._samples_start_ms += count / _PER_MS
 
 
-class _SampleStore:
-    """A growing float32 array that drops from the front without copying."""
+class _Ring:
+    """Values of one dtype added at the back and dropped from the front, in a circular
+    array. At steady state (a silent session keeps its newest 30 s) nothing it holds is
+    ever moved: an array compacted or regrown when its end was reached copied all of
+    it at once, and sessions opened together did so in the same event-loop turn."""
 
-    def __init__(self) -> None:
-        self._array: Samples = np.zeros(0, np.float32)
-        self._lo = self._hi = 0
+    def __init__(self, dtype: type[np.generic], capacity: int) -> None:
+        self._array: np.ndarray = np.empty(max(capacity, 1), dtype)
+        self._start = 0  # where the oldest value is
+        self._size = 0
 
     def __len__(self) -> int:
-        return self._hi - self._lo
+        return self._size
 
-    def extend(self, samples: Samples) -> None:
-        size = len(samples)
-        if self._hi + size > len(self._array):
-            # Grow (and compact) to twice what is needed, so appends cost O(1) amortized.
-            kept = self._array[self._lo : self._hi]
-            array = np.empty(max(2 * (len(kept) + size), ENGINE_RATE), np.float32)
-            array[: len(kept)] = kept
-            self._array, self._lo, self._hi = array, 0, len(kept)
-        self._array[self._hi : self._hi + size] = samples
-        self._hi += size
+    def extend(self, values: np.ndarray) -> None:
+        count = len(values)
+        if self._size + count > len(self._array):
+            self._grow(2 * (self._size + count))
+        capacity = len(self._array)
+        at = (self._start + self._size) % capacity
+        first = min(count, capacity - at)
+        self._array[at : at + first] = values[:first]
+        self._array[: count - first] = values[first:]
+        self._size += count
 
-    def copy(self, start: int, end: int) -> Samples:
-        samples: Samples = self._array[self._lo + start : self._lo + end].copy()
-        return samples
+    def copy(self, start: int, end: int) -> np.ndarray:
+        """Values `start` to `end` (0: the oldest), as an array of their own."""
+        count = max(end - start, 0)
+        capacity = len(self._array)
+        at = (self._start + start) % capacity
+        first = min(count, capacity - at)
+        if first == count:
+            return self._array[at : at + count].copy()
+        return np.concatenate([self._array[at:], self._array[: count - first]])
 
     def drop(self, count: int) -> None:
-        self._lo += min(count, len(self))
+        """Forget the oldest `count` values."""
+        count = min(count, self._size)
+        self._start = (self._start + count) % len(self._array)
+        self._size -= count
+
+    def _grow(self, capacity: int) -> None:
+        array = np.empty(capacity, self._array.dtype)
+        array[: self._size] = self.copy(0, self._size)
+        self._array, self._start = array, 0

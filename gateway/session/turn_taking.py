@@ -67,6 +67,9 @@ MIN_COMMIT_MS = 100
 # in bounded pieces), so its decisions about that append find the audio still kept; the
 # margin covers a VAD still hearing earlier appends and the prefix padding.
 VAD_KEEP_MS = 30_000
+# The input buffer's rings are made this large (a silent session's steady state and room
+# for the appends on top of it), so that they do not grow while it lasts.
+HELD_MS = VAD_KEEP_MS + 2_000
 
 
 class TurnTaking:
@@ -102,7 +105,9 @@ class TurnTaking:
             noise_reduction=settings.noise_reduction,
             start_ms=0.0,
         )
-        self.input = InputBuffer(self._wire_format(settings), processing=self._processing)
+        self.input = InputBuffer(
+            self._wire_format(settings), processing=self._processing, held_ms=HELD_MS
+        )
         self._speech_item_id: str | None = None  # the user item of the speech under way
         self._speech_start_ms = 0.0
         # The start of speech heard over a running response, not yet confirmed (rule 3).
@@ -125,7 +130,7 @@ class TurnTaking:
         if format_changed:
             # Buffered audio is in the old format; it cannot be reinterpreted.
             self._processing.restart(self.now_ms)
-            self.input = InputBuffer(new_format, self.now_ms, self._processing)
+            self.input = InputBuffer(new_format, self.now_ms, self._processing, HELD_MS)
         self._processing.configure(
             echo_cancellation=_cancels_echo(new), noise_reduction=new.noise_reduction
         )

@@ -214,9 +214,12 @@ class _Ring:
         capacity = len(self._array)
         at = (self._start + start) % capacity
         first = min(count, capacity - at)
-        if first == count:
-            return self._array[at : at + count].copy()
-        return np.concatenate([self._array[at:], self._array[: count - first]])
+        values: np.ndarray = (
+            self._array[at : at + count].copy()
+            if first == count
+            else np.concatenate([self._array[at:], self._array[: count - first]])
+        )
+        return values
 
     def drop(self, count: int) -> None:
         """Forget the oldest `count` values."""
